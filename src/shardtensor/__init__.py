@@ -1,0 +1,12 @@
+"""shardtensor: an SPMD sharded tensor for PyTorch (API mirrors ``torch.distributed.tensor``)."""
+from .comm import run_spmd
+from .mesh import DeviceMesh, init_device_mesh
+from .placement import Partial, Placement, Replicate, Shard
+from .spec import DTensorSpec
+from .tensor import DTensor, distribute_tensor
+
+__all__ = [
+    "DTensor", "DTensorSpec", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard",
+    "distribute_tensor", "init_device_mesh", "run_spmd",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,190 @@
+"""Collectives over a mesh dim, through one recording point.
+
+Every collective of the library is one of the functions below.  Each resolves the mesh
+dim's group, runs the transport of the mesh, and reports a ``CommEvent`` (kind, mesh dim,
+group, bytes sent and received by this rank under the ring model, dtype, time) to every
+listener.  Traces, demos and tests listen here; nothing else talks to a transport.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterator
+
+import torch
+
+from .base import DEFAULT_TIMEOUT_S, Group, Transport, reduce_stack
+from .simulated import CollectiveTimeoutError, RankAbortedError, SimTransport, SimWorld, current_sim_transport, run_spmd
+
+if TYPE_CHECKING:
+    from ..mesh import DeviceMesh
+
+__all__ = [
+    "CommEvent", "CommLog", "Transport", "add_listener", "remove_listener", "record", "current_transport",
+    "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast", "barrier", "run_spmd",
+    "RankAbortedError", "CollectiveTimeoutError", "reduce_stack", "DEFAULT_TIMEOUT_S",
+]
+
+
+@dataclass(frozen=True)
+class CommEvent:
+    """One collective as seen by one rank."""
+
+    kind: str
+    rank: int
+    mesh_dim: int | None
+    group: Group
+    bytes_sent: int
+    bytes_received: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    seconds: float
+    backend: str
+
+    @property
+    def group_size(self) -> int:
+        return len(self.group)
+
+
+_listeners: list[Callable[[CommEvent], None]] = []
+_lock = threading.Lock()
+
+
+def add_listener(fn: Callable[[CommEvent], None]) -> None:
+    with _lock:
+        _listeners.append(fn)
+
+
+def remove_listener(fn: Callable[[CommEvent], None]) -> None:
+    with _lock:
+        _listeners.remove(fn)
+
+
+class CommLog:
+    """Collects every ``CommEvent`` of every rank while active (a context manager)."""
+
+    def __init__(self) -> None:
+        self.events: list[CommEvent] = []
+        self._lock = threading.Lock()
+
+    def _on(self, ev: CommEvent) -> None:
+        with self._lock:
+            self.events.append(ev)
+
+    def __enter__(self) -> "CommLog":
+        add_listener(self._on)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        remove_listener(self._on)
+
+    def of_rank(self, rank: int) -> list[CommEvent]:
+        return [e for e in self.events if e.rank == rank]
+
+    def clear(self) -> None:
+        with self._lock:
+            self.events.clear()
+
+
+_single = threading.local()
+_dist: tuple[object, Transport] | None = None
+
+
+def current_transport() -> Transport:
+    """The transport of the calling rank: simulated rank, torch.distributed, or a world of one."""
+    global _dist
+    t = current_sim_transport()
+    if t is not None:
+        return t
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        if _dist is None or _dist[0] is not dist.group.WORLD:
+            from .torchdist import TorchDistTransport
+
+            _dist = (dist.group.WORLD, TorchDistTransport())
+        return _dist[1]
+    t = getattr(_single, "t", None)
+    if t is None:
+        t = _single.t = SimTransport(SimWorld(1), 0)
+    return t
+
+
+def record(kind: str, mesh_dim: int | None, group: Group, rank: int, sent: int, received: int,
+           dtype: torch.dtype, shape: tuple[int, ...], seconds: float, backend: str) -> None:
+    """The recording point: hand one event to every listener (cheap when there are none)."""
+    if not _listeners:
+        return
+    ev = CommEvent(kind, rank, mesh_dim, group, int(sent), int(received), dtype, tuple(shape), seconds, backend)
+    with _lock:
+        listeners = list(_listeners)
+    for fn in listeners:
+        fn(ev)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _run(kind: str, mesh: "DeviceMesh", mesh_dim: int | None, t: torch.Tensor, sent: int, received: int,
+         call: Callable[[Transport, Group], torch.Tensor]) -> torch.Tensor:
+    group = mesh.group_ranks(mesh_dim)
+    tr = mesh.transport
+    if len(group) == 1:
+        return call(tr, group)
+    t0 = time.perf_counter()
+    out = call(tr, group)
+    record(kind, mesh_dim, group, tr.rank, sent, received, t.dtype, tuple(t.shape), time.perf_counter() - t0, tr.name)
+    return out
+
+
+def all_gather(t: torch.Tensor, mesh: "DeviceMesh", mesh_dim: int | None) -> torch.Tensor:
+    """Stack of every group member's ``t``: shape ``(k, *t.shape)``, group-rank order."""
+    k = mesh.group_size(mesh_dim)
+    b = (k - 1) * _nbytes(t)
+    return _run("all_gather", mesh, mesh_dim, t, b, b, lambda tr, g: tr.all_gather(t, g))
+
+
+def all_reduce(t: torch.Tensor, op: str, mesh: "DeviceMesh", mesh_dim: int | None) -> torch.Tensor:
+    """Element-wise ``op`` over the group (a new tensor)."""
+    k = mesh.group_size(mesh_dim)
+    b = 2 * (k - 1) * _nbytes(t) // k
+    return _run("all_reduce", mesh, mesh_dim, t, b, b, lambda tr, g: tr.all_reduce(t, op, g))
+
+
+def reduce_scatter(t: torch.Tensor, op: str, mesh: "DeviceMesh", mesh_dim: int | None) -> torch.Tensor:
+    """``t`` is ``(k, *s)``; group rank ``i`` gets ``op`` over every member's block ``i``."""
+    k = mesh.group_size(mesh_dim)
+    b = (k - 1) * _nbytes(t) // k
+    return _run("reduce_scatter", mesh, mesh_dim, t, b, b, lambda tr, g: tr.reduce_scatter(t, op, g))
+
+
+def all_to_all(t: torch.Tensor, mesh: "DeviceMesh", mesh_dim: int | None) -> torch.Tensor:
+    """``t`` is ``(k, *s)``; block ``i`` goes to group rank ``i``; result block ``i`` came from it."""
+    k = mesh.group_size(mesh_dim)
+    b = (k - 1) * _nbytes(t) // k
+    return _run("all_to_all", mesh, mesh_dim, t, b, b, lambda tr, g: tr.all_to_all(t, g))
+
+
+def broadcast(t: torch.Tensor, src: int, mesh: "DeviceMesh", mesh_dim: int | None) -> torch.Tensor:
+    """Group rank ``src``'s ``t`` on every member (``t`` elsewhere gives only shape and dtype)."""
+    k = mesh.group_size(mesh_dim)
+    me = mesh.group_ranks(mesh_dim).index(mesh.transport.rank)
+    sent, recv = ((k - 1) * _nbytes(t), 0) if me == src else (0, _nbytes(t))
+    return _run("broadcast", mesh, mesh_dim, t, sent, recv, lambda tr, g: tr.broadcast(t, src, g))
+
+
+def barrier(mesh: "DeviceMesh", mesh_dim: int | None = None) -> None:
+    """Wait until every member of the group arrives."""
+    group = mesh.group_ranks(mesh_dim)
+    mesh.transport.barrier(group)
+    record("barrier", mesh_dim, group, mesh.transport.rank, 0, 0, torch.uint8, (), 0.0, mesh.transport.name)
+
+
+@contextmanager
+def recording() -> Iterator[CommLog]:
+    """``with recording() as log:`` collects the events of every rank."""
+    with CommLog() as log:
+        yield log

@@ -1,0 +1,189 @@
+"""The simulated world: every rank is a thread of one process; collectives meet in memory.
+
+``run_spmd(fn, world_size)`` runs ``fn`` once per rank and returns the results in rank order.
+Ranks rendezvous per (group, call number); a failing rank marks the world failed, every
+waiting rank wakes and raises, and the caller gets the first real error, naming its rank.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from typing import Any, Callable
+
+import torch
+
+from .base import DEFAULT_TIMEOUT_S, Group, Transport, reduce_stack
+
+
+class RankAbortedError(RuntimeError):
+    """Raised in a rank whose collective cannot finish because another rank failed."""
+
+
+class CollectiveTimeoutError(TimeoutError):
+    """A collective did not complete within the timeout."""
+
+
+class _Slot:
+    __slots__ = ("data", "count", "readers")
+
+    def __init__(self, n: int) -> None:
+        self.data: list[Any] = [None] * n
+        self.count = 0
+        self.readers = 0
+
+
+class SimWorld:
+    """Shared state of one simulated world: rendezvous slots and the failure flag."""
+
+    def __init__(self, world_size: int, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        self.world_size = world_size
+        self.timeout = timeout
+        self.cond = threading.Condition()
+        self.slots: dict[tuple, _Slot] = {}
+        self.failed_rank: int | None = None
+
+    def fail(self, rank: int) -> None:
+        with self.cond:
+            if self.failed_rank is None:
+                self.failed_rank = rank
+            self.cond.notify_all()
+
+
+class SimTransport(Transport):
+    """One rank of a ``SimWorld``."""
+
+    name = "simulated"
+
+    def __init__(self, world: SimWorld, rank: int) -> None:
+        self.world = world
+        self.rank = rank
+        self.world_size = world.world_size
+        self._seq: dict[Group, int] = defaultdict(int)
+
+    def _exchange(self, group: Group, payload: Any) -> list[Any]:
+        """Deposit ``payload`` and return every group member's payload, in group order."""
+        n = len(group)
+        if n == 1:
+            return [payload]
+        me = group.index(self.rank)
+        key = (group, self._seq[group])
+        self._seq[group] += 1
+        w = self.world
+        deadline = time.monotonic() + w.timeout
+        with w.cond:
+            slot = w.slots.get(key)
+            if slot is None:
+                slot = w.slots[key] = _Slot(n)
+            slot.data[me] = payload
+            slot.count += 1
+            if slot.count == n:
+                w.cond.notify_all()
+            while slot.count < n:
+                if w.failed_rank is not None:
+                    raise RankAbortedError(
+                        f"rank {self.rank}: collective over ranks {group} aborted because rank {w.failed_rank} failed"
+                    )
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CollectiveTimeoutError(
+                        f"rank {self.rank}: collective over ranks {group} timed out after {w.timeout:.1f}s "
+                        f"({slot.count}/{n} ranks arrived)"
+                    )
+                w.cond.wait(min(left, 0.5))
+            slot.readers += 1
+            if slot.readers == n:
+                del w.slots[key]
+            return slot.data
+
+    @staticmethod
+    def _own(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().clone(memory_format=torch.contiguous_format)
+
+    def all_gather(self, t, group):
+        return torch.stack(self._exchange(group, self._own(t)))
+
+    def all_reduce(self, t, op, group):
+        parts = self._exchange(group, self._own(t))
+        return reduce_stack(torch.stack(parts), op) if len(parts) > 1 else parts[0]
+
+    def reduce_scatter(self, t, op, group):
+        parts = self._exchange(group, self._own(t))
+        me = group.index(self.rank)
+        return reduce_stack(torch.stack([p[me] for p in parts]), op)
+
+    def all_to_all(self, t, group):
+        parts = self._exchange(group, self._own(t))
+        me = group.index(self.rank)
+        return torch.stack([p[me] for p in parts])
+
+    def broadcast(self, t, src, group):
+        parts = self._exchange(group, self._own(t) if group.index(self.rank) == src else None)
+        return parts[src].clone()
+
+    def barrier(self, group):
+        self._exchange(group, None)
+
+
+class _Context(threading.local):
+    transport: Transport | None = None
+
+
+_ctx = _Context()
+
+
+def current_sim_transport() -> Transport | None:
+    return _ctx.transport
+
+
+def run_spmd(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` once per rank of a simulated world; return results in rank order.
+
+    Inside ``fn`` the code is ordinary SPMD code: ``init_device_mesh("cpu", (2, 2))`` builds
+    a mesh over the simulated ranks.  If a rank raises, the other ranks stop at their next
+    collective and the first error is re-raised here with its rank in the message.
+    """
+    if not callable(fn):
+        raise TypeError(f"run_spmd needs a callable, got {fn!r}")
+    if _ctx.transport is not None:
+        raise RuntimeError("run_spmd cannot be nested inside a simulated rank")
+    world = SimWorld(world_size, DEFAULT_TIMEOUT_S if timeout is None else timeout)
+    results: list[Any] = [None] * world_size
+    errors: dict[int, BaseException] = {}
+
+    def body(rank: int) -> None:
+        _ctx.transport = SimTransport(world, rank)
+        try:
+            results[rank] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            errors[rank] = e
+            world.fail(rank)
+        finally:
+            _ctx.transport = None
+
+    threads = [threading.Thread(target=body, args=(r,), name=f"shardtensor-rank{r}", daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        real = {r: e for r, e in errors.items() if not isinstance(e, RankAbortedError)}
+        rank = world.failed_rank if world.failed_rank in real else min(real or errors)
+        err = errors[rank]
+        _tag_rank(err, rank, world_size)
+        raise err
+    return results
+
+
+def _tag_rank(err: BaseException, rank: int, world_size: int) -> None:
+    """Name the failing rank in the error message, keeping the exception's type."""
+    err.rank = rank  # type: ignore[attr-defined]
+    prefix = f"[rank {rank} of {world_size}] "
+    if err.args and isinstance(err.args[0], str) and not err.args[0].startswith("[rank"):
+        err.args = (prefix + err.args[0],) + err.args[1:]
+    elif not err.args:
+        err.args = (prefix.strip(),)
+    if hasattr(err, "add_note"):
+        err.add_note(f"raised on simulated rank {rank} of {world_size}")

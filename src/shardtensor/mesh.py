@@ -1,0 +1,185 @@
+"""DeviceMesh: an n-D array of ranks with named dims, one communication group per mesh dim."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .comm import Transport, current_transport
+from .comm.base import Group
+
+
+class DeviceMesh:
+    """Ranks arranged as an n-D array; mirrors ``torch.distributed.device_mesh.DeviceMesh``.
+
+    A mesh is built by every rank with the same arguments.  Each rank finds its coordinate
+    and, for each mesh dim, the group of ranks that share all its other coordinates.
+    """
+
+    def __init__(self, device_type: str, mesh: torch.Tensor | Sequence, *, mesh_dim_names: Sequence[str] | None = None,
+                 _transport: Transport | None = None, _prepare: bool = True) -> None:
+        if not isinstance(device_type, str):
+            raise TypeError(f"device_type must be a str such as 'cpu' or 'cuda', got {device_type!r}")
+        ranks = mesh.detach().to("cpu", torch.int64) if isinstance(mesh, torch.Tensor) else torch.tensor(mesh, dtype=torch.int64)
+        if ranks.ndim == 0 or ranks.numel() == 0:
+            raise ValueError(f"mesh must be a non-empty array of ranks, got {mesh!r}")
+        flat = ranks.flatten().tolist()
+        if len(set(flat)) != len(flat):
+            raise ValueError(f"mesh lists a rank twice: {ranks.tolist()}")
+        self.device_type = device_type
+        self.mesh = ranks
+        transport = _transport if _transport is not None else current_transport()
+        if max(flat) >= transport.world_size or min(flat) < 0:
+            raise ValueError(f"mesh {ranks.tolist()} names ranks outside the world of size {transport.world_size}")
+        if mesh_dim_names is not None:
+            mesh_dim_names = tuple(mesh_dim_names)
+            if len(mesh_dim_names) != ranks.ndim or len(set(mesh_dim_names)) != ranks.ndim:
+                raise ValueError(f"mesh_dim_names {mesh_dim_names} must be {ranks.ndim} distinct names")
+        self.mesh_dim_names: tuple[str, ...] | None = mesh_dim_names
+        self._shape = tuple(ranks.shape)
+        self._all: Group = tuple(flat)
+        self._coords: dict[int, tuple[int, ...]] = {r: c for r, c in zip(flat, _row_major(self._shape))}
+        self._groups: dict[int, list[Group]] = {}
+        self._key = (device_type, self._shape, self._all, mesh_dim_names)
+        self._hash = hash(self._key)
+        if _prepare:
+            transport.prepare_groups(self._all_groups())
+
+    def _all_groups(self) -> list[Group]:
+        out = []
+        for j in range(self.mesh.ndim):
+            moved = self.mesh.movedim(j, -1).reshape(-1, self._shape[j])
+            out.extend(tuple(row) for row in moved.tolist())
+        out.append(self._all)
+        return out
+
+    # -- the torch-compatible surface --------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self._shape)
+
+    def size(self, mesh_dim: int | None = None) -> int:
+        return self.mesh.numel() if mesh_dim is None else self._shape[self._dim(mesh_dim)]
+
+    @property
+    def transport(self) -> Transport:
+        """The calling rank's transport (a mesh describes ranks; it holds no rank state)."""
+        return current_transport()
+
+    def get_rank(self) -> int:
+        return self.transport.rank
+
+    @property
+    def _coord(self) -> tuple[int, ...] | None:
+        return self._coords.get(current_transport().rank)
+
+    def get_coordinate(self) -> list[int] | None:
+        """This rank's coordinate, or ``None`` if it is not in the mesh."""
+        c = self._coord
+        return list(c) if c is not None else None
+
+    def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
+        if mesh_dim is None:
+            if self.ndim != 1:
+                raise ValueError("get_local_rank() needs mesh_dim on a mesh with more than one dim")
+            mesh_dim = 0
+        if self._coord is None:
+            raise RuntimeError(f"rank {self.transport.rank} is not in mesh {self.mesh.tolist()}")
+        return self._coord[self._dim(mesh_dim)]
+
+    def _dim(self, mesh_dim: int | str) -> int:
+        if isinstance(mesh_dim, str):
+            if not self.mesh_dim_names or mesh_dim not in self.mesh_dim_names:
+                raise KeyError(f"mesh has no dim named {mesh_dim!r}; its names are {self.mesh_dim_names}")
+            return self.mesh_dim_names.index(mesh_dim)
+        if not -self.ndim <= mesh_dim < self.ndim:
+            raise IndexError(f"mesh dim {mesh_dim} out of range for a {self.ndim}-D mesh")
+        return mesh_dim % self.ndim
+
+    def __getitem__(self, names: str | int | Sequence[str | int]) -> "DeviceMesh":
+        """Sub-mesh of the named dims that contains this rank (shares this mesh's groups)."""
+        if isinstance(names, (str, int)):
+            names = (names,)
+        dims = [self._dim(n) for n in names]
+        if len(set(dims)) != len(dims):
+            raise ValueError(f"mesh dims {names} repeat")
+        if self._coord is None:
+            raise RuntimeError(f"rank {self.transport.rank} is not in mesh {self.mesh.tolist()}")
+        idx: list[object] = list(self._coord)
+        for d in dims:
+            idx[d] = slice(None)
+        sub = self.mesh[tuple(idx)]
+        keep = sorted(dims)
+        sub = sub.permute([keep.index(d) for d in dims]) if keep != dims else sub
+        names_out = tuple(self.mesh_dim_names[d] for d in dims) if self.mesh_dim_names else None
+        return DeviceMesh(self.device_type, sub, mesh_dim_names=names_out, _prepare=False)
+
+    # -- what the comm layer needs -----------------------------------------------------
+    def group_ranks(self, mesh_dim: int | None) -> Group:
+        """Global ranks of this rank's group along ``mesh_dim`` (``None``: the whole mesh)."""
+        if mesh_dim is None:
+            return self._all
+        rank = current_transport().rank
+        groups = self._groups.get(rank)
+        if groups is None:
+            groups = self._groups[rank] = self._groups_through(self._coords[rank])
+        return groups[mesh_dim]
+
+    def _groups_through(self, coord: tuple[int, ...]) -> list[Group]:
+        out = []
+        for j in range(self.ndim):
+            idx: list[object] = list(coord)
+            idx[j] = slice(None)
+            out.append(tuple(self.mesh[tuple(idx)].tolist()))
+        return out
+
+    def group_size(self, mesh_dim: int | None) -> int:
+        return len(self._all) if mesh_dim is None else self._shape[mesh_dim]
+
+    @property
+    def device(self) -> torch.device:
+        if self.device_type == "cuda" and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.device_type)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DeviceMesh) and self._key == other._key
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
+        return f"DeviceMesh('{self.device_type}', {self.mesh.tolist()}{names})"
+
+
+def _row_major(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    coords: list[tuple[int, ...]] = [()]
+    for s in shape:
+        coords = [c + (i,) for c in coords for i in range(s)]
+    return coords
+
+
+def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *, mesh_dim_names: Sequence[str] | None = None) -> DeviceMesh:
+    """A mesh of every rank of the current world, in row-major order.
+
+    The world is the simulated one inside ``run_spmd``, torch.distributed's default group
+    when it is initialised, otherwise a world of one rank.
+    """
+    shape = tuple(mesh_shape)
+    if not shape or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in shape):
+        raise ValueError(f"mesh_shape must be a non-empty tuple of positive ints, got {mesh_shape!r}")
+    transport = current_transport()
+    n = 1
+    for s in shape:
+        n *= s
+    if n != transport.world_size:
+        raise ValueError(
+            f"mesh shape {shape} holds {n} ranks but the world has {transport.world_size} "
+            f"({transport.name}); run inside run_spmd(fn, world_size={n}) or torchrun with {n} processes"
+        )
+    return DeviceMesh(device_type, torch.arange(n).reshape(shape), mesh_dim_names=mesh_dim_names, _transport=transport)

@@ -1,0 +1,196 @@
+"""Placements (Shard / Replicate / Partial) and the arithmetic of local shapes and offsets.
+
+A placement says how one mesh dimension holds a tensor.  The arithmetic here is pure: it
+maps (global shape, mesh shape, coordinate, placements, shard order) to the local shape and
+global offset of a rank, following the torch.chunk rule (uneven and empty pieces are legal)
+and nested sharding (several mesh dims splitting one tensor dim, in an explicit order).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+REDUCE_OPS = ("sum", "avg", "max", "min", "product")
+
+
+class Placement:
+    """Base class of the three placements; mirrors ``torch.distributed.tensor.Placement``."""
+
+    __slots__ = ()
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return False
+
+    def is_replicate(self) -> bool:
+        return False
+
+    def is_partial(self, reduce_op: str | None = None) -> bool:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class Shard(Placement):
+    """Tensor dim ``dim`` is split across the mesh dim by the torch.chunk rule."""
+
+    dim: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool):
+            raise TypeError(f"Shard dim must be an int, got {self.dim!r}")
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return dim is None or dim == self.dim
+
+    def __repr__(self) -> str:
+        return f"Shard(dim={self.dim})"
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate(Placement):
+    """Every rank of the mesh dim holds the whole value."""
+
+    def is_replicate(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "Replicate()"
+
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True, slots=True)
+class Partial(Placement):
+    """Every rank holds a term; the value is ``reduce_op`` over the mesh dim's ranks."""
+
+    reduce_op: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.reduce_op not in REDUCE_OPS:
+            raise ValueError(f"Partial reduce_op must be one of {REDUCE_OPS}, got {self.reduce_op!r}")
+
+    def is_partial(self, reduce_op: str | None = None) -> bool:
+        return reduce_op is None or reduce_op == self.reduce_op
+
+    def __repr__(self) -> str:
+        return f"Partial({self.reduce_op})"
+
+    def __str__(self) -> str:
+        return f"P({self.reduce_op})"
+
+
+ShardOrder = tuple[tuple[int, tuple[int, ...]], ...]
+"""``((tensor_dim, (mesh_dim, ...)), ...)`` sorted by tensor dim, first-applied mesh dim first."""
+
+
+def chunk(length: int, k: int, r: int) -> tuple[int, int]:
+    """Size and offset of piece ``r`` when ``length`` is split into ``k`` torch.chunk pieces."""
+    c = -(-length // k) if length else 0
+    offset = min(c * r, length)
+    return min(c, length - offset), offset
+
+
+def chunk_sizes(length: int, k: int) -> list[int]:
+    return [chunk(length, k, r)[0] for r in range(k)]
+
+
+def normalize_placements(placements: Sequence[Placement], ndim: int, mesh_ndim: int) -> tuple[Placement, ...]:
+    """Validate placements for a tensor of ``ndim`` dims on a mesh of ``mesh_ndim`` dims.
+
+    Negative shard dims are wrapped; out-of-range dims, wrong counts and non-placements raise.
+    """
+    if isinstance(placements, Placement) or not isinstance(placements, Sequence):
+        raise TypeError(f"placements must be a sequence of Placement, got {placements!r}")
+    if len(placements) != mesh_ndim:
+        raise ValueError(
+            f"got {len(placements)} placements {tuple(placements)} for a mesh with {mesh_ndim} dims; "
+            "give exactly one placement per mesh dim"
+        )
+    out = []
+    for p in placements:
+        if not isinstance(p, Placement):
+            raise TypeError(f"placement must be Shard, Replicate or Partial, got {p!r}")
+        if isinstance(p, Shard):
+            d = p.dim + ndim if p.dim < 0 else p.dim
+            if not 0 <= d < ndim:
+                raise ValueError(f"{p!r} is out of range for a tensor with {ndim} dims")
+            p = Shard(d) if d != p.dim else p
+        out.append(p)
+    return tuple(out)
+
+
+def default_shard_order(placements: Sequence[Placement]) -> ShardOrder:
+    """Mesh dims left to right within each sharded tensor dim."""
+    by_dim: dict[int, list[int]] = {}
+    for j, p in enumerate(placements):
+        if isinstance(p, Shard):
+            by_dim.setdefault(p.dim, []).append(j)
+    return tuple((d, tuple(js)) for d, js in sorted(by_dim.items()))
+
+
+def validate_shard_order(placements: Sequence[Placement], order: ShardOrder) -> ShardOrder:
+    """Check that ``order`` lists exactly the sharding mesh dims of each tensor dim."""
+    order = tuple((int(d), tuple(int(j) for j in js)) for d, js in sorted(order))
+    seen: list[int] = []
+    for d, js in order:
+        if not js:
+            raise ValueError(f"shard order {order}: tensor dim {d} has an empty mesh-dim list")
+        for j in js:
+            if not 0 <= j < len(placements) or placements[j] != Shard(d):
+                raise ValueError(f"shard order {order}: mesh dim {j} is not Shard({d}) in {tuple(placements)}")
+            seen.append(j)
+    expected = sorted(j for j, p in enumerate(placements) if isinstance(p, Shard))
+    if sorted(seen) != expected:
+        raise ValueError(f"shard order {order} does not list each sharding mesh dim of {tuple(placements)} once")
+    return order
+
+
+def execution_order(placements: Sequence[Placement], order: ShardOrder | None) -> list[int]:
+    """Mesh dims that shard, in the order they split (tensor dims are independent)."""
+    if order is None:
+        return [j for j, p in enumerate(placements) if isinstance(p, Shard)]
+    return [j for _, js in order for j in js]
+
+
+def local_shape_and_offset(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    coordinate: Sequence[int] | None,
+    placements: Sequence[Placement],
+    order: ShardOrder | None = None,
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Local shape and global offset of the rank at ``coordinate`` (spec redistribute 1.4).
+
+    An empty piece reports the global length as its offset; a rank outside the mesh
+    (``coordinate=None``) gets shape ``(0,)`` and an empty offset.
+    """
+    if coordinate is None:
+        return (0,), ()
+    shape = list(global_shape)
+    offset = [0] * len(shape)
+    for j in execution_order(placements, order):
+        d = placements[j].dim  # type: ignore[union-attr]
+        s, o = chunk(shape[d], mesh_shape[j], coordinate[j])
+        shape[d] = s
+        offset[d] = global_shape[d] if s == 0 else offset[d] + o
+    return tuple(shape), tuple(offset)
+
+
+def compute_local_shape(global_shape, mesh_shape, coordinate, placements, order=None) -> tuple[int, ...]:
+    return local_shape_and_offset(global_shape, mesh_shape, coordinate, placements, order)[0]
+
+
+def display(placements: Sequence[Placement], order: ShardOrder | None = None) -> str:
+    """Compact form: ``S(0)[1]S(0)[0]`` marks each mesh dim's position in a nested tensor dim."""
+    order = order if order is not None else default_shard_order(placements)
+    pos = {j: (i, len(js)) for _, js in order for i, j in enumerate(js)}
+    parts = []
+    for j, p in enumerate(placements):
+        s = str(p)
+        if j in pos and pos[j][1] > 1:
+            s += f"[{pos[j][0]}]"
+        parts.append(s)
+    return "(" + ", ".join(parts) + ")"

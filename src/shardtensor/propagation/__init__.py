@@ -1,0 +1,162 @@
+"""Sharding propagation: (op, input specs, static args) -> Decision, cached.
+
+A rule is a function ``rule(call: Call) -> Decision`` registered for an op overload (or
+found by op tag, e.g. every ``pointwise`` op).  The propagator builds the call, computes
+output metadata on meta tensors, asks the rule, and caches the decision under a cheap
+hashable key.  An op without a rule raises ``NotImplementedError`` naming the op and the
+input placements; nothing falls back to replicating silently.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..placement import display
+from ..spec import DTensorSpec
+
+__all__ = ["Call", "Decision", "register", "propagate", "RULES", "TAG_RULES", "clear_cache", "cache_info", "unsupported"]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a rule decided: required spec per flat argument (None = leave it) and output spec(s)."""
+
+    inputs: tuple[DTensorSpec | None, ...]
+    output: Any
+    redistribute: bool
+
+
+@dataclass
+class Call:
+    """One op call as the rules see it: flat args, their specs (None for non-DTensors), output meta."""
+
+    op: torch._ops.OpOverload
+    flat: list[Any]
+    specs: list[DTensorSpec | None]
+    treedef: Any
+    out_meta: Any
+
+    @property
+    def tensor_positions(self) -> list[int]:
+        return [i for i, s in enumerate(self.specs) if s is not None]
+
+    @property
+    def mesh(self):
+        return self.specs[self.tensor_positions[0]].mesh
+
+    def args_kwargs(self) -> tuple[tuple, dict]:
+        return tree_unflatten(self.flat, self.treedef)
+
+
+Rule = Callable[[Call], Decision]
+RULES: dict[Any, Rule] = {}
+TAG_RULES: list[tuple[torch.Tag, Rule]] = []
+
+
+def register(*ops: Any) -> Callable[[Rule], Rule]:
+    """Decorator: ``@register(aten.add.Tensor, ...)`` makes ``fn`` the rule of those overloads."""
+
+    def deco(fn: Rule) -> Rule:
+        for op in ops:
+            RULES[op] = fn
+        return fn
+
+    return deco
+
+
+def unsupported(op: Any, specs: list[DTensorSpec | None], why: str = "has no sharding rule") -> NotImplementedError:
+    placements = [display(s.placements, s.shard_order) for s in specs if s is not None]
+    return NotImplementedError(f"shardtensor: {op} {why} (input placements: {', '.join(placements)})")
+
+
+class _LRU:
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self.data: OrderedDict = OrderedDict()
+        self.hits = self.misses = 0
+
+    def get(self, key):
+        try:
+            v = self.data[key]
+        except KeyError:
+            self.misses += 1
+            return None
+        self.data.move_to_end(key)
+        self.hits += 1
+        return v
+
+    def put(self, key, value) -> None:
+        self.data[key] = value
+        if len(self.data) > self.maxsize:
+            self.data.popitem(last=False)
+
+
+_cache = _LRU(4096)
+
+
+def clear_cache(maxsize: int | None = None) -> None:
+    global _cache
+    _cache = _LRU(maxsize or _cache.maxsize)
+
+
+def cache_info() -> dict[str, int]:
+    return {"hits": _cache.hits, "misses": _cache.misses, "size": len(_cache.data), "maxsize": _cache.maxsize}
+
+
+def _freeze(v: Any) -> Any:
+    if isinstance(v, (bool, int, float, complex)):
+        if isinstance(v, float) and math.isnan(v):
+            return (float, "nan")
+        return (type(v), v)
+    if isinstance(v, torch.Tensor):
+        return ("tensor", tuple(v.shape), v.dtype, v.device)
+    if isinstance(v, (list, tuple)):
+        return tuple(_freeze(x) for x in v)
+    if isinstance(v, dict):
+        return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
+    return v
+
+
+def _meta(spec: DTensorSpec) -> torch.Tensor:
+    return torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device="meta")
+
+
+def _out_meta(op, flat, specs, treedef) -> Any:
+    meta_flat = [_meta(s) if s is not None else (a.to("meta") if isinstance(a, torch.Tensor) else a) for a, s in zip(flat, specs)]
+    args, kwargs = tree_unflatten(meta_flat, treedef)
+    return op(*args, **kwargs)
+
+
+def _find_rule(op) -> Rule | None:
+    rule = RULES.get(op)
+    if rule is None:
+        tags = op.tags
+        for tag, fn in TAG_RULES:
+            if tag in tags:
+                return fn
+    return rule
+
+
+def propagate(op, flat: list[Any], specs: list[DTensorSpec | None], treedef) -> Decision:
+    """The decision for one call, from the cache when the same signature was seen before."""
+    key = (op, treedef, tuple(s if s is not None else _freeze(a) for a, s in zip(flat, specs)))
+    d = _cache.get(key)
+    if d is not None:
+        return d
+    rule = _find_rule(op)
+    if rule is None:
+        raise unsupported(op, specs)
+    meshes = {s.mesh for s in specs if s is not None}
+    if len(meshes) > 1:
+        raise ValueError(f"{op}: operands live on different meshes {sorted(map(repr, meshes))}")
+    d = rule(Call(op, flat, specs, treedef, _out_meta(op, flat, specs, treedef)))
+    _cache.put(key, d)
+    return d
+
+
+from .rules import pointwise  # noqa: E402,F401  (registers the rules)

@@ -1,0 +1,165 @@
+"""Elementwise ops: same placements in and out, with broadcasting; Partial only where linear.
+
+Per mesh dim: if any input is sharded on a non-broadcast dim, the output is sharded there and
+every input follows (Replicate where it broadcasts).  Otherwise Partial inputs stay Partial
+only for ops that commute with the partial's reduction:
+
+- identity-like ops (clone, detach, alias, float casts) keep any Partial kind;
+- additive ops (add, sub) of Partial(sum|avg) terms and Replicate tensors (the Replicate
+  operands are partitioned locally, no communication);
+- multiplicative ops (mul, div, neg) with exactly one Partial(sum|avg) factor (the numerator
+  of a division), every other operand Replicate or a scalar.
+
+Anything else reduces its Partial inputs to Replicate first.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...placement import Partial, Placement, Replicate, Shard
+from ...spec import DTensorSpec
+from .. import TAG_RULES, Call, Decision, register, unsupported
+
+aten = torch.ops.aten
+
+IDENTITY = {aten.clone.default, aten.detach.default, aten.alias.default, aten._to_copy.default, aten.positive.default}
+ADDITIVE = {aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor}
+MULTIPLICATIVE = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.neg.default,
+                  aten.mul_.Tensor, aten.mul_.Scalar, aten.div_.Tensor, aten.div_.Scalar, aten.neg_.default}
+LINEAR_KINDS = ("sum", "avg")
+LIKE_KEEP = {aten.zeros_like.default, aten.empty_like.default}
+LIKE_FILL = {aten.ones_like.default, aten.full_like.default}
+
+
+def _is_inplace(op) -> bool:
+    return op._schema.name.endswith("_") or any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments[:1])
+
+
+def _keeps_partial(call: Call, kinds: set[str], partial_args: list[int]) -> bool:
+    op = call.op
+    if op in IDENTITY:
+        if op is aten._to_copy.default:
+            src = call.specs[partial_args[0]].dtype
+            return src.is_floating_point and call.out_meta.dtype.is_floating_point
+        return True
+    if len(kinds) != 1 or next(iter(kinds)) not in LINEAR_KINDS:
+        return False
+    if op in ADDITIVE:
+        return all(call.specs[i] is not None for i in range(min(2, len(call.flat))))
+    if op in MULTIPLICATIVE:
+        if len(partial_args) != 1:
+            return False
+        return not (op in (aten.div.Tensor, aten.div_.Tensor) and partial_args[0] != 0)
+    return False
+
+
+def pointwise_rule(call: Call) -> Decision:
+    """Per-mesh-dim rule for every op tagged pointwise (and the identity/like ops)."""
+    out = call.out_meta
+    out_list = isinstance(out, (tuple, list))
+    out0 = out[0] if out_list else out
+    if not isinstance(out0, torch.Tensor):
+        raise unsupported(call.op, call.specs, "returns no tensor")
+    nd = out0.ndim
+    pos = call.tensor_positions
+    specs = {i: call.specs[i] for i in pos}
+    mesh = call.mesh
+    in_pl: dict[int, list[Placement]] = {i: list(specs[i].placements) for i in pos}
+    out_pl: list[Placement] = []
+
+    def in_dim(i: int, od: int) -> int | None:
+        """Input ``i``'s dim that maps to output dim ``od``, or None when it broadcasts there."""
+        s = specs[i].shape
+        d = od - (nd - len(s))
+        return d if d >= 0 and s[d] == out0.shape[od] else None
+
+    for j in range(mesh.ndim):
+        od = None
+        for i in pos:
+            p = specs[i].placements[j]
+            if isinstance(p, Shard) and len(specs[i].shape) <= nd:
+                cand = p.dim + nd - len(specs[i].shape)
+                if in_dim(i, cand) == p.dim:
+                    od = cand
+                    break
+        if od is not None:
+            out_pl.append(Shard(od))
+            for i in pos:
+                d = in_dim(i, od)
+                in_pl[i][j] = Shard(d) if d is not None else Replicate()
+            continue
+        partial = [i for i in pos if isinstance(specs[i].placements[j], Partial)]
+        if partial:
+            kinds = {specs[i].placements[j].reduce_op for i in partial}
+            if _keeps_partial(call, kinds, partial):
+                kind = Partial(next(iter(kinds)))
+                out_pl.append(kind)
+                for i in pos:
+                    if call.op in ADDITIVE or call.op in IDENTITY:
+                        in_pl[i][j] = kind
+                    else:
+                        in_pl[i][j] = kind if i in partial else Replicate()
+                continue
+        out_pl.append(Replicate())
+        for i in pos:
+            in_pl[i][j] = Replicate()
+
+    lead = next((i for i in pos if any(isinstance(p, Shard) for p in specs[i].placements)), pos[0])
+    out_order = _map_order(specs[lead], out_pl, nd - specs[lead].ndim)
+    inputs = []
+    for i, s in enumerate(call.specs):
+        if s is None:
+            inputs.append(None)
+            continue
+        order = _map_order_back(out_order, in_pl[i], nd - s.ndim)
+        inputs.append(s.with_placements(in_pl[i], order))
+    out_spec = DTensorSpec.build(mesh, out_pl, out0.shape, out0.stride(), out0.dtype, out_order)
+    changed = any(r is not None and r != s for r, s in zip(inputs, call.specs))
+    if _is_inplace(call.op) and inputs[0] != call.specs[0]:
+        raise RuntimeError(
+            f"{call.op}: in-place op would change the placements of its self argument "
+            f"from {call.specs[0].placements} to {inputs[0].placements}; use the out-of-place op"
+        )
+    output = tuple(out_spec for _ in out) if out_list else out_spec
+    return Decision(tuple(inputs), output, changed)
+
+
+def _map_order(spec: DTensorSpec, out_pl: list[Placement], shift: int):
+    """The lead input's shard order carried to the output, where the output shards alike."""
+    order = []
+    for d, js in spec.shard_order:
+        keep = tuple(j for j in js if out_pl[j] == Shard(d + shift))
+        if keep:
+            order.append((d + shift, keep))
+    for j, p in enumerate(out_pl):
+        if isinstance(p, Shard) and not any(j in js for _, js in order):
+            for idx, (d, js) in enumerate(order):
+                if d == p.dim:
+                    order[idx] = (d, js + (j,))
+                    break
+            else:
+                order.append((p.dim, (j,)))
+    return tuple(sorted(order))
+
+
+def _map_order_back(out_order, pl: list[Placement], shift: int):
+    order = []
+    for od, js in out_order:
+        keep = tuple(j for j in js if pl[j] == Shard(od - shift))
+        if keep:
+            order.append((od - shift, keep))
+    return tuple(order)
+
+
+def like_rule(call: Call) -> Decision:
+    """``*_like`` factories: local shapes match; fills other than zero cannot stay Partial."""
+    s = call.specs[0]
+    pl = s.placements if call.op in LIKE_KEEP else tuple(Replicate() if p.is_partial() else p for p in s.placements)
+    out = call.out_meta
+    out_spec = DTensorSpec.build(s.mesh, pl, out.shape, out.stride(), out.dtype, s.shard_order)
+    return Decision(tuple(call.specs), out_spec, False)
+
+
+register(*IDENTITY)(pointwise_rule)
+register(*LIKE_KEEP, *LIKE_FILL)(like_rule)
+TAG_RULES.append((torch.Tag.pointwise, pointwise_rule))

@@ -1,0 +1,115 @@
+"""Runs a plan on this rank's local tensor: one single-mesh-dim transition per step.
+
+Each step works on the step's logical shape (the tensor the mesh dim's group sees: the
+global shape with every other sharding of the state applied).  Uneven pieces are padded to
+the chunk size before a collective and trimmed after, so every collective moves equal blocks.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import comm
+from ..mesh import DeviceMesh
+from ..placement import Partial, Replicate, Shard, chunk, local_shape_and_offset
+from .planner import Step, plan
+
+
+def _pad_to(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    extra = length - t.shape[dim]
+    if extra == 0:
+        return t
+    pad = [0, 0] * (t.ndim - 1 - dim) + [0, extra]
+    return F.pad(t, pad)
+
+
+def _pieces(t: torch.Tensor, dim: int, k: int) -> torch.Tensor:
+    """Split ``t`` along ``dim`` by the chunk rule, pad each piece: a ``(k, ...)`` stack."""
+    length = t.shape[dim]
+    c = -(-length // k) if length else 0
+    t = _pad_to(t, dim, k * c)
+    shape = list(t.shape)
+    shape[dim:dim + 1] = [k, c]
+    return t.reshape(shape).movedim(dim, 0)
+
+
+def _logical_len(step: Step, global_shape, mesh: DeviceMesh, coord, dim: int) -> int:
+    """Length of tensor dim ``dim`` that the step's group sees (its own split undone)."""
+    j = step.mesh_dim
+    pl = list(step.placements)
+    pl[j] = Replicate()
+    order = tuple((d, tuple(m for m in js if m != j)) for d, js in step.order)
+    order = tuple((d, js) for d, js in order if js)
+    return local_shape_and_offset(global_shape, mesh.shape, coord, pl, order)[0][dim]
+
+
+def apply_step(t: torch.Tensor, step: Step, global_shape, mesh: DeviceMesh) -> torch.Tensor:
+    """One transition (redistribute spec T0-T8) on the local tensor ``t``."""
+    src, dst, j = step.src, step.dst, step.mesh_dim
+    k = mesh.shape[j]
+    if src == dst or k == 1:
+        return t
+    coord = mesh.get_coordinate()
+    me = coord[j]
+    if isinstance(src, Replicate) and isinstance(dst, Shard):
+        size, off = chunk(t.shape[dst.dim], k, me)
+        return t.narrow(dst.dim, off, size).clone()
+    if isinstance(src, Shard) and isinstance(dst, Replicate):
+        d = src.dim
+        length = _logical_len(step, global_shape, mesh, coord, d)
+        c = -(-length // k) if length else 0
+        gathered = comm.all_gather(_pad_to(t, d, c).contiguous(), mesh, j)
+        return torch.cat(gathered.unbind(0), dim=d).narrow(d, 0, length)
+    if isinstance(src, Partial) and isinstance(dst, Replicate):
+        return comm.all_reduce(t, src.reduce_op, mesh, j)
+    if isinstance(src, Partial) and isinstance(dst, Shard):
+        d = dst.dim
+        size, _ = chunk(t.shape[d], k, me)
+        out = comm.reduce_scatter(_pieces(t, d, k).contiguous(), src.reduce_op, mesh, j)
+        return out.narrow(d, 0, size)
+    if isinstance(src, Shard) and isinstance(dst, Shard):
+        a, b = src.dim, dst.dim
+        la = _logical_len(step, global_shape, mesh, coord, a)
+        ca = -(-la // k) if la else 0
+        lb = t.shape[b]
+        blocks = _pieces(_pad_to(t, a, ca), b, k).contiguous()
+        recv = comm.all_to_all(blocks, mesh, j)
+        size_b, _ = chunk(lb, k, me)
+        full_a = torch.cat(recv.unbind(0), dim=a).narrow(a, 0, la)
+        return full_a.narrow(b, 0, size_b)
+    if isinstance(src, Replicate) and isinstance(dst, Partial):
+        return partition(t, dst.reduce_op, k, me)
+    if isinstance(src, Partial) and isinstance(dst, Partial):
+        if (src.reduce_op, dst.reduce_op) == ("sum", "avg"):
+            return t * k
+        if (src.reduce_op, dst.reduce_op) == ("avg", "sum"):
+            return t / k
+    if isinstance(src, Shard) and isinstance(dst, Partial):
+        raise RuntimeError(f"redistributing {src} to {dst} is not supported in the forward pass")
+    raise NotImplementedError(f"no transition from {src} to {dst} on mesh dim {j}")
+
+
+def partition(t: torch.Tensor, op: str, k: int, me: int) -> torch.Tensor:
+    """Replicate -> Partial(op), locally: the ranks' terms reduce back to ``t``."""
+    if op == "sum":
+        if t.is_floating_point() or t.is_complex():
+            return t / k
+        return t.clone() if me == 0 else torch.zeros_like(t)
+    if op == "product":
+        return t.clone() if me == 0 else torch.ones_like(t)
+    return t.clone()
+
+
+def redistribute_local(t: torch.Tensor, src_spec, dst_spec) -> torch.Tensor:
+    """Move this rank's local tensor from ``src_spec`` to ``dst_spec`` (same mesh)."""
+    mesh = src_spec.mesh
+    if mesh != dst_spec.mesh:
+        raise NotImplementedError(f"cross-mesh redistribution is not supported: {mesh} -> {dst_spec.mesh}")
+    if mesh.get_coordinate() is None:
+        return t
+    if src_spec.placements == dst_spec.placements and src_spec.shard_order == dst_spec.shard_order:
+        return t
+    steps = plan(src_spec.placements, src_spec.shard_order, dst_spec.placements, dst_spec.shard_order)
+    for step in steps:
+        t = apply_step(t, step, src_spec.shape, mesh)
+    return t

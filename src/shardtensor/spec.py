@@ -1,0 +1,70 @@
+"""DTensorSpec: everything that describes a sharded tensor except its data."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+import torch
+
+from .mesh import DeviceMesh
+from .placement import (Placement, ShardOrder, default_shard_order, display, local_shape_and_offset,
+                        normalize_placements, validate_shard_order)
+
+
+@dataclass(frozen=True)
+class DTensorSpec:
+    """Mesh + placements + shard order + global shape, stride and dtype (immutable, hashable)."""
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    shard_order: ShardOrder = field(default=())
+
+    @staticmethod
+    def build(mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int], stride: Sequence[int] | None,
+              dtype: torch.dtype, shard_order: ShardOrder | None = None) -> "DTensorSpec":
+        """Validated spec; the shard order defaults to mesh dims left to right."""
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"device_mesh must be a DeviceMesh, got {mesh!r}")
+        shape = torch.Size(shape)
+        pl = normalize_placements(placements, len(shape), mesh.ndim)
+        order = default_shard_order(pl) if shard_order is None else validate_shard_order(pl, shard_order)
+        if stride is None:
+            stride = contiguous_stride(shape)
+        return DTensorSpec(mesh, pl, shape, tuple(stride), dtype, order)
+
+    def with_placements(self, placements: Sequence[Placement], shard_order: ShardOrder | None = None) -> "DTensorSpec":
+        return DTensorSpec.build(self.mesh, placements, self.shape, self.stride, self.dtype, shard_order)
+
+    def with_dtype(self, dtype: torch.dtype) -> "DTensorSpec":
+        return replace(self, dtype=dtype)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def is_default_order(self) -> bool:
+        return self.shard_order == default_shard_order(self.placements)
+
+    def local_shape_and_offset(self, coordinate: Sequence[int] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Local shape and global offset of this rank (or of ``coordinate``)."""
+        coord = self.mesh.get_coordinate() if coordinate is None else coordinate
+        return local_shape_and_offset(self.shape, self.mesh.shape, coord, self.placements, self.shard_order)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return self.local_shape_and_offset()[0]
+
+    def __repr__(self) -> str:
+        return f"DTensorSpec({display(self.placements, self.shard_order)}, shape={tuple(self.shape)}, {self.dtype})"
+
+
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))

@@ -1,0 +1,324 @@
+"""DTensor: a torch.Tensor subclass holding one rank's local piece and the global spec.
+
+``__torch_dispatch__`` is the pipeline entry: propagation decides the placements, the
+executor redistributes inputs that must move, the plain local kernel runs, and the outputs
+are wrapped with the decided specs.  Autograd flows through ``from_local``, ``to_local`` and
+``redistribute`` (autograd Functions below); every other op's backward dispatches here too.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from . import comm
+from .mesh import DeviceMesh
+from .placement import Partial, Placement, Replicate, Shard, display, local_shape_and_offset
+from .propagation import propagate
+from .redistribute import redistribute_local
+from .spec import DTensorSpec
+
+__all__ = ["DTensor", "distribute_tensor"]
+
+
+class DTensor(torch.Tensor):
+    """A global tensor stored as local shards over a DeviceMesh."""
+
+    _local_tensor: torch.Tensor
+    _spec: DTensorSpec
+    __slots__ = ("_local_tensor", "_spec")
+
+    @staticmethod
+    def __new__(cls, local_tensor: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool = False) -> "DTensor":
+        r = torch.Tensor._make_wrapper_subclass(
+            cls, spec.shape, strides=spec.stride, dtype=spec.dtype, device=local_tensor.device,
+            layout=local_tensor.layout, requires_grad=requires_grad,
+        )
+        r._local_tensor = local_tensor
+        r._spec = spec
+        return r
+
+    def __repr__(self) -> str:  # noqa: D105
+        return (f"DTensor(local_tensor={self._local_tensor}, device_mesh={self._spec.mesh}, "
+                f"placements={self._spec.placements})")
+
+    # -- public surface -----------------------------------------------------------------
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return self._spec.placements
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._spec.mesh
+
+    @property
+    def shard_order(self):
+        return self._spec.shard_order
+
+    @staticmethod
+    def from_local(local_tensor: torch.Tensor, device_mesh: DeviceMesh | None = None,
+                   placements: Sequence[Placement] | None = None, *, run_check: bool = False,
+                   shape: Sequence[int] | None = None, stride: Sequence[int] | None = None) -> "DTensor":
+        """Wrap each rank's ``local_tensor`` as the shards of one global tensor.
+
+        Without ``shape`` the global shape assumes even shards (local size times the mesh
+        size on sharded dims).  ``run_check=True`` gathers every rank's local shape, checks it
+        against the chunk rule (deriving the global shape from them when none is given) and
+        broadcasts replicated data from group rank 0.
+        """
+        if not isinstance(local_tensor, torch.Tensor) or isinstance(local_tensor, DTensor):
+            raise TypeError(f"from_local needs a local torch.Tensor, got {type(local_tensor).__name__}")
+        if device_mesh is None:
+            raise ValueError("from_local needs device_mesh")
+        if placements is None:
+            placements = [Replicate()] * device_mesh.ndim
+        from .placement import normalize_placements
+
+        pl = normalize_placements(placements, local_tensor.ndim, device_mesh.ndim)
+        if run_check:
+            shape = _check_local_shapes(local_tensor, device_mesh, pl, shape)
+        elif shape is None:
+            g = list(local_tensor.shape)
+            for j, p in enumerate(pl):
+                if isinstance(p, Shard):
+                    g[p.dim] *= device_mesh.size(j)
+            shape = g
+        elif len(shape) != local_tensor.ndim:
+            raise ValueError(f"from_local: shape {tuple(shape)} has {len(shape)} dims, local tensor {tuple(local_tensor.shape)} has {local_tensor.ndim}")
+        spec = DTensorSpec.build(device_mesh, pl, shape, stride, local_tensor.dtype)
+        if shape is not None and device_mesh.get_coordinate() is not None:
+            expect = spec.local_shape
+            if tuple(local_tensor.shape) != expect:
+                raise ValueError(
+                    f"from_local: rank {device_mesh.get_rank()} holds local shape {tuple(local_tensor.shape)} but global "
+                    f"shape {tuple(spec.shape)} with {display(pl)} gives it {expect}"
+                )
+        return _FromLocal.apply(local_tensor, spec, run_check)
+
+    def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        """This rank's local shard (autograd: the gradient comes back with ``grad_placements``)."""
+        if not torch.is_grad_enabled():
+            return self._local_tensor
+        return _ToLocal.apply(self, grad_placements)
+
+    def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        """The whole global tensor on every rank (redistributes to Replicate)."""
+        rep = self.redistribute(self.device_mesh, [Replicate()] * self.device_mesh.ndim)
+        return rep.to_local(grad_placements=grad_placements)
+
+    def redistribute(self, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None, *,
+                     async_op: bool = False, forward_dtype: torch.dtype | None = None,
+                     backward_dtype: torch.dtype | None = None) -> "DTensor":
+        """A DTensor with the same value and new placements (differentiable).
+
+        Targets may be Partial only where the source already is that Partial.  ``async_op``
+        is accepted for API compatibility; collectives complete before this returns.
+        """
+        mesh = device_mesh if device_mesh is not None else self.device_mesh
+        if mesh != self.device_mesh:
+            raise NotImplementedError(f"cross-mesh redistribution is not supported: {self.device_mesh} -> {mesh}")
+        if placements is None:
+            raise RuntimeError("redistribute needs placements")
+        target = self._spec.with_placements(placements)
+        for j, (p, cur) in enumerate(zip(target.placements, self.placements)):
+            if isinstance(p, Partial) and p != cur:
+                raise RuntimeError(
+                    f"redistributing to {p!r} on mesh dim {j} (currently {cur!r}) is for internal use only"
+                )
+        return _Redistribute.apply(self, target, forward_dtype, backward_dtype)
+
+    # -- dispatch -----------------------------------------------------------------------
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return dispatch(func, args, kwargs or {})
+
+    def __tensor_flatten__(self):
+        return ["_local_tensor"], self._spec
+
+    @staticmethod
+    def __tensor_unflatten__(inner, spec, outer_size, outer_stride):
+        return DTensor(inner["_local_tensor"], spec, requires_grad=inner["_local_tensor"].requires_grad)
+
+
+def dispatch(func, args: tuple, kwargs: dict) -> Any:
+    """propagation -> redistribute -> local kernel -> wrap."""
+    flat, treedef = tree_flatten((args, kwargs))
+    specs: list[DTensorSpec | None] = []
+    for a in flat:
+        if isinstance(a, DTensor):
+            specs.append(a._spec)
+        else:
+            if isinstance(a, torch.Tensor) and a.ndim > 0:
+                raise TypeError(
+                    f"{func}: got a plain torch.Tensor of shape {tuple(a.shape)} mixed with DTensors; "
+                    "convert it with distribute_tensor or DTensor.from_local"
+                )
+            specs.append(None)
+    decision = propagate(func, flat, specs, treedef)
+    local = []
+    for a, s, want in zip(flat, specs, decision.inputs):
+        if s is None:
+            local.append(a)
+        elif decision.redistribute and want is not None and want != s:
+            local.append(redistribute_local(a._local_tensor, s, want))
+        else:
+            local.append(a._local_tensor)
+    largs, lkwargs = tree_unflatten(local, treedef)
+    out = func(*largs, **lkwargs)
+    if func._schema.name.endswith("_") and isinstance(flat[0], DTensor):
+        return flat[0]
+    return _wrap(out, decision.output)
+
+
+def _wrap(out: Any, spec: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return DTensor(out, spec)
+    if isinstance(out, (tuple, list)):
+        return type(out)(_wrap(o, s) for o, s in zip(out, spec))
+    return out
+
+
+def _check_local_shapes(local: torch.Tensor, mesh: DeviceMesh, pl: tuple[Placement, ...], shape) -> tuple[int, ...]:
+    """Gather every rank's local shape; all ranks raise the same error on a mismatch."""
+    ndims = comm.all_gather(torch.tensor([local.ndim]), mesh, None).flatten().tolist()
+    ranks = mesh.group_ranks(None)
+    if len(set(ndims)) != 1:
+        raise ValueError(f"from_local(run_check=True): local tensors differ in ndim across ranks: "
+                         f"{dict(zip(ranks, ndims))}")
+    shapes = comm.all_gather(torch.tensor(list(local.shape), dtype=torch.int64), mesh, None).tolist()
+    coords = [tuple((mesh.mesh == r).nonzero()[0].tolist()) for r in ranks]
+    if shape is None:
+        g = []
+        for d in range(local.ndim):
+            mesh_dims = [j for j, p in enumerate(pl) if p == Shard(d)]
+            if not mesh_dims:
+                g.append(shapes[0][d])
+                continue
+            total = 0
+            for r, c in enumerate(coords):
+                if all(c[j] == 0 for j in range(mesh.ndim) if j not in mesh_dims):
+                    total += shapes[r][d]
+            g.append(total)
+        shape = tuple(g)
+    bad = []
+    for r, c, s in zip(ranks, coords, shapes):
+        want = local_shape_and_offset(shape, mesh.shape, c, pl)[0]
+        if tuple(s) != tuple(want):
+            bad.append(f"rank {r}: local {tuple(s)}, expected {tuple(want)}")
+    if bad:
+        raise ValueError(f"from_local(run_check=True): local shapes disagree with global shape {tuple(shape)} "
+                         f"and placements {display(pl)}: " + "; ".join(bad))
+    return tuple(shape)
+
+
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, spec: DTensorSpec, run_check: bool) -> DTensor:
+        ctx.spec = spec
+        out = local.view_as(local)
+        if run_check:
+            for j, p in enumerate(spec.placements):
+                if isinstance(p, Replicate):
+                    out = comm.broadcast(out, 0, spec.mesh, j)
+        return DTensor(out, spec, requires_grad=local.requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        spec: DTensorSpec = ctx.spec
+        if not isinstance(grad, DTensor):
+            return grad, None, None
+        kinds = {p.reduce_op for p in spec.placements if isinstance(p, Partial)}
+        if kinds - {"sum", "avg"}:
+            raise NotImplementedError(f"backward of from_local with {display(spec.placements)} (Partial {sorted(kinds)})")
+        target = DTensorSpec.build(spec.mesh, [Replicate() if p.is_partial() else p for p in spec.placements],
+                                   grad.shape, grad.stride(), grad.dtype, spec.shard_order)
+        local = redistribute_local(grad._local_tensor, grad._spec, target)
+        for j, p in enumerate(spec.placements):
+            if p == Partial("avg"):
+                local = local / spec.mesh.size(j)
+        return local, None, None
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: DTensor, grad_placements):
+        ctx.spec = x._spec
+        ctx.grad_placements = grad_placements
+        return x._local_tensor.view_as(x._local_tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        spec: DTensorSpec = ctx.spec
+        pl = spec.placements if ctx.grad_placements is None else ctx.grad_placements
+        gspec = DTensorSpec.build(spec.mesh, pl, spec.shape, spec.stride, grad.dtype,
+                                  spec.shard_order if ctx.grad_placements is None else None)
+        return DTensor(grad, gspec), None
+
+
+class _Redistribute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: DTensor, target: DTensorSpec, forward_dtype, backward_dtype):
+        src = x._spec
+        ctx.src = src
+        ctx.orig_dtype = x._local_tensor.dtype
+        ctx.backward_dtype = backward_dtype
+        local = x._local_tensor
+        if forward_dtype is not None and forward_dtype != local.dtype:
+            local = local.to(forward_dtype)
+            src = src.with_dtype(forward_dtype)
+        target = DTensorSpec(target.mesh, target.placements, src.shape, src.stride, src.dtype, target.shard_order)
+        if src.placements == target.placements and src.shard_order == target.shard_order:
+            return DTensor(local, src, requires_grad=x.requires_grad)
+        return DTensor(redistribute_local(local, src, target), target, requires_grad=x.requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        src: DTensorSpec = ctx.src
+        want = ctx.backward_dtype or ctx.orig_dtype
+        gspec, local = grad._spec, grad._local_tensor
+        if local.dtype != want:
+            local = local.to(want)
+            gspec = gspec.with_dtype(want)
+        target_pl = [Replicate() if p.is_partial() else p for p in src.placements]
+        target = DTensorSpec.build(src.mesh, target_pl, gspec.shape, gspec.stride, want, src.shard_order)
+        local = redistribute_local(local, gspec, target)
+        if local.dtype != ctx.orig_dtype:
+            local = local.to(ctx.orig_dtype)
+        out = DTensor(local, target.with_dtype(ctx.orig_dtype), requires_grad=grad.requires_grad)
+        return out, None, None, None
+
+
+def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements: Sequence[Placement] | None = None, *,
+                      src_data_rank: int | None = 0) -> DTensor:
+    """Shard or replicate a full tensor over the mesh, taking the data of ``src_data_rank``.
+
+    ``src_data_rank=None`` moves no data: every rank takes its piece of its own tensor.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"distribute_tensor needs a torch.Tensor, got {type(tensor).__name__}")
+    if isinstance(tensor, DTensor):
+        raise TypeError("distribute_tensor got a DTensor; use .redistribute() to change its placements")
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"device_mesh must be a DeviceMesh, got {device_mesh!r}")
+    if placements is None:
+        placements = [Replicate()] * device_mesh.ndim
+    for p in placements:
+        if isinstance(p, Partial):
+            raise ValueError(f"distribute_tensor cannot create {p!r}; build Partial values with DTensor.from_local")
+    spec = DTensorSpec.build(device_mesh, placements, tensor.shape, tensor.stride(), tensor.dtype)
+    coord = device_mesh.get_coordinate()
+    local = tensor.detach()
+    if coord is None:
+        local = local.new_empty(0)
+    else:
+        if src_data_rank is not None:
+            for j in range(device_mesh.ndim):
+                local = comm.broadcast(local.contiguous(), src_data_rank, device_mesh, j)
+        shape, offset = spec.local_shape_and_offset()
+        for d, (s, o) in enumerate(zip(shape, offset)):
+            if s != tensor.shape[d]:
+                local = local.narrow(d, min(o, tensor.shape[d]), s)
+        local = local.clone(memory_format=torch.contiguous_format)
+    local.requires_grad_(tensor.requires_grad)
+    return DTensor(local, spec, requires_grad=tensor.requires_grad)
