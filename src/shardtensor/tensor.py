@@ -109,18 +109,22 @@ class DTensor(torch.Tensor):
 
     def redistribute(self, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None, *,
                      async_op: bool = False, forward_dtype: torch.dtype | None = None,
-                     backward_dtype: torch.dtype | None = None) -> "DTensor":
+                     backward_dtype: torch.dtype | None = None,
+                     shard_order: dict[int, Sequence[int]] | None = None) -> "DTensor":
         """A DTensor with the same value and new placements (differentiable).
 
-        Targets may be Partial only where the source already is that Partial.  ``async_op``
-        is accepted for API compatibility; collectives complete before this returns.
+        Targets may be Partial only where the source already is that Partial.
+        ``shard_order={tensor_dim: [mesh dims, first-applied first]}`` picks a non-default
+        nested order.  ``async_op`` is accepted for API compatibility; collectives complete
+        before this returns.
         """
         mesh = device_mesh if device_mesh is not None else self.device_mesh
         if mesh != self.device_mesh:
             raise NotImplementedError(f"cross-mesh redistribution is not supported: {self.device_mesh} -> {mesh}")
         if placements is None:
             raise RuntimeError("redistribute needs placements")
-        target = self._spec.with_placements(placements)
+        order = None if shard_order is None else tuple((int(d), tuple(js)) for d, js in shard_order.items())
+        target = self._spec.with_placements(placements, order)
         for j, (p, cur) in enumerate(zip(target.placements, self.placements)):
             if isinstance(p, Partial) and p != cur:
                 raise RuntimeError(
