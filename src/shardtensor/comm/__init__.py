@@ -63,13 +63,16 @@ def remove_listener(fn: Callable[[CommEvent], None]) -> None:
 
 
 class CommLog:
-    """Collects every ``CommEvent`` of every rank while active (a context manager)."""
+    """Collects the ``CommEvent``s of every rank (or of one ``rank``) while active."""
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int | None = None) -> None:
         self.events: list[CommEvent] = []
+        self.rank = rank
         self._lock = threading.Lock()
 
     def _on(self, ev: CommEvent) -> None:
+        if self.rank is not None and ev.rank != self.rank:
+            return
         with self._lock:
             self.events.append(ev)
 

@@ -1,0 +1,14 @@
+# Sourced by demo.sh and test.sh: make .venv and install the project once (idempotent).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+stamp=.venv/.shardtensor-installed
+want="$(cat pyproject.toml | sha256sum | cut -d' ' -f1)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "setting up .venv (first run only) ..." >&2
+  # torch first, pinned: a bare 'torch' would pull the multi-GB CUDA build.
+  .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==2.13.0"
+  .venv/bin/python -m pip install -q -e '.[dev]'
+  echo "$want" > "$stamp"
+fi
