@@ -324,5 +324,4 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements:
             if s != tensor.shape[d]:
                 local = local.narrow(d, min(o, tensor.shape[d]), s)
         local = local.clone(memory_format=torch.contiguous_format)
-    local.requires_grad_(tensor.requires_grad)
     return DTensor(local, spec, requires_grad=tensor.requires_grad)

@@ -81,12 +81,14 @@ class _LRU:
         self.hits = self.misses = 0
 
     def get(self, key):
-        try:
-            v = self.data[key]
-        except KeyError:
+        v = self.data.get(key)
+        if v is None:
             self.misses += 1
             return None
-        self.data.move_to_end(key)
+        try:
+            self.data.move_to_end(key)
+        except KeyError:  # evicted by another simulated rank meanwhile
+            pass
         self.hits += 1
         return v
 
@@ -133,6 +135,8 @@ def _out_meta(op, flat, specs, treedef) -> Any:
 
 
 def _find_rule(op) -> Rule | None:
+    if op._overloadname.startswith("out"):
+        return None
     rule = RULES.get(op)
     if rule is None:
         tags = op.tags
@@ -148,12 +152,12 @@ def propagate(op, flat: list[Any], specs: list[DTensorSpec | None], treedef) -> 
     d = _cache.get(key)
     if d is not None:
         return d
-    rule = _find_rule(op)
-    if rule is None:
-        raise unsupported(op, specs)
     meshes = {s.mesh for s in specs if s is not None}
     if len(meshes) > 1:
         raise ValueError(f"{op}: operands live on different meshes {sorted(map(repr, meshes))}")
+    rule = _find_rule(op)
+    if rule is None:
+        raise unsupported(op, specs)
     d = rule(Call(op, flat, specs, treedef, _out_meta(op, flat, specs, treedef)))
     _cache.put(key, d)
     return d
