@@ -160,6 +160,20 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
                 )
             specs.append(None)
     decision = propagate(func, flat, specs, treedef)
+    if decision.redistribute and comm.listening():
+        with comm.scope(str(func)):
+            local = _local_args(flat, specs, decision)
+    else:
+        local = _local_args(flat, specs, decision)
+    largs, lkwargs = tree_unflatten(local, treedef)
+    out = func(*largs, **lkwargs)
+    if func._schema.name.endswith("_") and isinstance(flat[0], DTensor):
+        return flat[0]
+    return _wrap(out, decision.output)
+
+
+def _local_args(flat: list, specs: list, decision) -> list:
+    """Local tensors of the arguments, redistributed where the decision requires."""
     local = []
     for a, s, want in zip(flat, specs, decision.inputs):
         if s is None:
@@ -168,11 +182,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
             local.append(redistribute_local(a._local_tensor, s, want))
         else:
             local.append(a._local_tensor)
-    largs, lkwargs = tree_unflatten(local, treedef)
-    out = func(*largs, **lkwargs)
-    if func._schema.name.endswith("_") and isinstance(flat[0], DTensor):
-        return flat[0]
-    return _wrap(out, decision.output)
+    return local
 
 
 def _wrap(out: Any, spec: Any) -> Any:
@@ -274,7 +284,12 @@ class _Redistribute(torch.autograd.Function):
         target = DTensorSpec(target.mesh, target.placements, src.shape, src.stride, src.dtype, target.shard_order)
         if src.placements == target.placements and src.shard_order == target.shard_order:
             return DTensor(local, src, requires_grad=x.requires_grad)
-        return DTensor(redistribute_local(local, src, target), target, requires_grad=x.requires_grad)
+        if comm.listening():
+            with comm.scope("redistribute"):
+                local = redistribute_local(local, src, target)
+        else:
+            local = redistribute_local(local, src, target)
+        return DTensor(local, target, requires_grad=x.requires_grad)
 
     @staticmethod
     def backward(ctx, grad: DTensor):

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 __all__ = [
     "CommEvent", "CommLog", "Transport", "add_listener", "remove_listener", "record", "current_transport",
     "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast", "barrier", "run_spmd",
-    "RankAbortedError", "CollectiveTimeoutError", "reduce_stack", "DEFAULT_TIMEOUT_S",
+    "RankAbortedError", "CollectiveTimeoutError", "reduce_stack", "DEFAULT_TIMEOUT_S", "scope", "listening",
+    "current_scope", "recording",
 ]
 
 
@@ -42,6 +43,8 @@ class CommEvent:
     shape: tuple[int, ...]
     seconds: float
     backend: str
+    scope: tuple[str, ...] = ()
+    start: float = 0.0
 
     @property
     def group_size(self) -> int:
@@ -50,6 +53,29 @@ class CommEvent:
 
 _listeners: list[Callable[[CommEvent], None]] = []
 _lock = threading.Lock()
+_scopes = threading.local()
+
+
+def listening() -> bool:
+    """True while someone records collectives (callers skip scope bookkeeping otherwise)."""
+    return bool(_listeners)
+
+
+@contextmanager
+def scope(label: str) -> Iterator[None]:
+    """Attribute the collectives inside to ``label`` (a module name, an op, ``redistribute``)."""
+    stack = getattr(_scopes, "stack", None)
+    if stack is None:
+        stack = _scopes.stack = []
+    stack.append(label)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def current_scope() -> tuple[str, ...]:
+    return tuple(getattr(_scopes, "stack", ()))
 
 
 def add_listener(fn: Callable[[CommEvent], None]) -> None:
@@ -120,7 +146,8 @@ def record(kind: str, mesh_dim: int | None, group: Group, rank: int, sent: int, 
     """The recording point: hand one event to every listener (cheap when there are none)."""
     if not _listeners:
         return
-    ev = CommEvent(kind, rank, mesh_dim, group, int(sent), int(received), dtype, tuple(shape), seconds, backend)
+    ev = CommEvent(kind, rank, mesh_dim, group, int(sent), int(received), dtype, tuple(shape), seconds, backend,
+                   current_scope(), time.time() - seconds)
     with _lock:
         listeners = list(_listeners)
     for fn in listeners:
