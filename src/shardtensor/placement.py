@@ -133,7 +133,16 @@ def default_shard_order(placements: Sequence[Placement]) -> ShardOrder:
 
 def validate_shard_order(placements: Sequence[Placement], order: ShardOrder) -> ShardOrder:
     """Check that ``order`` lists exactly the sharding mesh dims of each tensor dim."""
-    order = tuple((int(d), tuple(int(j) for j in js)) for d, js in sorted(order))
+    def as_int(v: object) -> int:
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(f"shard order {order!r}: dims must be ints, got {v!r}")
+        return v
+
+    entries = [(as_int(d), tuple(as_int(j) for j in js)) for d, js in order]
+    dims = [d for d, _ in entries]
+    if len(set(dims)) != len(dims):
+        raise ValueError(f"shard order {order!r} lists a tensor dim twice; give one entry per sharded tensor dim")
+    order = tuple(sorted(entries))
     seen: list[int] = []
     for d, js in order:
         if not js:
