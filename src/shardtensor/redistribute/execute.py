@@ -109,6 +109,9 @@ def redistribute_local(t: torch.Tensor, src_spec, dst_spec) -> torch.Tensor:
         return t
     if src_spec.placements == dst_spec.placements and src_spec.shard_order == dst_spec.shard_order:
         return t
+    for j, (a, b) in enumerate(zip(src_spec.placements, dst_spec.placements)):
+        if isinstance(a, Shard) and isinstance(b, Partial) and mesh.shape[j] > 1:
+            raise RuntimeError(f"redistributing {a} to {b} on mesh dim {j} is not supported in the forward pass")
     steps = plan(src_spec.placements, src_spec.shard_order, dst_spec.placements, dst_spec.shard_order)
     for step in steps:
         t = apply_step(t, step, src_spec.shape, mesh)

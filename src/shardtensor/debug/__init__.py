@@ -1,0 +1,10 @@
+"""See into it: a trace of every collective, and drawings of placements.
+
+``CommTrace`` records the collectives inside a ``with`` block (kind, mesh dim, group, bytes,
+dtype, time and the module/op that caused them) and writes summaries, JSON and Chrome traces.
+``visualize_sharding`` draws which ranks hold which block of a DTensor (ASCII, rich, PNG).
+"""
+from .trace import CommTrace, name_modules
+from .visualize import describe_sharding, visualize_sharding
+
+__all__ = ["CommTrace", "describe_sharding", "name_modules", "visualize_sharding"]

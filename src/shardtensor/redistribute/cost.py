@@ -1,0 +1,164 @@
+"""The alpha-beta cost model of redistribution plans (spec redistribute 2.2).
+
+A step changes the placement of one mesh dim ``j`` (``k = k_j`` ranks per group) and works
+on the step's *logical shape* ``l``: the global shape with every sharding of the step's state
+applied except mesh dim ``j``'s own (spec 3.3).  Sizes are taken at coordinate 0 at every
+level, i.e. the largest piece, which is also the padded size the collectives move; this makes
+the cost rank independent.  With coordinate 0 a tensor dim ``d`` split by the mesh dims ``M``
+has length ``ceil(L_d / prod(k_i, i in M))`` whatever their order (``ceil(ceil(a/b)/c) ==
+ceil(a/(b*c))``).
+
+Bytes sent per rank (``c_d = ceil(l_d / k)``, ``|X| = itemsize * prod(l)``):
+
+=================  =================  ==========================================  =========
+transition         collective         bytes per rank (padded)                     latency
+=================  =================  ==========================================  =========
+R->S, R->P, x->x   none               0                                           0
+S(d)->R            all-gather         ``(k-1) * c_d * |X| / l_d``                 ``k-1``
+P->R               all-reduce         ``2 (k-1) / k * |X|``                       ``2(k-1)``
+P->S(d)            reduce-scatter     ``(k-1) * c_d * |X| / l_d``                 ``k-1``
+S(a)->S(b)         all-to-all         ``(k-1) * c_a * c_b * |X| / (l_a l_b)``     ``k-1``
+P(sum)<->P(avg)    none (rescale)     0                                           0
+S->P (backward)    all-gather         as S->R                                     ``k-1``
+=================  =================  ==========================================  =========
+
+Time of a step on mesh dim ``j``: ``latency * alpha_j + bytes * beta_j`` (``LinkModel`` per
+mesh dim; intra-host and inter-host links differ).  Exact arithmetic: :func:`step_comm` returns
+the element count as a numerator over a denominator (only the all-reduce is fractional).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from ..placement import Partial, Replicate, Shard
+
+__all__ = ["LinkModel", "DEFAULT_LINK", "normalize_links", "logical_shape", "step_comm", "step_bytes",
+           "step_latency", "step_time", "plan_cost"]
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """Per-mesh-dim link: ``alpha`` seconds per latency term, ``beta`` seconds per byte."""
+
+    alpha: float = 5e-6
+    beta: float = 4e-11
+
+    def __post_init__(self) -> None:
+        if not (self.alpha >= 0 and self.beta >= 0):
+            raise ValueError(f"LinkModel needs alpha >= 0 and beta >= 0, got {self!r}")
+
+
+DEFAULT_LINK = LinkModel()
+
+
+def normalize_links(links, ndim: int) -> tuple[LinkModel, ...]:
+    """``None`` -> the default link on every mesh dim; one ``LinkModel`` -> it on every dim."""
+    if links is None:
+        return (DEFAULT_LINK,) * ndim
+    if isinstance(links, LinkModel):
+        return (links,) * ndim
+    links = tuple(links)
+    if len(links) != ndim or not all(isinstance(x, LinkModel) for x in links):
+        raise ValueError(f"links must be a LinkModel or one LinkModel per mesh dim ({ndim}), got {links!r}")
+    return links
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def logical_shape(step, global_shape: Sequence[int], mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """Coordinate-0 logical shape of ``step``: every sharding of its state but its own mesh dim's."""
+    shape = list(global_shape)
+    j = step.mesh_dim
+    for d, js in step.order:
+        div = 1
+        for i in js:
+            if i != j:
+                div *= mesh_shape[i]
+        if div > 1:
+            shape[d] = _cdiv(shape[d], div)
+    return tuple(shape)
+
+
+def _prod(xs: Iterable[int]) -> int:
+    p = 1
+    for x in xs:
+        p *= x
+    return p
+
+
+def step_comm(step, global_shape: Sequence[int], mesh_shape: Sequence[int]) -> tuple[str, int, int, int]:
+    """``(kind, num, den, latency)``: the step sends ``num / den`` elements per rank."""
+    src, dst, j = step.src, step.dst, step.mesh_dim
+    k = mesh_shape[j]
+    if src == dst or k == 1:
+        return "identity", 0, 1, 0
+    if isinstance(src, Replicate):
+        return ("chunk" if isinstance(dst, Shard) else "partition"), 0, 1, 0
+    ell = logical_shape(step, global_shape, mesh_shape)
+    if isinstance(src, Shard):
+        a = src.dim
+        if isinstance(dst, Shard):  # all-to-all: one c_a x c_b block to each peer
+            b = dst.dim
+            sizes = list(ell)
+            sizes[a] = _cdiv(ell[a], k)
+            sizes[b] = _cdiv(ell[b], k)
+            return "all_to_all", (k - 1) * _prod(sizes), 1, k - 1
+        # S -> R (and the backward-only S -> P, run as an all-gather)
+        sizes = list(ell)
+        sizes[a] = _cdiv(ell[a], k)
+        return "all_gather", (k - 1) * _prod(sizes), 1, k - 1
+    assert isinstance(src, Partial)
+    if isinstance(dst, Replicate):
+        return "all_reduce", 2 * (k - 1) * _prod(ell), k, 2 * (k - 1)
+    if isinstance(dst, Shard):
+        sizes = list(ell)
+        sizes[dst.dim] = _cdiv(ell[dst.dim], k)
+        return "reduce_scatter", (k - 1) * _prod(sizes), 1, k - 1
+    if {src.reduce_op, dst.reduce_op} == {"sum", "avg"}:
+        return "rescale", 0, 1, 0
+    # another partial kind: all-reduce, then partition (spec T8)
+    return "all_reduce", 2 * (k - 1) * _prod(ell), k, 2 * (k - 1)
+
+
+def step_bytes(step, global_shape: Sequence[int], mesh_shape: Sequence[int], itemsize: int) -> float:
+    """Bytes one rank sends in ``step`` (padded pieces; the all-reduce may be fractional)."""
+    _, num, den, _ = step_comm(step, global_shape, mesh_shape)
+    return num * itemsize / den if den != 1 else float(num * itemsize)
+
+
+def step_latency(step, mesh_shape: Sequence[int]) -> int:
+    """Number of latency terms (ring steps) of ``step``."""
+    src, dst, j = step.src, step.dst, step.mesh_dim
+    k = mesh_shape[j]
+    if src == dst or k == 1 or isinstance(src, Replicate):
+        return 0
+    if isinstance(src, Partial):
+        if isinstance(dst, Shard):
+            return k - 1
+        if isinstance(dst, Partial) and {src.reduce_op, dst.reduce_op} == {"sum", "avg"}:
+            return 0
+        return 2 * (k - 1)
+    return k - 1
+
+
+def step_time(step, global_shape, mesh_shape, itemsize: int, link: LinkModel) -> float:
+    _, num, den, lat = step_comm(step, global_shape, mesh_shape)
+    return lat * link.alpha + link.beta * (num * itemsize / den)
+
+
+def plan_cost(steps, global_shape: Sequence[int], mesh_shape: Sequence[int], itemsize: int,
+              links=None) -> tuple[float, float]:
+    """``(bytes sent per rank, modeled seconds)`` of a plan (any planner's ``Step`` tuple)."""
+    lk = normalize_links(links, len(mesh_shape))
+    total_bytes = 0.0
+    total_time = 0.0
+    for st in steps:
+        _, num, den, lat = step_comm(st, global_shape, mesh_shape)
+        b = num * itemsize / den
+        total_bytes += b
+        link = lk[st.mesh_dim]
+        total_time += lat * link.alpha + link.beta * b
+    return total_bytes, total_time
