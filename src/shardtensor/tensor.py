@@ -71,6 +71,8 @@ class DTensor(torch.Tensor):
             raise TypeError(f"from_local needs a local torch.Tensor, got {type(local_tensor).__name__}")
         if device_mesh is None:
             raise ValueError("from_local needs device_mesh")
+        if not isinstance(device_mesh, DeviceMesh):
+            raise TypeError(f"device_mesh must be a DeviceMesh, got {device_mesh!r}")
         if placements is None:
             placements = [Replicate()] * device_mesh.ndim
         from .placement import normalize_placements
@@ -165,6 +167,8 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
             local = _local_args(flat, specs, decision)
     else:
         local = _local_args(flat, specs, decision)
+    if decision.local_args is not None:
+        local = decision.local_args(local)
     largs, lkwargs = tree_unflatten(local, treedef)
     out = func(*largs, **lkwargs)
     if func._schema.name.endswith("_") and isinstance(flat[0], DTensor):
@@ -193,6 +197,11 @@ def _wrap(out: Any, spec: Any) -> Any:
     return out
 
 
+_DTYPE_CODES: dict[torch.dtype, int] = {d: i for i, d in enumerate(
+    [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
+     torch.uint8, torch.bool, torch.complex64, torch.complex128])}
+
+
 def _check_local_shapes(local: torch.Tensor, mesh: DeviceMesh, pl: tuple[Placement, ...], shape) -> tuple[int, ...]:
     """Gather every rank's local shape; all ranks raise the same error on a mismatch."""
     ndims = comm.all_gather(torch.tensor([local.ndim]), mesh, None).flatten().tolist()
@@ -200,6 +209,12 @@ def _check_local_shapes(local: torch.Tensor, mesh: DeviceMesh, pl: tuple[Placeme
     if len(set(ndims)) != 1:
         raise ValueError(f"from_local(run_check=True): local tensors differ in ndim across ranks: "
                          f"{dict(zip(ranks, ndims))}")
+    dtypes = comm.all_gather(torch.tensor([_DTYPE_CODES.setdefault(local.dtype, len(_DTYPE_CODES))]), mesh, None)
+    codes = dtypes.flatten().tolist()
+    if len(set(codes)) != 1:
+        names = {v: k for k, v in _DTYPE_CODES.items()}
+        raise ValueError("from_local(run_check=True): local tensors differ in dtype across ranks: "
+                         + ", ".join(f"rank {r}: {names.get(c, c)}" for r, c in zip(ranks, codes)))
     shapes = comm.all_gather(torch.tensor(list(local.shape), dtype=torch.int64), mesh, None).tolist()
     coords = [tuple((mesh.mesh == r).nonzero()[0].tolist()) for r in ranks]
     if shape is None:
@@ -322,10 +337,13 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements:
         raise TypeError(f"device_mesh must be a DeviceMesh, got {device_mesh!r}")
     if placements is None:
         placements = [Replicate()] * device_mesh.ndim
-    for p in placements:
+    spec = DTensorSpec.build(device_mesh, placements, tensor.shape, tensor.stride(), tensor.dtype)
+    for p in spec.placements:
         if isinstance(p, Partial):
             raise ValueError(f"distribute_tensor cannot create {p!r}; build Partial values with DTensor.from_local")
-    spec = DTensorSpec.build(device_mesh, placements, tensor.shape, tensor.stride(), tensor.dtype)
+    if src_data_rank is not None and not 0 <= src_data_rank < min(device_mesh.shape):
+        raise ValueError(f"src_data_rank={src_data_rank} must be a coordinate in 0..{min(device_mesh.shape) - 1} "
+                         f"on every dim of mesh shape {device_mesh.shape} (or None for no communication)")
     coord = device_mesh.get_coordinate()
     local = tensor.detach()
     if coord is None:

@@ -163,11 +163,16 @@ def run_spmd(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float
         finally:
             _ctx.transport = None
 
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # rank threads + torch's intra-op pool oversubscribe the cores badly
     threads = [threading.Thread(target=body, args=(r,), name=f"shardtensor-rank{r}", daemon=True) for r in range(world_size)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            t.join()
+    finally:
+        torch.set_num_threads(old_threads)
     if errors:
         real = {r: e for r, e in errors.items() if not isinstance(e, RankAbortedError)}
         rank = world.failed_rank if world.failed_rank in real else min(real or errors)

@@ -29,6 +29,8 @@ class Decision:
     inputs: tuple[DTensorSpec | None, ...]
     output: Any
     redistribute: bool
+    local_args: Callable[[list[Any]], list[Any]] | None = None
+    """Per-rank rewrite of the flat local arguments (e.g. global sizes -> this rank's local sizes)."""
 
 
 @dataclass
@@ -128,9 +130,22 @@ def _meta(spec: DTensorSpec) -> torch.Tensor:
     return torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device="meta")
 
 
+_META = torch.device("meta")
+
+
+def _to_meta(a: Any, s: DTensorSpec | None) -> Any:
+    if s is not None:
+        return _meta(s)
+    if isinstance(a, torch.Tensor):
+        return a.to("meta")
+    if isinstance(a, torch.device):
+        return _META
+    return a
+
+
 def _out_meta(op, flat, specs, treedef) -> Any:
-    meta_flat = [_meta(s) if s is not None else (a.to("meta") if isinstance(a, torch.Tensor) else a) for a, s in zip(flat, specs)]
-    args, kwargs = tree_unflatten(meta_flat, treedef)
+    """Output shape/stride/dtype from running the op on meta tensors of the global shapes."""
+    args, kwargs = tree_unflatten([_to_meta(a, s) for a, s in zip(flat, specs)], treedef)
     return op(*args, **kwargs)
 
 
@@ -163,4 +178,4 @@ def propagate(op, flat: list[Any], specs: list[DTensorSpec | None], treedef) -> 
     return d
 
 
-from .rules import pointwise  # noqa: E402,F401  (registers the rules)
+from .rules import factory, pointwise, reduction, view  # noqa: E402,F401  (registers the rules)

@@ -27,6 +27,14 @@ ADDITIVE = {aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor
 MULTIPLICATIVE = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.neg.default,
                   aten.mul_.Tensor, aten.mul_.Scalar, aten.div_.Tensor, aten.div_.Scalar, aten.neg_.default}
 LINEAR_KINDS = ("sum", "avg")
+EXTRA_POINTWISE = {
+    aten.floor_divide.default, aten.floor_divide.Scalar, aten.floor_divide_.Tensor, aten.floor_divide_.Scalar,
+    aten.rsub.Tensor, aten.rsub.Scalar, aten.hardswish.default, aten.hardswish_.default,
+    aten.hardswish_backward.default, aten.masked_fill.Scalar, aten.masked_fill.Tensor,
+    aten.masked_fill_.Scalar, aten.masked_fill_.Tensor,
+}
+IDENTITY_INPLACE = {aten.zero_.default}
+FILL_INPLACE = {aten.fill_.Scalar, aten.fill_.Tensor}
 LIKE_KEEP = {aten.zeros_like.default, aten.empty_like.default}
 LIKE_FILL = {aten.ones_like.default, aten.full_like.default}
 
@@ -89,7 +97,7 @@ def pointwise_rule(call: Call) -> Decision:
                 in_pl[i][j] = Shard(d) if d is not None else Replicate()
             continue
         partial = [i for i in pos if isinstance(specs[i].placements[j], Partial)]
-        if partial:
+        if partial and not any(isinstance(specs[i].placements[j], Shard) for i in pos):
             kinds = {specs[i].placements[j].reduce_op for i in partial}
             if _keeps_partial(call, kinds, partial):
                 kind = Partial(next(iter(kinds)))
@@ -113,14 +121,18 @@ def pointwise_rule(call: Call) -> Decision:
             continue
         order = _map_order_back(out_order, in_pl[i], nd - s.ndim)
         inputs.append(s.with_placements(in_pl[i], order))
-    out_spec = DTensorSpec.build(mesh, out_pl, out0.shape, out0.stride(), out0.dtype, out_order)
+    outs = list(out) if out_list else [out]
+    specs_out = [DTensorSpec.build(mesh, out_pl, o.shape, o.stride(), o.dtype, out_order) for o in outs]
     changed = any(r is not None and r != s for r, s in zip(inputs, call.specs))
-    if _is_inplace(call.op) and inputs[0] != call.specs[0]:
-        raise RuntimeError(
-            f"{call.op}: in-place op would change the placements of its self argument "
-            f"from {call.specs[0].placements} to {inputs[0].placements}; use the out-of-place op"
-        )
-    output = tuple(out_spec for _ in out) if out_list else out_spec
+    if _is_inplace(call.op):
+        self_spec = call.specs[0]
+        if self_spec is None or inputs[0] != self_spec or tuple(out_pl) != self_spec.placements:
+            have = None if self_spec is None else self_spec.placements
+            raise RuntimeError(
+                f"{call.op}: in-place op on self with placements {have} would need output placements "
+                f"{tuple(out_pl)}; use the out-of-place op"
+            )
+    output = type(out)(specs_out) if out_list else specs_out[0]
     return Decision(tuple(inputs), output, changed)
 
 
@@ -151,6 +163,15 @@ def _map_order_back(out_order, pl: list[Placement], shift: int):
     return tuple(order)
 
 
+def inplace_fill_rule(call: Call) -> Decision:
+    """``zero_`` keeps any placement; ``fill_`` cannot write a constant into Partial terms."""
+    s = call.specs[0]
+    if call.op in FILL_INPLACE and any(p.is_partial() for p in s.placements):
+        raise RuntimeError(f"{call.op} on a Partial tensor {s.placements} would change its value; "
+                           "redistribute it to Replicate first")
+    return Decision(tuple(call.specs), s, False)
+
+
 def like_rule(call: Call) -> Decision:
     """``*_like`` factories: local shapes match; fills other than zero cannot stay Partial."""
     s = call.specs[0]
@@ -160,6 +181,37 @@ def like_rule(call: Call) -> Decision:
     return Decision(tuple(call.specs), out_spec, False)
 
 
-register(*IDENTITY)(pointwise_rule)
+register(*IDENTITY, *EXTRA_POINTWISE)(pointwise_rule)
+register(*IDENTITY_INPLACE, *FILL_INPLACE)(inplace_fill_rule)
 register(*LIKE_KEEP, *LIKE_FILL)(like_rule)
 TAG_RULES.append((torch.Tag.pointwise, pointwise_rule))
+
+
+@register(aten.copy_.default)
+def copy_rule(call: Call) -> Decision:
+    """``self.copy_(src)``: src moves to self's placements; self keeps its spec.
+
+    Where self is Partial and src is not that Partial, src is made Replicate and then
+    partitioned locally (a forward Shard -> Partial has no collective).
+    """
+    dst, src = call.specs[0], call.specs[1]
+    if dst is None:
+        raise unsupported(call.op, call.specs, "into a plain tensor")
+    if src is None or tuple(src.shape) != tuple(dst.shape):
+        raise unsupported(call.op, call.specs, "with a broadcast or plain source")
+    need = [p if not isinstance(p, Partial) or p == q else Replicate() for p, q in zip(dst.placements, src.placements)]
+    parts = [(j, p.reduce_op) for j, (p, n) in enumerate(zip(dst.placements, need)) if isinstance(p, Partial) and n != p]
+    want = DTensorSpec.build(dst.mesh, need, src.shape, src.stride, src.dtype, dst.shard_order)
+    inputs = tuple(dst if i == 0 else want if i == 1 else None for i in range(len(call.flat)))
+    local_args = None
+    if parts:
+        from ...redistribute.execute import partition
+
+        def local_args(flat: list) -> list:
+            coord = dst.mesh.get_coordinate()
+            t = flat[1]
+            for j, op in parts:
+                t = partition(t, op, dst.mesh.shape[j], coord[j])
+            return [flat[0], t, *flat[2:]]
+
+    return Decision(inputs, dst, want != src, local_args)

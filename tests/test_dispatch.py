@@ -1,0 +1,1046 @@
+"""Differential tests of elementwise dispatch against dense torch, forward and backward.
+
+Every case builds DTensors from global tensors made in the main thread (the simulated
+ranks are threads and share torch's global RNG, so nothing random happens inside a rank),
+runs the op on the DTensors in ``run_spmd`` and the same op on the dense tensors, and
+compares the full result, every rank's local piece, and the gradients of leaf inputs.
+
+Data are dyadic rationals (multiples of 1/64 with small magnitude) and so are the
+Partial(sum) terms, so partial sums are exact in float32 whatever the reduction order:
+differences from dense torch are library bugs, not rounding.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+import re
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardtensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh, run_spmd
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_intra_op_thread():
+    """Simulated ranks are threads; torch's intra-op pool in each of them makes every op ~30x
+    slower on a small machine (spinning workers fight the rank threads).  One thread per op
+    keeps this file fast; the numbers do not change."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+MESHES = [(4,), (2, 2)]
+SHAPES = [(8, 4), (7, 5), (3, 5)]
+TIMEOUT = 30.0
+RES = 64.0  # data resolution: multiples of 1/RES
+
+
+# ---------------------------------------------------------------------------------------
+# data
+# ---------------------------------------------------------------------------------------
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def dyadic(shape, g: torch.Generator, scale: float = 1.0, res: float = RES) -> torch.Tensor:
+    # "+ 0.0" turns -0.0 into +0.0: a sum of terms never yields -0.0, and atan2 etc. see the sign of zero
+    return torch.round(torch.randn(shape, generator=g) * scale * res) / res + 0.0
+
+
+def data(kind: str, shape, g: torch.Generator) -> torch.Tensor:
+    """Global input tensors of a few kinds (all exact in float32)."""
+    if kind == "any":
+        return dyadic(shape, g)
+    if kind == "nonzero":  # away from zero: denominators, sqrt(abs(.)) with finite grads
+        x = dyadic(shape, g)
+        return torch.where(x >= 0, x + 0.25, x - 0.25)
+    if kind == "pos":  # positive bases of pow
+        return dyadic(shape, g).abs() + 0.5
+    if kind == "coarse":  # multiples of 1/2 in [-2, 2]: ties for comparisons, exact in bf16
+        return torch.randint(-4, 5, shape, generator=g).float() / 2
+    if kind == "bool":
+        return torch.rand(shape, generator=g) > 0.5
+    if kind == "int":
+        return torch.randint(-5, 6, shape, generator=g)
+    raise ValueError(kind)
+
+
+def _chunk(n: int, k: int, r: int) -> tuple[int, int]:
+    """(offset, size) of piece r of n split into k by the chunk rule (ceil; trailing pieces short/empty)."""
+    c = -(-n // k) if n else 0
+    off = min(c * r, n)
+    return off, min(c, n - off)
+
+
+def local_piece(t: torch.Tensor, mesh_shape, coord, placements, order=None) -> torch.Tensor:
+    """This rank's piece of ``t`` under the Shard placements.
+
+    ``order`` (a DTensor's ``shard_order``: ``((tensor_dim, (mesh dims, first-applied first)), ...)``)
+    says in which order several mesh dims split one tensor dim; default: mesh dims left to right.
+    """
+    if order is None:
+        steps = [j for j, p in enumerate(placements) if isinstance(p, Shard)]
+    else:
+        steps = [j for _, js in order for j in js]
+        assert sorted(steps) == [j for j, p in enumerate(placements) if isinstance(p, Shard)], (placements, order)
+    for j in steps:
+        p = placements[j]
+        off, size = _chunk(t.shape[p.dim], mesh_shape[j], coord[j])
+        t = t.narrow(p.dim, off, size)
+    return t.clone()
+
+
+def partial_terms(x: torch.Tensor, mesh_shape, placements, g: torch.Generator) -> dict[tuple, torch.Tensor] | None:
+    """Random per-rank terms whose reduction (over every Partial mesh dim) is ``x``.
+
+    Keys are the coordinates along the Partial mesh dims.  Terms have the same resolution
+    as ``x`` so every reduction order is exact.
+    """
+    pdims = [j for j, p in enumerate(placements) if isinstance(p, Partial)]
+    if not pdims:
+        return None
+    kinds = {placements[j].reduce_op for j in pdims}
+    assert len(kinds) == 1, "tests use one Partial kind per tensor"
+    kind = kinds.pop()
+    combos = list(itertools.product(*[range(mesh_shape[j]) for j in pdims]))
+    n = len(combos)
+    if kind in ("sum", "avg"):
+        total = x * n if kind == "avg" else x
+        if x.is_floating_point():
+            # same resolution as x: coarse data keep coarse terms (exact in bf16 too)
+            fine = bool(((x * 2) != torch.round(x * 2)).any())
+            terms = [dyadic(x.shape, g, 2.0, RES if fine else 2.0) for _ in range(n - 1)]
+        else:
+            terms = [torch.randint(-3, 4, x.shape, generator=g).to(x.dtype) for _ in range(n - 1)]
+        terms.append(total - sum(terms) if terms else total.clone())
+    elif kind == "max":
+        terms = [x - dyadic(x.shape, g).abs() - 1.0 / RES for _ in range(n)]
+        who = torch.randint(0, n, x.shape, generator=g)
+        terms = [torch.where(who == i, x, t) for i, t in enumerate(terms)]
+    else:
+        raise ValueError(kind)
+    return dict(zip(combos, (t.to(x.dtype) for t in terms)))
+
+
+def placement_options(t: torch.Tensor, partial: bool = True) -> list:
+    opts = [Replicate()] + [Shard(d) for d in range(t.ndim)]
+    if partial and t.dtype != torch.bool:
+        opts.append(Partial("sum"))
+    return opts
+
+
+def _seed(*parts: Any) -> int:
+    return zlib.crc32(repr(parts).encode())
+
+
+def placement_combos(tensors: Sequence[torch.Tensor], mesh_shape, limit: int | None, seed: int,
+                     partial: Sequence[bool] | None = None) -> list[tuple[tuple, ...]]:
+    """All combinations of per-input placements, or ``limit`` of them drawn at random.
+
+    A drawn sample always includes all-Replicate and every input Partial(sum) (where allowed).
+    """
+    partial = partial or [True] * len(tensors)
+    per_input = []
+    for t, allow in zip(tensors, partial):
+        opts = placement_options(t, allow)
+        per_input.append(list(itertools.product(opts, repeat=len(mesh_shape))))
+    everything = list(itertools.product(*per_input))
+    if limit is None or len(everything) <= limit:
+        return everything
+    rng = random.Random(seed)
+    picked = rng.sample(everything, limit)
+    allp = tuple(tuple(Partial("sum") if (a and t.dtype != torch.bool) else Replicate() for _ in mesh_shape)
+                 for t, a in zip(tensors, partial))
+    allr = tuple(tuple(Replicate() for _ in mesh_shape) for _ in tensors)
+    for extra in (allp, allr):
+        if extra not in picked:
+            picked[-1 if extra is allr else 0] = extra
+    return picked
+
+
+# ---------------------------------------------------------------------------------------
+# running one op over many placement combinations
+# ---------------------------------------------------------------------------------------
+@dataclass
+class Prepared:
+    """One input of one case, as every rank needs it."""
+
+    value: Any  # global tensor or a Python scalar
+    placements: tuple | None = None  # None: pass ``value`` through (scalar)
+    terms: dict | None = None
+
+
+def prepare(values: Sequence[Any], combo: Sequence[tuple], mesh_shape, g: torch.Generator) -> list[Prepared]:
+    out, it = [], iter(combo)
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            pl = next(it)
+            out.append(Prepared(v, pl, partial_terms(v, mesh_shape, pl, g)))
+        else:
+            out.append(Prepared(v))
+    return out
+
+
+def make_dtensor(p: Prepared, mesh, grad: bool) -> DTensor:
+    coord = mesh.get_coordinate()
+    if p.terms is not None:
+        key = tuple(c for c, pl in zip(coord, p.placements) if isinstance(pl, Partial))
+        src = p.terms[key]
+    else:
+        src = p.value
+    local = local_piece(src, mesh.shape, coord, p.placements)
+    d = DTensor.from_local(local, mesh, list(p.placements), shape=p.value.shape, stride=p.value.stride())
+    if grad and d.is_floating_point():
+        d.requires_grad_()
+    return d
+
+
+def _describe(case: Sequence[Prepared]) -> str:
+    return ", ".join(("(" + ", ".join(map(str, p.placements)) + ")") if p.placements is not None else repr(p.value)
+                     for p in case)
+
+
+def _rank_run(mesh_shape, cases, fn, grad, weights):
+    mesh = init_device_mesh("cpu", mesh_shape)
+    coord = mesh.get_coordinate()
+    results = []
+    for case, w in zip(cases, weights):
+        try:
+            args = [make_dtensor(p, mesh, grad) if p.placements is not None else p.value for p in case]
+            out = fn(*args)
+            assert isinstance(out, DTensor), f"result is {type(out).__name__}, not a DTensor"
+            with torch.no_grad():
+                local = out.to_local().clone()
+            full = out.full_tensor()
+            grads = None
+            if grad and w is not None:
+                loss = (full * w).sum()
+                loss.backward()
+                grads = [a.grad.full_tensor().detach() if isinstance(a, DTensor) and a.grad is not None else None
+                         for a in args]
+            results.append((tuple(out.placements), local, full.detach(), grads, tuple(coord), out.shard_order))
+        except BaseException as e:
+            e.add_note(f"placements of the inputs: {_describe(case)}")
+            raise
+    return results
+
+
+def _dense(fn, values, grad: bool):
+    leaves = [v.clone().requires_grad_() if grad and isinstance(v, torch.Tensor) and v.is_floating_point() else
+              (v.clone() if isinstance(v, torch.Tensor) else v) for v in values]
+    return fn(*leaves), leaves
+
+
+def _close(actual, expected, what: str, tol: dict | None) -> None:
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    kw = tol or ({} if not actual.is_floating_point() else dict(rtol=1e-5, atol=1e-5))
+    torch.testing.assert_close(actual, expected, equal_nan=True, msg=lambda m: f"{what}: {m}", **kw)
+
+
+def check_op(fn: Callable, values: Sequence[Any], mesh_shape, *, limit: int | None = 12, grad: bool = True,
+             partial: Sequence[bool] | None = None, tol: dict | None = None, grad_tol: dict | None = None,
+             combos: list | None = None, linear: bool = False, seed: Any = 0) -> list:
+    """Run ``fn`` on DTensors for many placement combinations; compare with dense torch.
+
+    Returns per-combination ``(input placements, output placements)`` for extra checks.
+    ``linear=False`` also asserts that the output is never Partial.
+    """
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if combos is None:
+        combos = placement_combos(tensors, mesh_shape, limit, _seed(seed, mesh_shape), partial)
+    g = _gen(_seed("terms", seed, mesh_shape))
+    cases = [prepare(values, c, mesh_shape, g) for c in combos]
+
+    dense_out, leaves = _dense(fn, values, grad)
+    w = None
+    dense_grads = None
+    if grad and dense_out.is_floating_point() and any(isinstance(v, torch.Tensor) and v.requires_grad for v in leaves):
+        w = dyadic(dense_out.shape, _gen(_seed("w", seed))).to(dense_out.dtype)
+        (dense_out * w).sum().backward()
+        dense_grads = [v.grad if isinstance(v, torch.Tensor) else None for v in leaves]
+    dense_out = dense_out.detach()
+
+    per_rank = run_spmd(_rank_run, mesh_shape_numel(mesh_shape), mesh_shape, cases, fn, grad, [w] * len(cases),
+                        timeout=TIMEOUT)
+    seen = []
+    for i, case in enumerate(cases):
+        desc = _describe(case)
+        out_pl = per_rank[0][i][0]
+        for rank, res in enumerate(per_rank):
+            pl, local, full, grads, coord, order = res[i]
+            what = f"inputs {desc} -> output {pl}, rank {rank}"
+            assert pl == out_pl, f"{what}: ranks disagree on output placements ({out_pl} on rank 0)"
+            _close(full, dense_out, f"{what}: full_tensor", tol)
+            if not any(isinstance(p, Partial) for p in pl):
+                _close(local, local_piece(dense_out, mesh_shape, coord, pl, order),
+                       f"{what}: local shard (shard order {order})", tol)
+            else:
+                assert linear, f"{what}: a non-linear op produced a Partial output"
+            if dense_grads is not None:
+                for k, (gd, ga) in enumerate(zip(dense_grads, grads)):
+                    if gd is None:
+                        continue
+                    assert ga is not None, f"{what}: input {k} got no gradient"
+                    _close(ga, gd, f"{what}: grad of input {k}", grad_tol or tol)
+        seen.append((tuple(p.placements for p in case if p.placements is not None), out_pl))
+    return seen
+
+
+def mesh_shape_numel(mesh_shape) -> int:
+    n = 1
+    for s in mesh_shape:
+        n *= s
+    return n
+
+
+def _id(v) -> str:
+    return "x".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
+mesh_param = pytest.mark.parametrize("mesh_shape", MESHES, ids=_id)
+shape_param = pytest.mark.parametrize("shape", SHAPES, ids=_id)
+
+# ---------------------------------------------------------------------------------------
+# unary
+# ---------------------------------------------------------------------------------------
+UNARY: dict[str, tuple[Callable, str]] = {
+    "neg": (torch.neg, "any"),
+    "exp": (torch.exp, "any"),
+    "relu": (torch.relu, "any"),
+    "sigmoid": (torch.sigmoid, "any"),
+    "tanh": (torch.tanh, "any"),
+    "abs": (torch.abs, "nonzero"),
+    "sqrt_abs": (lambda a: torch.sqrt(torch.abs(a)), "nonzero"),
+    "gelu": (F.gelu, "any"),
+    "gelu_tanh": (lambda a: F.gelu(a, approximate="tanh"), "any"),
+    "clone": (torch.clone, "any"),
+    "square": (torch.square, "any"),
+}
+LINEAR_UNARY = {"neg", "clone"}
+
+
+@pytest.mark.parametrize("op", sorted(UNARY))
+@shape_param
+@mesh_param
+def test_unary(op, shape, mesh_shape):
+    fn, kind = UNARY[op]
+    x = data(kind, shape, _gen(_seed(op, shape)))
+    limit = None if len(mesh_shape) == 1 else 5
+    seen = check_op(fn, [x], mesh_shape, limit=limit, linear=op in LINEAR_UNARY, seed=(op, shape))
+    for (in_pl,), out_pl in seen:
+        if not any(isinstance(p, Partial) for p in in_pl):
+            assert out_pl == in_pl, f"{op}: input {in_pl} gave output {out_pl}; elementwise ops keep placements"
+        elif op in LINEAR_UNARY:
+            assert out_pl == in_pl, f"{op} is linear: {in_pl} should stay, got {out_pl}"
+        else:
+            expect = tuple(Replicate() if isinstance(p, Partial) else p for p in in_pl)
+            assert out_pl == expect, f"{op}({in_pl}) must reduce the Partial first: got {out_pl}"
+
+
+# ---------------------------------------------------------------------------------------
+# binary (same shapes)
+# ---------------------------------------------------------------------------------------
+BINARY: dict[str, tuple[Callable, tuple[str, str], bool]] = {  # fn, data kinds, linear
+    "add": (torch.add, ("any", "any"), True),
+    "add_alpha": (lambda a, b: torch.add(a, b, alpha=2), ("any", "any"), True),
+    "sub": (torch.sub, ("any", "any"), True),
+    "mul": (torch.mul, ("any", "any"), True),
+    "div": (torch.div, ("any", "nonzero"), True),
+    "maximum": (torch.maximum, ("any", "any"), False),
+    "minimum": (torch.minimum, ("any", "any"), False),
+    "pow": (torch.pow, ("pos", "any"), False),
+    "atan2": (torch.atan2, ("any", "nonzero"), False),
+}
+COMPARE = {
+    "eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge,
+}
+
+
+@pytest.mark.parametrize("op", sorted(BINARY))
+@shape_param
+@mesh_param
+def test_binary(op, shape, mesh_shape):
+    fn, kinds, linear = BINARY[op]
+    g = _gen(_seed(op, shape))
+    x, y = data(kinds[0], shape, g), data(kinds[1], shape, g)
+    limit = 12 if len(mesh_shape) == 1 else 8
+    seen = check_op(fn, [x, y], mesh_shape, limit=limit, grad=False, linear=linear, seed=(op, shape))
+    for (a, b), out_pl in seen:
+        if a == b and not any(isinstance(p, Partial) for p in a):
+            assert out_pl == a, f"{op}: both inputs {a} gave output {out_pl}"
+
+
+@pytest.mark.parametrize("op", sorted(BINARY))
+@pytest.mark.parametrize("shape", [(8, 4), (7, 5)], ids=_id)
+@mesh_param
+def test_binary_backward(op, shape, mesh_shape):
+    fn, kinds, linear = BINARY[op]
+    g = _gen(_seed(op, shape, "bwd"))
+    x, y = data(kinds[0], shape, g), data(kinds[1], shape, g)
+    check_op(fn, [x, y], mesh_shape, limit=4, linear=linear, seed=(op, shape, "bwd"))
+
+
+@pytest.mark.parametrize("op", sorted(COMPARE))
+@mesh_param
+def test_comparison(op, mesh_shape):
+    fn = COMPARE[op]
+    g = _gen(_seed(op))
+    x, y = data("coarse", (7, 5), g), data("coarse", (7, 5), g)
+    assert bool((x == y).any()), "coarse data must contain ties"
+    check_op(fn, [x, y], mesh_shape, limit=12, grad=False, seed=op)
+    check_op(lambda a: fn(a, 0.5), [x], mesh_shape, limit=None, grad=False, seed=(op, "scalar"))
+
+
+@mesh_param
+@pytest.mark.parametrize("shape", [(7, 5), (3, 5)], ids=_id)
+def test_where(mesh_shape, shape):
+    g = _gen(_seed("where", shape))
+    c, x, y = data("bool", shape, g), data("any", shape, g), data("any", shape, g)
+    check_op(torch.where, [c, x, y], mesh_shape, limit=16, seed=("where", shape))
+    check_op(lambda cc, a: torch.where(cc, a, 0.0), [c, x], mesh_shape, limit=12, seed=("where0", shape))
+
+
+@mesh_param
+def test_where_broadcast_condition(mesh_shape):
+    g = _gen(_seed("wherebc"))
+    c, x, y = data("bool", (5,), g), data("any", (7, 5), g), data("any", (7, 1), g)
+    check_op(torch.where, [c, x, y], mesh_shape, limit=16, grad=False, seed="wherebc")
+
+
+@mesh_param
+def test_where_broadcast_condition_backward(mesh_shape):
+    """The broadcast operand's gradient needs a reduction over the broadcast dim."""
+    g = _gen(_seed("wherebcb"))
+    c, x, y = data("bool", (5,), g), data("any", (7, 5), g), data("any", (7, 1), g)
+    check_op(torch.where, [c, x, y], mesh_shape, limit=4, seed="wherebcb")
+
+
+# ---------------------------------------------------------------------------------------
+# scalars
+# ---------------------------------------------------------------------------------------
+SCALAR: dict[str, tuple[Callable, str, bool]] = {  # fn, data kind, linear
+    "x*2.0": (lambda a: a * 2.0, "any", True),
+    "2.0*x": (lambda a: 2.0 * a, "any", True),
+    "x/4": (lambda a: a / 4, "any", True),
+    "x+1": (lambda a: a + 1, "any", False),
+    "1+x": (lambda a: 1 + a, "any", False),
+    "x-0.5": (lambda a: a - 0.5, "any", False),
+    "2-x": (lambda a: 2 - a, "any", False),
+    "1/x": (lambda a: 1 / a, "nonzero", False),
+    "-x": (lambda a: -a, "any", True),
+    "x**2": (lambda a: a ** 2, "any", False),
+    "2**x": (lambda a: 2 ** a, "any", False),
+    "x*0-dim": (lambda a: a * torch.tensor(3.0), "any", True),
+}
+
+
+@pytest.mark.parametrize("op", list(SCALAR))
+@mesh_param
+@pytest.mark.parametrize("shape", [(8, 4), (7, 5)], ids=_id)
+def test_scalar(op, mesh_shape, shape):
+    fn, kind, linear = SCALAR[op]
+    x = data(kind, shape, _gen(_seed(op, shape)))
+    check_op(fn, [x], mesh_shape, limit=None if len(mesh_shape) == 1 else 6, linear=linear, seed=(op, shape))
+
+
+# ---------------------------------------------------------------------------------------
+# broadcasting
+# ---------------------------------------------------------------------------------------
+BCAST_OPS = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "maximum": torch.maximum}
+BCAST_SHAPES = [(5,), (1, 5), (7, 1)]
+
+
+@pytest.mark.parametrize("op", sorted(BCAST_OPS))
+@pytest.mark.parametrize("other", BCAST_SHAPES, ids=_id)
+@mesh_param
+def test_broadcast_forward(op, other, mesh_shape):
+    fn = BCAST_OPS[op]
+    g = _gen(_seed("bc", op, other))
+    x = data("any", (7, 5), g)
+    y = data("nonzero" if op == "div" else "any", other, g)
+    check_op(fn, [x, y], mesh_shape, limit=6, grad=False, linear=op != "maximum", seed=("bc", op, other))
+    check_op(fn, [y, x], mesh_shape, limit=6, grad=False, linear=op != "maximum", seed=("bcr", op, other))
+
+
+@mesh_param
+def test_broadcast_both_operands(mesh_shape):
+    """(7, 1) op (1, 5) -> (7, 5): each operand broadcasts along a different dim."""
+    g = _gen(_seed("bc2"))
+    a, b = data("any", (7, 1), g), data("any", (1, 5), g)
+    check_op(torch.add, [a, b], mesh_shape, limit=12, grad=False, linear=True, seed="bc2")
+    check_op(torch.mul, [a, b], mesh_shape, limit=12, grad=False, linear=True, seed="bc2m")
+
+
+@pytest.mark.parametrize("other", BCAST_SHAPES, ids=_id)
+@mesh_param
+def test_broadcast_backward(other, mesh_shape):
+    """The gradient of a broadcast operand sums over the broadcast dims."""
+    g = _gen(_seed("bcb", other))
+    x, y = data("any", (7, 5), g), data("any", other, g)
+    check_op(torch.mul, [x, y], mesh_shape, limit=8, linear=True, seed=("bcb", other))
+
+
+# ---------------------------------------------------------------------------------------
+# casts, clamp, masked_fill
+# ---------------------------------------------------------------------------------------
+@mesh_param
+@shape_param
+def test_cast_float64(mesh_shape, shape):
+    x = data("any", shape, _gen(_seed("f64", shape)))
+    seen = check_op(lambda a: a.to(torch.float64), [x], mesh_shape, limit=None, grad=False, linear=True,
+                    seed=("f64", shape))
+    for (in_pl,), out_pl in seen:
+        assert out_pl == in_pl, f".to(float64): {in_pl} -> {out_pl}; a float cast keeps placements"
+
+
+@mesh_param
+@shape_param
+def test_cast_bfloat16(mesh_shape, shape):
+    x = data("coarse", shape, _gen(_seed("bf16", shape)))  # exact in bf16, terms too
+    seen = check_op(lambda a: a.to(torch.bfloat16), [x], mesh_shape, limit=None, grad=False, linear=True,
+                    seed=("bf16", shape))
+    for (in_pl,), out_pl in seen:
+        assert out_pl == in_pl, f".to(bfloat16): {in_pl} -> {out_pl}"
+
+
+@mesh_param
+def test_cast_float64_backward(mesh_shape):
+    """The backward of a dtype cast is a cast back (aten._to_copy with dtype/layout/device kwargs)."""
+    x = data("any", (7, 5), _gen(_seed("f64b")))
+    check_op(lambda a: a.to(torch.float64), [x], mesh_shape, limit=6, linear=True, seed="f64b")
+
+
+@mesh_param
+def test_cast_bfloat16_roundtrip_backward(mesh_shape):
+    x = data("coarse", (7, 5), _gen(_seed("bf16rt")))  # exact in bf16, terms too
+    check_op(lambda a: a.to(torch.bfloat16).to(torch.float32) * 2, [x], mesh_shape, limit=None, linear=True,
+             seed="bf16rt")
+
+
+@mesh_param
+def test_cast_to_int_reduces_partial(mesh_shape):
+    """Truncation is not linear: trunc(sum of terms) != sum of trunc(terms)."""
+    x = data("any", (7, 5), _gen(_seed("int"))) * 4
+    seen = check_op(lambda a: a.to(torch.int32), [x], mesh_shape, limit=None, grad=False, seed="int")
+    for (in_pl,), out_pl in seen:
+        assert not any(isinstance(p, Partial) for p in out_pl)
+
+
+@mesh_param
+def test_bool_to_float(mesh_shape):
+    m = data("bool", (7, 5), _gen(_seed("b2f")))
+    seen = check_op(lambda a: a.float(), [m], mesh_shape, limit=None, grad=False, seed="b2f")
+    for (in_pl,), out_pl in seen:
+        assert out_pl == in_pl
+
+
+@mesh_param
+@shape_param
+def test_clamp(mesh_shape, shape):
+    x = data("any", shape, _gen(_seed("clamp", shape)))
+    check_op(lambda a: a.clamp(-0.5, 0.75), [x], mesh_shape, limit=8, seed=("clamp", shape))
+    check_op(lambda a: torch.clamp(a, min=0.25), [x], mesh_shape, limit=8, seed=("clampmin", shape))
+
+
+@mesh_param
+def test_clamp_tensor_bounds(mesh_shape):
+    g = _gen(_seed("clampT"))
+    x, lo = data("any", (7, 5), g), data("any", (7, 5), g)
+    hi = lo + 0.5
+    check_op(lambda a, b, c: torch.clamp(a, min=b, max=c), [x, lo, hi], mesh_shape, limit=12, seed="clampT")
+
+
+@mesh_param
+@pytest.mark.parametrize("mask_shape", [(7, 5), (5,)], ids=_id)
+def test_masked_fill(mesh_shape, mask_shape):
+    assert torch.Tag.pointwise in torch.ops.aten.masked_fill.Scalar.tags
+    g = _gen(_seed("mf", mask_shape))
+    x, m = data("any", (7, 5), g), data("bool", mask_shape, g)
+    check_op(lambda a, mm: a.masked_fill(mm, -1.5), [x, m], mesh_shape, limit=16, seed=("mf", mask_shape))
+
+
+# ---------------------------------------------------------------------------------------
+# other Partial kinds
+# ---------------------------------------------------------------------------------------
+def _kind_combos(mesh_shape, kind: str, n_inputs: int, others=(Replicate(), Shard(0))):
+    """Placements with ``Partial(kind)`` on at least one mesh dim of every input."""
+    per = [pl for pl in itertools.product([Partial(kind), *others], repeat=len(mesh_shape))
+           if Partial(kind) in pl]
+    return list(itertools.product(per, repeat=n_inputs))
+
+
+@pytest.mark.parametrize("kind", ["avg", "max"])
+@mesh_param
+def test_other_partial_kinds(kind, mesh_shape):
+    g = _gen(_seed("kinds", kind))
+    x, y = data("any", (7, 5), g), data("any", (7, 5), g)
+    lin = kind == "avg"
+    for name, fn in [("neg", torch.neg), ("exp", torch.exp), ("x*2", lambda a: a * 2.0), ("x+1", lambda a: a + 1),
+                     ("clone", torch.clone), ("relu", torch.relu)]:
+        check_op(fn, [x], mesh_shape, combos=_kind_combos(mesh_shape, kind, 1), linear=lin or name == "clone",
+                 seed=("kinds", kind, name))
+    for name, fn in [("add", torch.add), ("mul", torch.mul), ("sub", torch.sub), ("maximum", torch.maximum)]:
+        check_op(fn, [x, y], mesh_shape, combos=_kind_combos(mesh_shape, kind, 2)[:12], grad=False, linear=lin,
+                 seed=("kinds2", kind, name))
+
+
+# ---------------------------------------------------------------------------------------
+# placements the issue defines
+# ---------------------------------------------------------------------------------------
+def _placements_of(fn, values, placements, mesh_shape=(4,)):
+    """(output placements, full value, dense value) for one explicit combination."""
+    g = _gen(_seed("explicit", repr(placements)))
+    case = prepare(values, placements, mesh_shape, g)
+
+    def body():
+        mesh = init_device_mesh("cpu", mesh_shape)
+        args = [make_dtensor(p, mesh, False) if p.placements is not None else p.value for p in case]
+        out = fn(*args)
+        return tuple(out.placements), out.full_tensor()
+
+    res = run_spmd(body, mesh_shape_numel(mesh_shape), timeout=TIMEOUT)
+    dense = fn(*values)
+    for pl, full in res:
+        _close(full, dense, f"{placements}", None)
+    return res[0][0]
+
+
+P, R, S0, S1 = Partial("sum"), Replicate(), Shard(0), Shard(1)
+_X = data("any", (7, 5), _gen(1))
+_Y = data("nonzero", (7, 5), _gen(2))
+
+EXPECTED = [  # (name, fn, values, input placements, predicate on output placements, description)
+    ("P+P", torch.add, [_X, _Y], [(P,), (P,)], lambda o: o == (P,), "stays Partial(sum)"),
+    ("P-P", torch.sub, [_X, _Y], [(P,), (P,)], lambda o: o == (P,), "stays Partial(sum)"),
+    ("P*2.0", lambda a: a * 2.0, [_X], [(P,)], lambda o: o == (P,), "stays Partial(sum)"),
+    ("2.0*P", lambda a: 2.0 * a, [_X], [(P,)], lambda o: o == (P,), "stays Partial(sum)"),
+    ("P/2", lambda a: a / 2, [_X], [(P,)], lambda o: o == (P,), "stays Partial(sum)"),
+    ("-P", torch.neg, [_X], [(P,)], lambda o: o == (P,), "stays Partial(sum)"),
+    ("P*R", torch.mul, [_X, _Y], [(P,), (R,)], lambda o: o == (P,), "stays Partial(sum)"),
+    ("R*P", torch.mul, [_X, _Y], [(R,), (P,)], lambda o: o == (P,), "stays Partial(sum)"),
+    ("P/R", torch.div, [_X, _Y], [(P,), (R,)], lambda o: o == (P,), "stays Partial(sum)"),
+    ("R/P", torch.div, [_Y, _Y], [(R,), (P,)], lambda o: P not in o, "is reduced (1/x is not linear)"),
+    ("P*P", torch.mul, [_X, _Y], [(P,), (P,)], lambda o: P not in o, "is reduced (product of sums)"),
+    ("P+1", lambda a: a + 1, [_X], [(P,)], lambda o: P not in o, "is NOT Partial(sum)"),
+    ("1+P", lambda a: 1 + a, [_X], [(P,)], lambda o: P not in o, "is NOT Partial(sum)"),
+    ("P-0.5", lambda a: a - 0.5, [_X], [(P,)], lambda o: P not in o, "is NOT Partial(sum)"),
+    ("2-P", lambda a: 2 - a, [_X], [(P,)], lambda o: P not in o, "is NOT Partial(sum)"),
+    ("relu(P)", torch.relu, [_X], [(P,)], lambda o: o == (R,), "is reduced first"),
+    ("exp(P)", torch.exp, [_X], [(P,)], lambda o: o == (R,), "is reduced first"),
+    ("P>0", lambda a: a > 0, [_X], [(P,)], lambda o: o == (R,), "is reduced first"),
+    ("maximum(P,R)", torch.maximum, [_X, _Y], [(P,), (R,)], lambda o: o == (R,), "is reduced first"),
+    ("P.to(f64)", lambda a: a.to(torch.float64), [_X], [(P,)], lambda o: o == (P,), "stays Partial"),
+    ("ones_like(P)", torch.ones_like, [_X], [(P,)], lambda o: P not in o, "must NOT be Partial"),
+    ("full_like(P)", lambda a: torch.full_like(a, 3.0), [_X], [(P,)], lambda o: P not in o, "must NOT be Partial"),
+    ("S0+R", torch.add, [_X, _Y], [(S0,), (R,)], lambda o: o == (S0,), "keeps Shard(0)"),
+    ("R*S1", torch.mul, [_X, _Y], [(R,), (S1,)], lambda o: o == (S1,), "keeps Shard(1)"),
+    ("S1+S1", torch.add, [_X, _Y], [(S1,), (S1,)], lambda o: o == (S1,), "keeps Shard(1)"),
+    ("exp(S0)", torch.exp, [_X], [(S0,)], lambda o: o == (S0,), "keeps Shard(0)"),
+    ("P+S0", torch.add, [_X, _Y], [(P,), (S0,)], lambda o: o == (S0,), "is Shard(0)"),
+]
+
+
+@pytest.mark.parametrize("name,fn,values,placements,pred,desc", EXPECTED, ids=[e[0] for e in EXPECTED])
+def test_result_placements_1d(name, fn, values, placements, pred, desc):
+    out = _placements_of(fn, values, placements)
+    assert pred(out), f"{name}: result {desc}; got {out}"
+
+
+EXPECTED_2D = [
+    ("[S0,P]+[R,P]", torch.add, [_X, _Y], [(S0, P), (R, P)], (S0, P)),
+    ("[P,P]+[P,P]", torch.add, [_X, _Y], [(P, P), (P, P)], (P, P)),
+    ("[P,R]*[R,P]", torch.mul, [_X, _Y], [(P, R), (R, P)], (P, P)),
+    ("[P,S1]*2", lambda a: a * 2.0, [_X], [(P, S1)], (P, S1)),
+    ("relu[P,S1]", torch.relu, [_X], [(P, S1)], (R, S1)),
+    ("[S0,S1]+[S0,S1]", torch.add, [_X, _Y], [(S0, S1), (S0, S1)], (S0, S1)),
+    ("[S0,S0]+[S0,S0]", torch.add, [_X, _Y], [(S0, S0), (S0, S0)], (S0, S0)),
+    ("[P,S0]+1", lambda a: a + 1, [_X], [(P, S0)], (R, S0)),
+    ("ones_like[P,S0]", torch.ones_like, [_X], [(P, S0)], (R, S0)),
+    ("zeros_like[P,S0]", torch.zeros_like, [_X], [(P, S0)], None),
+]
+
+
+@pytest.mark.parametrize("name,fn,values,placements,expect", EXPECTED_2D, ids=[e[0] for e in EXPECTED_2D])
+def test_result_placements_2d(name, fn, values, placements, expect):
+    out = _placements_of(fn, values, placements, (2, 2))
+    if expect is not None:
+        assert out == expect, f"{name}: expected {expect}, got {out}"
+
+
+def test_broadcast_result_placements():
+    x, v = _X, data("any", (5,), _gen(3))
+    assert _placements_of(torch.add, [x, v], [(S1,), (R,)]) == (S1,)
+    assert _placements_of(torch.add, [x, v], [(R,), (S0,)]) == (S1,), "(5,) Shard(0) maps to output dim 1"
+    assert _placements_of(torch.mul, [v, x], [(S0,), (S0,)]) in ((S0,), (S1,)), "one operand's shard is kept"
+    assert _placements_of(torch.add, [x, v], [(P,), (R,)]) == (P,), "P + broadcast R stays P (linear)"
+
+
+# ---------------------------------------------------------------------------------------
+# *_like
+# ---------------------------------------------------------------------------------------
+LIKE = {
+    "zeros_like": (torch.zeros_like, True),
+    "ones_like": (torch.ones_like, False),
+    "full_like": (lambda a: torch.full_like(a, 2.5), False),
+    "zeros_like_f64": (lambda a: torch.zeros_like(a, dtype=torch.float64), True),
+}
+
+
+@pytest.mark.parametrize("op", sorted(LIKE))
+@mesh_param
+@shape_param
+def test_like(op, mesh_shape, shape):
+    fn, may_partial = LIKE[op]
+    x = data("any", shape, _gen(_seed("like", shape)))
+    seen = check_op(fn, [x], mesh_shape, limit=None, grad=False, linear=may_partial, seed=("like", op, shape))
+    for (in_pl,), out_pl in seen:
+        expect = tuple(Replicate() if isinstance(p, Partial) and not may_partial else p for p in in_pl)
+        assert out_pl == expect, f"{op}({in_pl}) -> {out_pl}, expected {expect}"
+
+
+# ---------------------------------------------------------------------------------------
+# in-place
+# ---------------------------------------------------------------------------------------
+INPLACE = {
+    "add_": (lambda a, b: a.add_(b), 2),
+    "sub_": (lambda a, b: a.sub_(b), 2),
+    "mul_T": (lambda a, b: a.mul_(b), 2),
+    "mul_2": (lambda a: a.mul_(2), 1),
+    "div_2": (lambda a: a.div_(2), 1),
+    "add_1": (lambda a: a.add_(1), 1),
+    "relu_": (lambda a: a.relu_(), 1),
+    "clamp_": (lambda a: a.clamp_(-0.5, 0.5), 1),
+}
+
+
+def _inplace_allowed(op: str, pls: tuple) -> bool:
+    """Combinations where the in-place op can keep ``self``'s placements (others must raise)."""
+    self_pl = pls[0]
+    if op in ("mul_2", "div_2"):
+        return True
+    if op in ("add_1", "relu_", "clamp_"):
+        return P not in self_pl
+    for a, b in zip(self_pl, pls[1]):
+        if isinstance(a, Shard):
+            continue  # self's shard wins; other follows
+        if isinstance(b, Shard):
+            return False  # self would have to become sharded
+        if a == P:
+            if b == P and op == "mul_T":
+                return False  # product of sums: self must be reduced
+        elif b == P:
+            return False  # self (Replicate) cannot take a Partial operand in place
+    return True
+
+
+@pytest.mark.parametrize("op", sorted(INPLACE))
+@mesh_param
+def test_inplace(op, mesh_shape):
+    fn, n = INPLACE[op]
+    g = _gen(_seed("inplace", op))
+    vals = [data("any", (7, 5), g) for _ in range(n)]
+    combos = placement_combos(vals, mesh_shape, 24, _seed("ip", op, mesh_shape))
+    ok = [c for c in combos if _inplace_allowed(op, c)]
+    assert ok
+    seen = check_op(lambda *a: _same_object(fn, *a), vals, mesh_shape, combos=ok, grad=False, linear=True,
+                    seed=("inplace", op))
+    for pls, out_pl in seen:
+        assert out_pl == pls[0], f"{op}: self {pls[0]} became {out_pl}; in-place ops keep placements"
+
+
+def _same_object(fn, *args):
+    out = fn(*args)
+    assert out is args[0], "an in-place op must return its self argument"
+    return out
+
+
+@mesh_param
+def test_inplace_that_would_change_self_placements_raises(mesh_shape):
+    """x (Replicate) += y (Shard): the result cannot keep x's placements; an error, not silence."""
+    x, y = _X, _Y
+    nd = len(mesh_shape)
+
+    def body():
+        mesh = init_device_mesh("cpu", mesh_shape)
+        a = distribute_tensor(x, mesh, [R] * nd)
+        b = distribute_tensor(y, mesh, [S0] * nd)
+        a.add_(b)
+
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        run_spmd(body, mesh_shape_numel(mesh_shape), timeout=TIMEOUT)
+
+
+def test_inplace_in_autograd_graph():
+    x, y = _X, _Y
+
+    def body(w):
+        mesh = init_device_mesh("cpu", (4,))
+        a = distribute_tensor(x, mesh, [S0]).requires_grad_()
+        b = distribute_tensor(y, mesh, [S0]).requires_grad_()
+        h = a * b
+        h.mul_(2)
+        h.add_(b)
+        (h.full_tensor() * w).sum().backward()
+        return a.grad.full_tensor(), b.grad.full_tensor()
+
+    w = data("any", (7, 5), _gen(9))
+    xa, yb = x.clone().requires_grad_(), y.clone().requires_grad_()
+    h = xa * yb
+    h.mul_(2)
+    h.add_(yb)
+    (h * w).sum().backward()
+    for ga, gb in run_spmd(body, 4, w, timeout=TIMEOUT):
+        _close(ga, xa.grad, "grad a", None)
+        _close(gb, yb.grad, "grad b", None)
+
+
+# ---------------------------------------------------------------------------------------
+# a composite expression (many dispatches, mixed placements, autograd through all)
+# ---------------------------------------------------------------------------------------
+@mesh_param
+@pytest.mark.parametrize("shape", [(7, 5), (3, 5)], ids=_id)
+def test_composite_expression(mesh_shape, shape):
+    g = _gen(_seed("composite", shape))
+    x, y, z = data("any", shape, g), data("nonzero", shape, g), data("any", shape, g)
+
+    def fn(a, b, c):
+        h = torch.tanh(a * 2.0 + b) * c - torch.sigmoid(c) / b
+        return torch.where(h > 0, F.gelu(h), h * 0.5).clamp(-1.0, 1.0)
+
+    check_op(fn, [x, y, z], mesh_shape, limit=6, seed=("composite", shape))
+
+
+# ---------------------------------------------------------------------------------------
+# more elementwise ops (forward): every one is elementwise, so each must work
+# ---------------------------------------------------------------------------------------
+MORE: dict[str, tuple[Callable, tuple[str, ...]]] = {
+    "floor_divide": (lambda a, b: a // b, ("any", "nonzero")),
+    "remainder": (lambda a, b: a % b, ("any", "nonzero")),
+    "fmod": (torch.fmod, ("any", "nonzero")),
+    "div_floor": (lambda a, b: torch.div(a, b, rounding_mode="floor"), ("any", "nonzero")),
+    "rsub_tensor": (torch.rsub, ("any", "any")),
+    "lerp": (lambda a, b: torch.lerp(a, b, 0.25), ("any", "any")),
+    "addcmul": (lambda a, b: torch.addcmul(a, a, b, value=0.5), ("any", "any")),
+    "hypot": (torch.hypot, ("any", "any")),
+    "silu": (F.silu, ("any",)),
+    "softplus": (F.softplus, ("any",)),
+    "leaky_relu": (lambda a: F.leaky_relu(a, 0.125), ("any",)),
+    "hardtanh": (F.hardtanh, ("any",)),
+    "hardswish": (F.hardswish, ("any",)),
+    "elu": (F.elu, ("any",)),
+    "erf": (torch.erf, ("any",)),
+    "floor": (torch.floor, ("any",)),
+    "sign": (torch.sign, ("any",)),
+    "nan_to_num": (torch.nan_to_num, ("any",)),
+    "masked_fill_tensor_value": (lambda a: a.masked_fill(a > 0, torch.tensor(0.5)), ("any",)),
+    "masked_fill_": (lambda a: _unpartial(a).clone().masked_fill_(a > 0, 0.5), ("any",)),
+    "fill_": (lambda a: _unpartial(a).clone().fill_(1.5), ("any",)),
+    "zero_": (lambda a: a.clone().zero_(), ("any",)),
+    "copy_": (lambda a, b: a.clone().copy_(b), ("any", "any")),
+    "type_as": (lambda a, b: a.type_as(b), ("any", "f64")),
+    "to_device_dtype": (lambda a: a.to("cpu", torch.float64), ("any",)),
+    "relu_then_exp_": (lambda a: torch.relu(a).exp_(), ("any",)),
+}
+
+
+def _unpartial(a):
+    """In-place ops cannot change self's placements: reduce Partial operands first."""
+    if not isinstance(a, DTensor):
+        return a
+    pl = [Replicate() if p.is_partial() else p for p in a.placements]
+    return a.redistribute(a.device_mesh, pl) if list(a.placements) != pl else a
+
+
+@mesh_param
+def test_inplace_fill_on_partial_raises(mesh_shape):
+    def body():
+        mesh = init_device_mesh("cpu", mesh_shape)
+        p = DTensor.from_local(torch.ones(7, 5), mesh, [Partial()] * len(mesh_shape))
+        with pytest.raises(RuntimeError, match="Partial"):
+            p.clone().fill_(1.5)
+        with pytest.raises(RuntimeError, match="in-place"):
+            p.clone().masked_fill_(p > 0, 0.5)
+        return True
+
+    assert all(run_spmd(body, 4, timeout=TIMEOUT))
+
+
+@pytest.mark.parametrize("op", list(MORE))
+@mesh_param
+def test_more_elementwise_ops(op, mesh_shape):
+    fn, kinds = MORE[op]
+    g = _gen(_seed("more", op))
+    vals = [data(k, (7, 5), g) if k != "f64" else data("any", (7, 5), g).double() for k in kinds]
+    check_op(fn, vals, mesh_shape, limit=8, grad=False, linear=op in ("rsub_tensor", "copy_", "zero_", "type_as",
+                                                                        "to_device_dtype", "lerp"),
+             seed=("more", op))
+
+
+def test_multi_output_pointwise_op_dtypes():
+    """torch.frexp returns (float mantissa, int32 exponent): each output DTensor has its own dtype."""
+    x = _X
+
+    def body():
+        mesh = init_device_mesh("cpu", (4,))
+        m, e = torch.frexp(distribute_tensor(x, mesh, [S0]))
+        return m.dtype, e.dtype, e.to_local().dtype, e.full_tensor(), m.full_tensor()
+
+    dm, de = torch.frexp(x)
+    for mdt, edt, elocal, efull, mfull in run_spmd(body, 4, timeout=TIMEOUT):
+        assert mdt == dm.dtype
+        assert elocal == de.dtype
+        assert edt == de.dtype, f"exponent DTensor reports dtype {edt} but holds {elocal} (dense: {de.dtype})"
+        assert torch.equal(efull, de) and torch.equal(mfull, dm)
+
+
+@mesh_param
+def test_inplace_mul_of_replicate_self_by_partial(mesh_shape):
+    """x (Replicate).mul_(y (Partial)): x cannot stay Replicate with per-rank terms in it.
+
+    Either the op raises (like x.add_(y) does) or the value is right; never silently wrong.
+    """
+    nd = len(mesh_shape)
+    case = prepare([_X, _Y], [(R,) * nd, (P,) + (R,) * (nd - 1)], mesh_shape, _gen(5))
+
+    def body():
+        mesh = init_device_mesh("cpu", mesh_shape)
+        a, b = (make_dtensor(p, mesh, False) for p in case)
+        a.mul_(b)
+        return tuple(a.placements), a.full_tensor(), a.to_local().clone()
+
+    try:
+        res = run_spmd(body, mesh_shape_numel(mesh_shape), timeout=TIMEOUT)
+    except (RuntimeError, NotImplementedError):
+        return
+    for pl, full, local in res:
+        _close(full, _X * _Y, f"R.mul_(P) -> {pl}: full_tensor", None)
+        if pl == (R,) * nd:
+            _close(local, _X * _Y, "R.mul_(P) claims Replicate: local", None)
+
+
+@mesh_param
+def test_integer_partial(mesh_shape):
+    xi = data("int", (7, 5), _gen(11))
+    yi = data("int", (7, 5), _gen(12))
+    check_op(torch.add, [xi, yi], mesh_shape, limit=12, grad=False, linear=True, seed="intadd")
+    check_op(lambda a: a * 3, [xi], mesh_shape, limit=8, grad=False, linear=True, seed="intmul")
+    check_op(lambda a: a.to(torch.float32), [xi], mesh_shape, limit=8, grad=False, linear=True, seed="int2f")
+    check_op(lambda a: torch.abs(a), [xi], mesh_shape, limit=8, grad=False, seed="intabs")
+
+
+@mesh_param
+def test_dtype_promotion(mesh_shape):
+    g = _gen(_seed("promo"))
+    x32, y64 = data("any", (7, 5), g), data("any", (7, 5), g).double()
+    xi = data("int", (7, 5), g)
+    check_op(torch.add, [x32, y64], mesh_shape, limit=10, grad=False, linear=True, seed="promo1")
+    check_op(torch.mul, [x32, y64], mesh_shape, limit=6, linear=True, seed="promo1b")
+    check_op(torch.mul, [xi, x32], mesh_shape, limit=10, grad=False, linear=True, seed="promo2")
+    check_op(lambda a: a * 0.5, [xi], mesh_shape, limit=8, grad=False, linear=True, seed="promo3")
+
+
+@mesh_param
+def test_zero_dim_dtensor_operand(mesh_shape):
+    """A 0-d DTensor (Replicate or Partial) broadcasts against sharded operands."""
+    s = torch.tensor(0.75)
+    g = _gen(_seed("zerodim"))
+    x = data("any", (7, 5), g)
+    nd = len(mesh_shape)
+    zero_pl = [(R,) * nd, (P,) * nd]
+    x_pl = list(itertools.product([R, S0, S1, P], repeat=nd))
+    combos = [(a, b) for a in zero_pl for b in x_pl][:24]
+    check_op(torch.mul, [s, x], mesh_shape, combos=combos, grad=False, linear=True, seed="zd1")
+    check_op(torch.add, [s, x], mesh_shape, combos=combos, grad=False, linear=True, seed="zd2")
+    check_op(lambda a: a + 1, [s], mesh_shape, combos=[(p,) for p in zero_pl], seed="zd3")
+
+
+def test_operands_with_different_shard_orders():
+    """[S(0), S(0)] operands split in different mesh-dim orders still combine correctly."""
+    x, y = _X, _Y
+
+    def body():
+        mesh = init_device_mesh("cpu", (2, 2))
+        a = distribute_tensor(x, mesh, [S0, S0])
+        b = distribute_tensor(y, mesh, [S0, S0]).redistribute(mesh, [S0, S0], shard_order={0: [1, 0]})
+        outs = [a + b, b + a, b * 2, torch.exp(b)]
+        return [(o.shard_order, o.full_tensor()) for o in outs], b.shard_order
+
+    for outs, border in run_spmd(body, 4, timeout=TIMEOUT):
+        assert border == ((0, (1, 0)),)
+        for (order, full), dense in zip(outs, [x + y, x + y, y * 2, torch.exp(y)]):
+            _close(full, dense, f"shard order {order}", None)
+        assert outs[2][0] == ((0, (1, 0)),), "a unary op keeps its input's shard order"
+
+
+# ---------------------------------------------------------------------------------------
+# ops that are not elementwise must refuse clearly
+# ---------------------------------------------------------------------------------------
+NOT_POINTWISE = [
+    ("mm", torch.mm, r"mm", ((7, 5), (5, 3))),
+    ("mean", lambda a: a.mean(), r"mean", ((7, 5),)),
+    ("prod_dim", lambda a: a.prod(dim=0), r"prod", ((7, 5),)),
+    ("t", lambda a: a.t(), r"\b(t|transpose)\b", ((7, 5),)),
+    ("view", lambda a: a.view(35), r"view", ((7, 5),)),
+    ("cat", lambda a: torch.cat([a, a]), r"cat", ((7, 5),)),
+    ("softmax", lambda a: torch.softmax(a, -1), r"softmax", ((7, 5),)),
+]
+
+
+@pytest.mark.parametrize("name,fn,pattern,shapes", NOT_POINTWISE, ids=[n[0] for n in NOT_POINTWISE])
+@pytest.mark.parametrize("placement", [S0, R, P], ids=str)
+def test_not_pointwise_raises(name, fn, pattern, shapes, placement):
+    vals = [data("any", s, _gen(i)) for i, s in enumerate(shapes)]
+    case = prepare(vals, [(placement,)] * len(vals), (4,), _gen(0))
+
+    def body():
+        mesh = init_device_mesh("cpu", (4,))
+        fn(*[make_dtensor(p, mesh, False) for p in case])
+
+    with pytest.raises(NotImplementedError) as ei:
+        run_spmd(body, 4, timeout=TIMEOUT)
+    msg = str(ei.value)
+    assert re.search(r"aten\.", msg) and re.search(pattern, msg), f"message does not name the op: {msg}"
+    assert str(placement) in msg, f"message does not name the input placements ({placement}): {msg}"
+    assert "[rank " in msg
+
+
+def test_not_pointwise_2d_names_all_placements():
+    case = prepare([_X, data("any", (5, 3), _gen(4))], [(S0, P), (R, S1)], (2, 2), _gen(0))
+
+    def body():
+        mesh = init_device_mesh("cpu", (2, 2))
+        a, b = (make_dtensor(p, mesh, False) for p in case)
+        torch.mm(a, b)
+
+    with pytest.raises(NotImplementedError) as ei:
+        run_spmd(body, 4, timeout=TIMEOUT)
+    msg = str(ei.value)
+    assert "mm" in msg and "(S(0), P(sum))" in msg and "(R, S(1))" in msg, msg
+
+
+# ---------------------------------------------------------------------------------------
+# self-checks of the harness (so a broken helper cannot make every test pass)
+# ---------------------------------------------------------------------------------------
+def test_harness_local_piece_chunk_rule():
+    t = torch.arange(5)
+    pieces = [local_piece(t, (4,), (r,), (S0,)).tolist() for r in range(4)]
+    assert pieces == [[0, 1], [2, 3], [4], []]
+    t = torch.arange(3)
+    assert [local_piece(t, (4,), (r,), (S0,)).tolist() for r in range(4)] == [[0], [1], [2], []]
+
+
+def test_harness_partial_terms_sum_exactly():
+    x = data("any", (7, 5), _gen(0))
+    terms = partial_terms(x, (2, 2), (P, P), _gen(1))
+    assert len(terms) == 4
+    assert torch.equal(sum(terms.values()), x)
+    assert not any(torch.equal(t, x) for t in terms.values())
+    x64 = x.double()
+    assert all(t.dtype == torch.float64 for t in partial_terms(x64, (4,), (P,), _gen(2)).values())
