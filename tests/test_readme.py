@@ -13,6 +13,7 @@ def test_readme_has_examples():
 
 
 @pytest.mark.parametrize("i", range(len(BLOCKS)))
-def test_readme_block_runs(i, capsys):
+def test_readme_block_runs(i, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     exec(compile(BLOCKS[i], f"README block {i}", "exec"), {"__name__": "__readme__"})
     assert capsys.readouterr().out.strip()

@@ -4,9 +4,11 @@ from .mesh import DeviceMesh, init_device_mesh
 from .placement import Partial, Placement, Replicate, Shard
 from .spec import DTensorSpec
 from .tensor import DTensor, distribute_tensor
+from . import debug
+from .debug import CommTrace, visualize_sharding
 
 __all__ = [
-    "DTensor", "DTensorSpec", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard",
-    "distribute_tensor", "init_device_mesh", "run_spmd",
+    "CommTrace", "DTensor", "DTensorSpec", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard",
+    "distribute_tensor", "init_device_mesh", "run_spmd", "visualize_sharding",
 ]
 __version__ = "0.1.0"
