@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import comm
 from .mesh import DeviceMesh
-from .placement import Partial, Placement, Replicate, Shard, display, local_shape_and_offset
+from .placement import Partial, Placement, Replicate, Shard, chunk, display, local_shape_and_offset
 from .propagation import propagate
 from .redistribute import redistribute_local
 from .spec import DTensorSpec
@@ -323,6 +323,28 @@ class _Redistribute(torch.autograd.Function):
         return out, None, None, None
 
 
+def _spread_from(t: torch.Tensor, spec: DTensorSpec, src: int, coord: list[int]) -> torch.Tensor:
+    """Broadcast the data of coordinate ``(src, ..., src)`` mesh dim by mesh dim, chunking
+    after each sharded dim (execution order first, so later broadcasts move smaller pieces).
+
+    A group broadcasts only if its source already holds valid data: every mesh dim not yet
+    processed (other than its own) has coordinate ``src`` -- the others would move garbage.
+    """
+    mesh = spec.mesh
+    sharding = [j for _, js in spec.shard_order for j in js]
+    todo = sharding + [j for j in range(mesh.ndim) if j not in sharding]
+    pending = set(todo)
+    for j in todo:
+        pending.discard(j)
+        if all(coord[k] == src for k in pending):
+            t = comm.broadcast(t, src, mesh, j)
+        p = spec.placements[j]
+        if isinstance(p, Shard):
+            n, o = chunk(t.shape[p.dim], mesh.shape[j], coord[j])
+            t = t.narrow(p.dim, o, n).contiguous()
+    return t
+
+
 def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements: Sequence[Placement] | None = None, *,
                       src_data_rank: int | None = 0) -> DTensor:
     """Shard or replicate a full tensor over the mesh, taking the data of ``src_data_rank``.
@@ -349,12 +371,12 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements:
     if coord is None:
         local = local.new_empty(0)
     else:
-        if src_data_rank is not None:
-            for j in range(device_mesh.ndim):
-                local = comm.broadcast(local.contiguous(), src_data_rank, device_mesh, j)
-        shape, offset = spec.local_shape_and_offset()
-        for d, (s, o) in enumerate(zip(shape, offset)):
-            if s != tensor.shape[d]:
-                local = local.narrow(d, min(o, tensor.shape[d]), s)
+        if src_data_rank is None:
+            shape, offset = spec.local_shape_and_offset()
+            for d, (n, o) in enumerate(zip(shape, offset)):
+                if n != tensor.shape[d]:
+                    local = local.narrow(d, min(o, tensor.shape[d]), n)
+        else:
+            local = _spread_from(local.contiguous(), spec, src_data_rank, coord)
         local = local.clone(memory_format=torch.contiguous_format)
     return DTensor(local, spec, requires_grad=tensor.requires_grad)

@@ -12,7 +12,11 @@ import torch.nn.functional as F
 from .. import comm
 from ..mesh import DeviceMesh
 from ..placement import Partial, Replicate, Shard, chunk, local_shape_and_offset
+from .optimal import optimal_plan
 from .planner import Step, plan
+
+PLANNER = "optimal"
+"""Which planner ``redistribute_local`` uses: ``"optimal"`` (fewest bytes) or ``"simple"`` (baseline)."""
 
 
 def _pad_to(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
@@ -100,6 +104,14 @@ def partition(t: torch.Tensor, op: str, k: int, me: int) -> torch.Tensor:
     return t.clone()
 
 
+def plan_for(src_spec, dst_spec, planner: str | None = None) -> tuple[Step, ...]:
+    """The steps from one spec to another (rank independent; cached by the planner)."""
+    if (planner or PLANNER) == "simple":
+        return plan(src_spec.placements, src_spec.shard_order, dst_spec.placements, dst_spec.shard_order)
+    return optimal_plan(src_spec.placements, src_spec.shard_order, dst_spec.placements, dst_spec.shard_order,
+                        src_spec.shape, src_spec.mesh.shape, src_spec.dtype.itemsize)
+
+
 def redistribute_local(t: torch.Tensor, src_spec, dst_spec) -> torch.Tensor:
     """Move this rank's local tensor from ``src_spec`` to ``dst_spec`` (same mesh)."""
     mesh = src_spec.mesh
@@ -112,7 +124,7 @@ def redistribute_local(t: torch.Tensor, src_spec, dst_spec) -> torch.Tensor:
     for j, (a, b) in enumerate(zip(src_spec.placements, dst_spec.placements)):
         if isinstance(a, Shard) and isinstance(b, Partial) and mesh.shape[j] > 1:
             raise RuntimeError(f"redistributing {a} to {b} on mesh dim {j} is not supported in the forward pass")
-    steps = plan(src_spec.placements, src_spec.shard_order, dst_spec.placements, dst_spec.shard_order)
+    steps = plan_for(src_spec, dst_spec)
     for step in steps:
         t = apply_step(t, step, src_spec.shape, mesh)
     return t
