@@ -9,7 +9,8 @@ Phases: (1) pop, last-applied first, every mesh dim that shards a tensor dim bey
 prefix shared with the target order -- straight to its target shard by all-to-all when it
 lands in place, else to Replicate; (2) append the target shards in target order (chunk from
 Replicate, reduce-scatter from Partial); (3) reduce the remaining partials; (4) partition.
-The byte-optimal planner replaces this one later; this one is the correctness baseline.
+The executor uses the byte-optimal planner (``optimal.py``); this one is the correctness
+baseline it is tested against, its fallback, and ``PLANNER = "simple"`` in ``execute.py``.
 """
 from __future__ import annotations
 
