@@ -37,6 +37,16 @@ def _pieces(t: torch.Tensor, dim: int, k: int) -> torch.Tensor:
     return t.reshape(shape).movedim(dim, 0)
 
 
+def _merge(stacked: torch.Tensor, dim: int) -> torch.Tensor:
+    """``(k, ..., c at dim, ...)`` -> ``(..., k*c at dim, ...)``: blocks in order along ``dim``.
+
+    A view when ``dim`` is 0 (no copy of the gathered buffer), one copy otherwise.
+    """
+    shape = list(stacked.shape[1:])
+    shape[dim] *= stacked.shape[0]
+    return stacked.movedim(0, dim).reshape(shape)
+
+
 def _logical_len(step: Step, global_shape, mesh: DeviceMesh, coord, dim: int) -> int:
     """Length of tensor dim ``dim`` that the step's group sees (its own split undone)."""
     j = step.mesh_dim
@@ -63,7 +73,7 @@ def apply_step(t: torch.Tensor, step: Step, global_shape, mesh: DeviceMesh) -> t
         length = _logical_len(step, global_shape, mesh, coord, d)
         c = -(-length // k) if length else 0
         gathered = comm.all_gather(_pad_to(t, d, c).contiguous(), mesh, j)
-        return torch.cat(gathered.unbind(0), dim=d).narrow(d, 0, length)
+        return _merge(gathered, d).narrow(d, 0, length)
     if isinstance(src, Partial) and isinstance(dst, Replicate):
         return comm.all_reduce(t, src.reduce_op, mesh, j)
     if isinstance(src, Partial) and isinstance(dst, Shard):
@@ -79,7 +89,7 @@ def apply_step(t: torch.Tensor, step: Step, global_shape, mesh: DeviceMesh) -> t
         blocks = _pieces(_pad_to(t, a, ca), b, k).contiguous()
         recv = comm.all_to_all(blocks, mesh, j)
         size_b, _ = chunk(lb, k, me)
-        full_a = torch.cat(recv.unbind(0), dim=a).narrow(a, 0, la)
+        full_a = _merge(recv, a).narrow(a, 0, la)
         return full_a.narrow(b, 0, size_b)
     if isinstance(src, Replicate) and isinstance(dst, Partial):
         return partition(t, dst.reduce_op, k, me)
