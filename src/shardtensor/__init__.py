@@ -6,9 +6,10 @@ from .spec import DTensorSpec
 from .tensor import DTensor, distribute_tensor
 from . import debug
 from .debug import CommTrace, visualize_sharding
+from .redistribute import explain_redistribute
 
 __all__ = [
     "CommTrace", "DTensor", "DTensorSpec", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard",
-    "distribute_tensor", "init_device_mesh", "run_spmd", "visualize_sharding",
+    "distribute_tensor", "explain_redistribute", "init_device_mesh", "run_spmd", "visualize_sharding",
 ]
 __version__ = "0.1.0"

@@ -1,19 +1,73 @@
-"""Command line: ``shardtensor demo``."""
+"""Command line: ``shardtensor demo`` and ``shardtensor plan``."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+
+PLAN_EXAMPLE = "example: shardtensor plan --mesh 2,2 --shape 8,6 --src S0,S1 --dst R,S0"
+
+
+def _add_plan_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "plan", help="show the steps, bytes per rank and a lower bound of a redistribution (no processes needed)",
+        description="Plan a redistribution from placements alone and price every step with the alpha-beta "
+                    "model: mesh dim, transition (display form), collective, bytes sent per rank, group size; "
+                    "then the total and a lower bound.", epilog=PLAN_EXAMPLE)
+    p.add_argument("--mesh", required=True, metavar="K0,K1,...", help="mesh shape, e.g. 2,2")
+    p.add_argument("--shape", required=True, metavar="N0,N1,...", help="global tensor shape, e.g. 8,6 ('' for a scalar)")
+    p.add_argument("--src", required=True, metavar="PLACEMENTS",
+                   help="source placements, one per mesh dim: R, S<d>, P, P(<op>); e.g. S0,S1 or P(max),S1")
+    p.add_argument("--dst", required=True, metavar="PLACEMENTS", help="target placements, e.g. R,S0")
+    p.add_argument("--dtype", default="float32", help="element type: float32 (default), bf16, fp16, float64, int8, ...")
+    p.add_argument("--src-order", metavar="D:J,J[;D:J,...]",
+                   help="source shard order of nested tensor dims, mesh dims first-applied first, e.g. 0:1,0")
+    p.add_argument("--dst-order", metavar="D:J,J[;D:J,...]", help="target shard order, e.g. 0:1,0")
+    p.add_argument("--planner", choices=("optimal", "simple"), default="optimal",
+                   help="optimal (what redistribute runs; default) or simple (the baseline)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--png", metavar="FILE", help="also draw the layouts before/after each step to this PNG")
+    return p
+
+
+def _plan(args, parser: argparse.ArgumentParser) -> int:
+    from .redistribute.explain import explain_redistribute
+
+    try:
+        ex = explain_redistribute(args.mesh, args.shape, args.src, args.dst, dtype=args.dtype,
+                                  src_order=args.src_order, dst_order=args.dst_order, planner=args.planner)
+    except (ValueError, TypeError) as e:
+        parser.error(str(e))  # exits with code 2
+    if args.png:
+        try:
+            ex.draw(args.png)
+        except ImportError as e:
+            parser.exit(2, f"shardtensor plan: error: --png needs matplotlib ({e})\n")
+        except OSError as e:
+            parser.exit(2, f"shardtensor plan: error: cannot write {args.png}: {e}\n")
+    try:
+        print(json.dumps(ex.to_dict(), indent=2) if args.json else ex.to_text(), flush=True)
+    except BrokenPipeError:  # e.g. piped into head
+        sys.stdout = open(os.devnull, "w")
+        return 0
+    if args.png:
+        print(f"wrote {args.png}", file=sys.stderr if args.json else sys.stdout)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardtensor", description="SPMD sharded tensors for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="tour of placements, redistribution and elementwise ops on a (2, 2) mesh")
+    plan_parser = _add_plan_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import main as demo_main
 
         return demo_main()
+    if args.command == "plan":
+        return _plan(args, plan_parser)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -1,0 +1,741 @@
+"""Explain a redistribution without running it: the steps, their bytes, and a lower bound.
+
+``explain_redistribute(mesh_shape, shape, src, dst)`` plans the change from ``src`` to ``dst``
+placements with the executor's planner (spec redistribute 3.7) and prices every step with the
+alpha-beta model of ``cost.py`` (spec 2.2).  Nothing runs: no processes, no mesh, no data; the
+answer depends only on the mesh shape, the global shape, the dtype, the two specs (placements
+and shard orders), the link model and the planner.  With ``links=None`` and the default
+planner the steps are exactly those ``DTensor.redistribute`` runs.
+
+The result, an :class:`Explanation`, lists each step (mesh dim, state before and after in the
+display form of spec 1.3, collective, bytes sent per rank, group size, modeled time), the
+totals, and a **lower bound** on the bytes per rank that any plan over the same edges needs:
+
+* Steps on different mesh dims are different steps, so per-mesh-dim lower bounds add up.
+* A mesh dim whose placement is the same in source and target (possibly in another shard
+  order), ``R -> anything`` (chunk, partition) and ``P(sum) <-> P(avg)`` (rescale) count 0.
+* Any other mesh dim ``j`` must run at least one collective: ``S(a) -> R`` or ``S -> P`` an
+  all-gather (the only way out of a shard into a non-shard), ``S(a) -> S(b)`` an all-to-all or
+  an all-gather, ``P -> S(b)`` a reduce-scatter or an all-reduce; ``P -> R`` and ``P(op1) ->
+  P(op2)`` (other kinds) an all-reduce, or a reduce-scatter followed later by an all-gather.
+* Each of those is priced on the smallest tensor it could act on: the global tensor split by
+  every *other* mesh dim, without padding, ``|X|min = itemsize * numel / prod(k_i, i != j)``.
+  A step's logical shape is the global shape with some other mesh dims' splits applied, with
+  ceilings (padding only enlarges), so ``|X| >= |X|min``; and every collective sends at least
+  its unpadded share of ``|X|`` (spec 2.2): all-gather and reduce-scatter ``(k-1)/k``,
+  all-to-all ``(k-1)/k^2``, all-reduce (and reduce-scatter + all-gather) ``2(k-1)/k``.
+
+So ``lower_bound_bytes <= total_bytes`` for every plan of either planner (a test checks it on
+random pairs).  The time bound adds each such mesh dim's fewest latency terms (``k-1``, or
+``2(k-1)`` for the reductions to ``R``).  The bound is reached by single-collective changes of
+a fully split tensor, e.g. ``S(0) -> R`` on a 1-D mesh; it ignores the shard order entirely.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import re
+import textwrap
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from ..placement import (Partial, Placement, Replicate, Shard, ShardOrder, default_shard_order, display,
+                         local_shape_and_offset, normalize_placements, validate_shard_order, REDUCE_OPS)
+from .cost import LinkModel, logical_shape, normalize_links, step_comm
+from .optimal import optimal_plan
+from .planner import Step, plan as simple_plan
+
+__all__ = ["explain_redistribute", "Explanation", "ExplainedStep", "BoundTerm", "parse_placements", "parse_spec",
+           "parse_shard_order", "parse_dtype", "format_bytes", "format_time"]
+
+PLANNERS = ("optimal", "simple")
+
+
+# -- parsing ------------------------------------------------------------------------------------
+
+_DTYPE_ALIASES = {
+    "fp32": torch.float32, "f32": torch.float32, "float": torch.float32, "float32": torch.float32,
+    "fp16": torch.float16, "f16": torch.float16, "half": torch.float16, "float16": torch.float16,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp64": torch.float64, "f64": torch.float64, "double": torch.float64, "float64": torch.float64,
+}
+
+
+def parse_dtype(dtype: Any) -> torch.dtype:
+    """``torch.bfloat16``, ``"bf16"``, ``"float32"``, ``"torch.int8"``, ... -> a ``torch.dtype``."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if not isinstance(dtype, str):
+        raise TypeError(f"dtype must be a torch.dtype or a name like 'bf16', got {dtype!r}")
+    name = dtype.strip().lower().removeprefix("torch.")
+    if name in _DTYPE_ALIASES:
+        return _DTYPE_ALIASES[name]
+    found = getattr(torch, name, None)
+    if isinstance(found, torch.dtype):
+        return found
+    raise ValueError(f"unknown dtype {dtype!r}; use a torch dtype name (float32, bfloat16, int8, ...) "
+                     f"or one of {', '.join(sorted(_DTYPE_ALIASES))}")
+
+
+_OPS = "|".join(REDUCE_OPS)
+_TOKEN = re.compile(
+    r"^(?:(?P<r>r|replicate(?:\(\))?)"
+    rf"|(?P<p>p|partial(?:\(\))?|(?:p|partial)\((?:reduce_op=)?['\"]?(?P<op>{_OPS})['\"]?\))"
+    r"|(?:s(?P<sd>-?\d+)|(?:s|shard)\((?:dim=)?(?P<sd2>-?\d+)\))(?:\[(?P<pos>\d+)\])?)$")
+
+
+def _split_top(text: str) -> list[str]:
+    """Split on commas outside parentheses/brackets (``"P(max),S1"`` -> ``["P(max)", "S1"]``)."""
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        if ch in "([":
+            depth += 1
+        elif ch in ")]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"unbalanced parentheses in placements {text!r}")
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if depth:
+        raise ValueError(f"unbalanced parentheses in placements {text!r}")
+    parts.append(cur)
+    return parts
+
+
+def _strip_outer(text: str) -> str:
+    """``"(S(0), R)"`` -> ``"S(0), R"`` (the display form's outer parentheses are optional)."""
+    if text.startswith("(") and text.endswith(")"):
+        depth = 0
+        for i, ch in enumerate(text):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0 and i < len(text) - 1:
+                return text  # "(...)...(...)": not one outer pair
+        return text[1:-1]
+    return text
+
+
+def parse_spec(text: str, mesh_ndim: int) -> tuple[tuple[Placement, ...], dict[int, tuple[int, ...]]]:
+    """Placements and the shard-order entries spelled in the display form of spec 1.3.
+
+    Accepts ``"S0,S1"``, ``"R,S0"``, ``"P,P"``, ``"P(max),S1"``, ``"(S(0), Shard(1))"``,
+    ``"Replicate(), Partial(avg)"`` (case-insensitive, spaces ignored) and nested positions
+    ``"S(0)[1],S(0)[0]"`` (mesh dim 1 splits tensor dim 0 first).  Returns the placements and
+    ``{tensor dim: mesh dims, first-applied first}`` for the tensor dims given with positions.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"placements text must be a str, got {text!r}")
+    body = _strip_outer(re.sub(r"\s+", "", text))
+    if not body:
+        raise ValueError(f"empty placements {text!r}; give one per mesh dim, e.g. 'S0,R'")
+    tokens = _split_top(body)
+    out: list[Placement] = []
+    pos: dict[int, int] = {}
+    for j, tok in enumerate(tokens):
+        m = _TOKEN.match(tok.lower())
+        if m is None:
+            raise ValueError(f"cannot parse placement {tok!r} (mesh dim {j}) in {text!r}; use R, S<d> / S(<d>), "
+                             f"P / P(<op>) with op in {', '.join(REDUCE_OPS)}")
+        if m.group("r"):
+            out.append(Replicate())
+        elif m.group("p"):
+            out.append(Partial(m.group("op") or "sum"))
+        else:
+            out.append(Shard(int(m.group("sd") if m.group("sd") is not None else m.group("sd2"))))
+            if m.group("pos") is not None:
+                pos[j] = int(m.group("pos"))
+    if len(out) != mesh_ndim:
+        raise ValueError(f"got {len(out)} placements {text!r} for a mesh with {mesh_ndim} dims; "
+                         "give exactly one placement per mesh dim")
+    order: dict[int, tuple[int, ...]] = {}
+    by_dim: dict[int, list[int]] = {}
+    for j, p in enumerate(out):
+        if isinstance(p, Shard):
+            by_dim.setdefault(p.dim, []).append(j)
+    for d, js in by_dim.items():
+        marked = [j for j in js if j in pos]
+        if not marked:
+            continue
+        if len(marked) != len(js) or sorted(pos[j] for j in js) != list(range(len(js))):
+            raise ValueError(f"positions of the mesh dims sharding tensor dim {d} in {text!r} must be "
+                             f"[0]..[{len(js) - 1}], one per mesh dim")
+        order[d] = tuple(sorted(js, key=lambda j: pos[j]))
+    return tuple(out), order
+
+
+def parse_placements(text: str, mesh_ndim: int) -> tuple[Placement, ...]:
+    """``"S0,S1"`` / ``"R,S0"`` / ``"P,P"`` / ``"P(max),S1"`` -> placements, one per mesh dim.
+
+    Raises ``ValueError`` for unknown tokens, unbalanced parentheses or the wrong count.
+    Nested positions (``S(0)[1]``) are accepted but dropped here; ``parse_spec`` keeps them.
+    """
+    return parse_spec(text, mesh_ndim)[0]
+
+
+def parse_shard_order(text: str) -> dict[int, tuple[int, ...]]:
+    """``"0:1,0"`` -> ``{0: (1, 0)}``; several tensor dims separated by ``;`` (``"0:1,0;1:2"``)."""
+    if not isinstance(text, str):
+        raise TypeError(f"shard order text must be a str, got {text!r}")
+    out: dict[int, tuple[int, ...]] = {}
+    entries = [e for e in re.sub(r"\s+", "", text).split(";") if e]
+    if not entries:
+        raise ValueError(f"empty shard order {text!r}; use 'tensor_dim:mesh_dim,mesh_dim' e.g. '0:1,0'")
+    for e in entries:
+        m = re.fullmatch(r"(-?\d+):(\d+(?:,\d+)*)", e)
+        if m is None:
+            raise ValueError(f"cannot parse shard order entry {e!r} of {text!r}; use 'tensor_dim:mesh dims "
+                             "first-applied first', e.g. '0:1,0', entries separated by ';'")
+        d = int(m.group(1))
+        if d in out:
+            raise ValueError(f"shard order {text!r} lists tensor dim {d} twice")
+        out[d] = tuple(int(x) for x in m.group(2).split(","))
+    return out
+
+
+def _order_entries(order: Any) -> dict[int, tuple[int, ...]]:
+    if order is None:
+        return {}
+    if isinstance(order, str):
+        return parse_shard_order(order)
+    items = order.items() if isinstance(order, Mapping) else order
+    out: dict[int, tuple[int, ...]] = {}
+    try:
+        for d, js in items:
+            if d in out:
+                raise ValueError(f"shard order {order!r} lists tensor dim {d} twice")
+            out[d] = tuple(js)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ValueError) and "twice" in str(e):
+            raise
+        raise TypeError(f"shard order must be a str like '0:1,0', a dict {{tensor dim: [mesh dims]}} or "
+                        f"((tensor dim, (mesh dims...)), ...), got {order!r}") from None
+    return out
+
+
+def _resolve(what: str, value: Any, order: Any, mesh_ndim: int, ndim: int) -> tuple[tuple[Placement, ...], ShardOrder]:
+    """Placements (sequence or text) + order (None, text, dict, pairs) -> validated (placements, order).
+
+    Entries of the order replace the default (left-to-right) entries of their tensor dims only.
+    """
+    marked: dict[int, tuple[int, ...]] = {}
+    if isinstance(value, str):
+        value, marked = parse_spec(value, mesh_ndim)
+    elif isinstance(value, Sequence) and not isinstance(value, Placement):
+        value = tuple(parse_placements(p, 1)[0] if isinstance(p, str) else p for p in value)
+    try:
+        pl = normalize_placements(value, ndim, mesh_ndim)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{what}: {e}") from None
+    def wrap(d):
+        return d + ndim if isinstance(d, int) and not isinstance(d, bool) and d < 0 else d
+
+    given = {wrap(d): js for d, js in _order_entries(order).items()}
+    marked = {wrap(d): js for d, js in marked.items()}
+    for d, js in marked.items():
+        if d in given and tuple(given[d]) != js:
+            raise ValueError(f"{what}: shard order {order!r} contradicts the positions in the placements "
+                             f"for tensor dim {d}: {js}")
+    entries = dict(default_shard_order(pl))
+    entries.update(marked)
+    entries.update(given)
+    try:
+        return pl, validate_shard_order(pl, tuple(entries.items()))
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{what}: {e}") from None
+
+
+# -- formatting ---------------------------------------------------------------------------------
+
+def _num(x: float) -> str:
+    s = f"{x:.2f}".rstrip("0").rstrip(".")
+    return s or "0"
+
+
+def format_bytes(b: float) -> str:
+    """``96`` -> ``96 B``, ``24576`` -> ``24 KiB``, ``1536`` -> ``1.5 KiB`` (2 decimals at most)."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if b >= scale:
+            return f"{_num(b / scale)} {unit}"
+    return f"{_num(b)} B"
+
+
+def format_time(t: float) -> str:
+    if t == 0:
+        return "0"
+    if t < 1e-3:
+        return f"{_num(t * 1e6)} us"
+    if t < 1:
+        return f"{_num(t * 1e3)} ms"
+    return f"{_num(t)} s"
+
+
+def _jnum(x: Fraction | float) -> int | float:
+    """An exact count as an int when whole, else a float (JSON)."""
+    if isinstance(x, Fraction):
+        return int(x) if x.denominator == 1 else float(x)
+    return int(x) if float(x).is_integer() else float(x)
+
+
+def _pl_str(pl: Sequence[Placement]) -> list[str]:
+    return [str(p) for p in pl]
+
+
+def _order_json(order: ShardOrder) -> list:
+    return [[d, list(js)] for d, js in order]
+
+
+def _order_from_json(obj) -> ShardOrder:
+    return tuple((int(d), tuple(int(j) for j in js)) for d, js in obj)
+
+
+# -- the explanation ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ExplainedStep:
+    """One step: mesh dim ``mesh_dim`` (``group_size`` ranks per group) goes ``src -> dst``."""
+
+    index: int                              # 1-based
+    mesh_dim: int
+    group_size: int
+    src: Placement
+    dst: Placement
+    placements_before: tuple[Placement, ...]
+    order_before: ShardOrder
+    placements_after: tuple[Placement, ...]
+    order_after: ShardOrder
+    collective: str                         # all_gather, all_to_all, reduce_scatter, all_reduce, chunk, ...
+    logical_shape: tuple[int, ...]          # the (coordinate-0, padded) tensor the group works on
+    bytes: float                            # sent per rank (= received)
+    latency_terms: int
+    time: float                             # modeled seconds: latency_terms * alpha + bytes * beta
+
+    @property
+    def before(self) -> str:
+        return display(self.placements_before, self.order_before)
+
+    @property
+    def after(self) -> str:
+        return display(self.placements_after, self.order_after)
+
+    @property
+    def transition(self) -> str:
+        return f"{self.before} -> {self.after}"
+
+    def to_dict(self) -> dict:
+        return {"index": self.index, "mesh_dim": self.mesh_dim, "group_size": self.group_size,
+                "src": str(self.src), "dst": str(self.dst), "before": self.before, "after": self.after,
+                "placements_before": _pl_str(self.placements_before), "order_before": _order_json(self.order_before),
+                "placements_after": _pl_str(self.placements_after), "order_after": _order_json(self.order_after),
+                "collective": self.collective, "logical_shape": list(self.logical_shape),
+                "bytes_per_rank": _jnum(self.bytes), "latency_terms": self.latency_terms, "time_s": self.time}
+
+    @staticmethod
+    def from_dict(d: Mapping) -> "ExplainedStep":
+        m = len(d["placements_before"])
+        return ExplainedStep(int(d["index"]), int(d["mesh_dim"]), int(d["group_size"]), parse_placements(d["src"], 1)[0],
+                             parse_placements(d["dst"], 1)[0], parse_placements(",".join(d["placements_before"]), m),
+                             _order_from_json(d["order_before"]), parse_placements(",".join(d["placements_after"]), m),
+                             _order_from_json(d["order_after"]), str(d["collective"]), tuple(d["logical_shape"]),
+                             d["bytes_per_rank"], int(d["latency_terms"]), d["time_s"])
+
+
+@dataclass(frozen=True)
+class BoundTerm:
+    """Lower-bound share of one mesh dim: the cheapest collective(s) that can change it."""
+
+    mesh_dim: int
+    src: Placement
+    dst: Placement
+    collective: str          # "" when the mesh dim needs no communication
+    bytes: float
+    latency_terms: int
+    reason: str
+
+    def to_dict(self) -> dict:
+        return {"mesh_dim": self.mesh_dim, "src": str(self.src), "dst": str(self.dst), "collective": self.collective,
+                "bytes_per_rank": _jnum(self.bytes), "latency_terms": self.latency_terms, "reason": self.reason}
+
+    @staticmethod
+    def from_dict(d: Mapping) -> "BoundTerm":
+        return BoundTerm(int(d["mesh_dim"]), parse_placements(d["src"], 1)[0], parse_placements(d["dst"], 1)[0],
+                         str(d["collective"]), d["bytes_per_rank"], int(d["latency_terms"]), str(d["reason"]))
+
+
+BOUND_RULE = ("each mesh dim whose placement must change needs at least the cheapest collective that can change it, "
+              "priced on the smallest tensor it could act on (the global tensor split by every other mesh dim, "
+              "unpadded); steps on different mesh dims are different steps, so these add up; mesh dims that differ "
+              "only in shard order, R -> S/P and P(sum) <-> P(avg) count 0")
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What a redistribution does and costs (per rank), from specs only.  ``str()`` is ``to_text()``."""
+
+    mesh_shape: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: str
+    itemsize: int
+    planner: str
+    src_placements: tuple[Placement, ...]
+    src_order: ShardOrder
+    dst_placements: tuple[Placement, ...]
+    dst_order: ShardOrder
+    links: tuple[LinkModel, ...]
+    steps: tuple[ExplainedStep, ...]
+    total_bytes: float
+    total_time: float
+    lower_bound_bytes: float
+    lower_bound_time: float
+    bound_terms: tuple[BoundTerm, ...]
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def src(self) -> str:
+        return display(self.src_placements, self.src_order)
+
+    @property
+    def dst(self) -> str:
+        return display(self.dst_placements, self.dst_order)
+
+    @property
+    def plan_steps(self) -> tuple[Step, ...]:
+        """The planner's ``Step`` tuples (runnable with ``execute.apply_step``)."""
+        return tuple(Step(s.mesh_dim, s.src, s.dst, s.placements_before, s.order_before) for s in self.steps)
+
+    # -- text ---------------------------------------------------------------------------------
+    def to_text(self) -> str:
+        head = (f"redistribute {self.shape} {self.dtype} on mesh {self.mesh_shape}: {self.src} -> {self.dst}  "
+                f"[planner: {self.planner}]")
+        lines = [head]
+        if not self.steps:
+            lines.append("no steps: source and target are the same spec")
+        else:
+            rows = [("#", "mesh dim", "k", "transition", "collective", "logical shape", "bytes/rank", "time")]
+            for s in self.steps:
+                rows.append((str(s.index), str(s.mesh_dim), str(s.group_size), s.transition,
+                             s.collective if s.collective != "identity" else "-", str(s.logical_shape),
+                             format_bytes(s.bytes), format_time(s.time)))
+            widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+            right = {0, 2, 6, 7}
+            for r in rows:
+                cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
+                lines.append("  ".join(cells).rstrip())
+        lines.append(f"total: {format_bytes(self.total_bytes)} per rank ({_jnum(self.total_bytes)} bytes), "
+                     f"modeled {format_time(self.total_time)}")
+        lines.append(f"lower bound: {format_bytes(self.lower_bound_bytes)} per rank "
+                     f"({_jnum(self.lower_bound_bytes)} bytes), {format_time(self.lower_bound_time)}"
+                     + ("  -- the plan meets it" if self.total_bytes <= self.lower_bound_bytes else ""))
+        for t in self.bound_terms:
+            if t.collective:
+                lines.append(f"  mesh dim {t.mesh_dim}: {t.reason}")
+        if not any(t.collective for t in self.bound_terms):
+            lines.append("  no mesh dim needs communication by itself" if self.steps else "  nothing to change")
+        lines.extend(textwrap.wrap(f"(why a bound: {BOUND_RULE})", 100, initial_indent="  ", subsequent_indent="   "))
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+    # -- JSON ---------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """JSON-able (``json.dumps`` works as is); ``Explanation.from_dict`` reverses it."""
+        return {
+            "mesh_shape": list(self.mesh_shape), "shape": list(self.shape), "dtype": self.dtype,
+            "itemsize": self.itemsize, "planner": self.planner,
+            "src": {"display": self.src, "placements": _pl_str(self.src_placements), "order": _order_json(self.src_order)},
+            "dst": {"display": self.dst, "placements": _pl_str(self.dst_placements), "order": _order_json(self.dst_order)},
+            "links": [{"alpha": lk.alpha, "beta": lk.beta} for lk in self.links],
+            "steps": [s.to_dict() for s in self.steps],
+            "total_bytes_per_rank": _jnum(self.total_bytes), "total_time_s": self.total_time,
+            "lower_bound": {"bytes_per_rank": _jnum(self.lower_bound_bytes), "time_s": self.lower_bound_time,
+                            "rule": BOUND_RULE, "terms": [t.to_dict() for t in self.bound_terms]},
+            "notes": list(self.notes),
+        }
+
+    @staticmethod
+    def from_dict(d: Mapping) -> "Explanation":
+        m = len(d["mesh_shape"])
+        lb = d["lower_bound"]
+        return Explanation(
+            tuple(d["mesh_shape"]), tuple(d["shape"]), str(d["dtype"]), int(d["itemsize"]), str(d["planner"]),
+            parse_placements(",".join(d["src"]["placements"]), m), _order_from_json(d["src"]["order"]),
+            parse_placements(",".join(d["dst"]["placements"]), m), _order_from_json(d["dst"]["order"]),
+            tuple(LinkModel(x["alpha"], x["beta"]) for x in d["links"]),
+            tuple(ExplainedStep.from_dict(s) for s in d["steps"]), d["total_bytes_per_rank"], d["total_time_s"],
+            lb["bytes_per_rank"], lb["time_s"], tuple(BoundTerm.from_dict(t) for t in lb["terms"]),
+            tuple(d.get("notes", ())))
+
+    # -- picture ------------------------------------------------------------------------------
+    def draw(self, png_path: str, dpi: int = 100) -> str:
+        """Write a PNG: one row per step, the layout before and after it, the collective and bytes
+        on the arrow.  1-D/2-D tensors are drawn as blocks labelled with the ranks holding them
+        (rank = row-major index of the mesh coordinate); higher ranks get a per-dim description.
+        Uses matplotlib's Agg canvas only (no pyplot state).  Returns ``png_path``."""
+        _draw(self, png_path, dpi)
+        return png_path
+
+
+# -- the lower bound ----------------------------------------------------------------------------
+
+def _bound_term(j: int, a: Placement, b: Placement, mesh_shape, numel: int, itemsize: int) -> BoundTerm:
+    k = mesh_shape[j]
+    rest = math.prod(mesh_shape) // k
+    xmin = Fraction(numel * itemsize, rest)
+    x_txt = (f"|X|min = {format_bytes(numel * itemsize)} / {rest}, split by the other mesh dims" if rest > 1
+             else "|X|min = the whole tensor")
+    if a == b or k == 1 or isinstance(a, Replicate):
+        why = ("same placement" if a == b else "a group of one rank" if k == 1
+               else "local chunk" if isinstance(b, Shard) else "local partition")
+        return BoundTerm(j, a, b, "", 0, 0, f"{a} -> {b}: {why}, no communication")
+    if isinstance(a, Partial) and isinstance(b, Partial) and {a.reduce_op, b.reduce_op} == {"sum", "avg"}:
+        return BoundTerm(j, a, b, "", 0, 0, f"{a} -> {b}: local rescale, no communication")
+    if isinstance(a, Shard):
+        if isinstance(b, Shard):
+            frac, lat, coll, ftxt = Fraction(k - 1, k * k), k - 1, "all_to_all", "(k-1)/k^2"
+            how = "an all-to-all (or a dearer all-gather)"
+        else:
+            frac, lat, coll, ftxt = Fraction(k - 1, k), k - 1, "all_gather", "(k-1)/k"
+            how = "an all-gather (the only way out of a shard)" + (" and a partition" if isinstance(b, Partial) else "")
+    elif isinstance(b, Shard):
+        frac, lat, coll, ftxt = Fraction(k - 1, k), k - 1, "reduce_scatter", "(k-1)/k"
+        how = "a reduce-scatter (or a dearer all-reduce)"
+    else:
+        frac, lat, coll, ftxt = Fraction(2 * (k - 1), k), 2 * (k - 1), "all_reduce", "2(k-1)/k"
+        how = ("an all-reduce, or a reduce-scatter and later an all-gather"
+               + (" (then a partition)" if isinstance(b, Partial) else ""))
+    byt = frac * xmin
+    val = str(frac.numerator) if frac.denominator == 1 else f"{frac.numerator}/{frac.denominator}"
+    return BoundTerm(j, a, b, coll, byt, lat, f"{a} -> {b} (k={k}) needs {how}: >= {ftxt} x |X|min "
+                                              f"= {val} x {format_bytes(float(xmin))} = {format_bytes(float(byt))} "
+                                              f"({x_txt})")
+
+
+# -- the main call ------------------------------------------------------------------------------
+
+def _after(step: Step) -> tuple[tuple[Placement, ...], ShardOrder]:
+    pl = list(step.placements)
+    pl[step.mesh_dim] = step.dst
+    order = {d: list(js) for d, js in step.order}
+    if isinstance(step.src, Shard):
+        order[step.src.dim].remove(step.mesh_dim)
+    if isinstance(step.dst, Shard):
+        order.setdefault(step.dst.dim, []).append(step.mesh_dim)
+    return tuple(pl), tuple((d, tuple(js)) for d, js in sorted(order.items()) if js)
+
+
+def _int_tuple(what: str, value: Any, minimum: int) -> tuple[int, ...]:
+    if isinstance(value, str):
+        text = re.sub(r"\s+", "", value)
+        if len(text) >= 2 and text[0] + text[-1] in ("()", "[]"):
+            text = text[1:-1]
+        parts = text.split(",") if text else []
+        if parts and parts[-1] == "" and len(parts) > 1:
+            parts.pop()  # "8," like a Python 1-tuple
+        try:
+            value = tuple(int(v) for v in parts)
+        except ValueError:
+            raise ValueError(f"{what} must be comma-separated integers like '2,2', got {value!r}") from None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = (value,)
+    try:
+        out = tuple(value)
+    except TypeError:
+        raise TypeError(f"{what} must be a sequence of ints, got {value!r}") from None
+    for v in out:
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(f"{what} must be a sequence of ints, got {value!r}")
+        if v < minimum:
+            raise ValueError(f"{what} {out} has a size {v} < {minimum}")
+    return out
+
+
+def explain_redistribute(mesh_shape: Sequence[int], shape: Sequence[int], src, dst, dtype: Any = torch.float32,
+                         src_order=None, dst_order=None, links=None, planner: str = "optimal") -> Explanation:
+    """Plan and price the redistribution of a ``shape`` tensor on a ``mesh_shape`` mesh.
+
+    ``src``/``dst``: placements (``[Shard(0), Replicate()]``) or text (``"S0,R"``, ``"P(max),S1"``,
+    ``"S(0)[1],S(0)[0]"``; see :func:`parse_spec`).  ``src_order``/``dst_order``: shard order
+    entries replacing the default ones of their tensor dims: ``"0:1,0"``, ``{0: [1, 0]}`` or
+    ``((0, (1, 0)),)``.  ``dtype``: a torch dtype or a name (``"bf16"``).  ``links``: a
+    ``LinkModel`` or one per mesh dim (default: ``DEFAULT_LINK``; the executor plans with the
+    default).  ``planner``: ``"optimal"`` (what the executor runs) or ``"simple"`` (baseline).
+    Raises ``ValueError``/``TypeError`` with a message on bad input.  No processes or data.
+    """
+    mesh_shape = _int_tuple("mesh shape", mesh_shape, 1)
+    if not mesh_shape:
+        raise ValueError("mesh shape must have at least one dim")
+    shape = _int_tuple("tensor shape", shape, 0)
+    dt = parse_dtype(dtype)
+    itemsize = dt.itemsize
+    if planner not in PLANNERS:
+        raise ValueError(f"planner must be one of {PLANNERS}, got {planner!r}")
+    m, n = len(mesh_shape), len(shape)
+    src_pl, s_order = _resolve("source", src, src_order, m, n)
+    dst_pl, d_order = _resolve("target", dst, dst_order, m, n)
+    lk = normalize_links(links, m)
+    if planner == "simple":
+        steps = simple_plan(src_pl, s_order, dst_pl, d_order)
+    else:
+        steps = optimal_plan(src_pl, s_order, dst_pl, d_order, shape, mesh_shape, itemsize,
+                             None if links is None else lk)
+
+    out: list[ExplainedStep] = []
+    total = Fraction(0)
+    total_time = 0.0
+    for i, st in enumerate(steps, 1):
+        kind, num, den, lat = step_comm(st, shape, mesh_shape)
+        b = Fraction(num * itemsize, den)
+        link = lk[st.mesh_dim]
+        t = lat * link.alpha + link.beta * float(b)
+        total += b
+        total_time += t
+        pl_after, order_after = _after(st)
+        out.append(ExplainedStep(i, st.mesh_dim, mesh_shape[st.mesh_dim], st.src, st.dst, st.placements, st.order,
+                                 pl_after, order_after, kind, logical_shape(st, shape, mesh_shape),
+                                 _jnum(b), lat, t))
+
+    numel = math.prod(shape)
+    terms = tuple(_bound_term(j, a, b, mesh_shape, numel, itemsize) for j, (a, b) in enumerate(zip(src_pl, dst_pl)))
+    lb = sum((Fraction(t.bytes) for t in terms), Fraction(0))
+    lb_time = sum(t.latency_terms * lk[t.mesh_dim].alpha + lk[t.mesh_dim].beta * float(t.bytes) for t in terms)
+    terms = tuple(BoundTerm(t.mesh_dim, t.src, t.dst, t.collective, _jnum(Fraction(t.bytes)), t.latency_terms, t.reason)
+                  for t in terms)
+
+    notes = []
+    for j, (a, b) in enumerate(zip(src_pl, dst_pl)):
+        if isinstance(a, Shard) and isinstance(b, Partial) and mesh_shape[j] > 1:
+            notes.append(f"mesh dim {j}: {a} -> {b} is refused by DTensor.redistribute in the forward pass "
+                         "(spec T7); the plan is what the planner returns")
+    if links is not None:
+        notes.append("links given: the executor plans with the default links, so its steps may differ")
+    return Explanation(mesh_shape, shape, str(dt).removeprefix("torch."), itemsize, planner, src_pl, s_order, dst_pl,
+                       d_order, lk, tuple(out), _jnum(total), total_time, _jnum(lb), lb_time, terms, tuple(notes))
+
+
+# -- drawing --------------------------------------------------------------------------------------
+
+def _ranks_label(ranks: Sequence[int]) -> str:
+    from ..debug.visualize import _ranks_label as f
+
+    return f(ranks)
+
+
+def _state_blocks(shape, mesh_shape, pl, order):
+    """((offset, size) per dim) -> ranks holding that block, and the ranks holding empty pieces."""
+    blocks: dict[tuple, list[int]] = {}
+    empty: list[int] = []
+    for rank, coord in enumerate(itertools.product(*(range(k) for k in mesh_shape))):
+        s, o = local_shape_and_offset(shape, mesh_shape, coord, pl, order)
+        if any(x == 0 for x in s):
+            empty.append(rank)
+        else:
+            blocks.setdefault(tuple(zip(o, s)), []).append(rank)
+    return blocks, empty
+
+
+def _dims_text(shape, mesh_shape, pl, order) -> list[str]:
+    if not shape:
+        return ["scalar: every rank holds the whole value"]
+    lists = dict(order)
+    out = []
+    for d, size in enumerate(shape):
+        js = lists.get(d, ())
+        if not js:
+            out.append(f"dim {d} ({size}): not split")
+            continue
+        sizes = []
+        for sub in itertools.product(*(range(mesh_shape[j]) for j in js)):
+            coord = [0] * len(mesh_shape)
+            for j, c in zip(js, sub):
+                coord[j] = c
+            sizes.append(local_shape_and_offset(shape, mesh_shape, coord, pl, order)[0][d])
+        by = " then ".join(f"m{j} x{mesh_shape[j]}" for j in js)
+        out.append(f"dim {d} ({size}): split by {by}: {','.join(map(str, sizes))}")
+    return out
+
+
+def _draw_state(ax, ex: Explanation, pl, order, palette) -> None:
+    from matplotlib.patches import Rectangle
+
+    shape, mesh_shape = ex.shape, ex.mesh_shape
+    nd = len(shape)
+    partial = [j for j, p in enumerate(pl) if isinstance(p, Partial)]
+    notes = [f"P over m{j}: ranks hold terms" for j in partial]
+    ax.set_title(display(pl, order), fontsize=9)
+    if nd in (1, 2) and math.prod(shape) > 0:
+        blocks, empty = _state_blocks(shape, mesh_shape, pl, order)
+        ncell = len(blocks)
+        fs = 8 if ncell <= 8 else 6 if ncell <= 32 else 4
+        for (key, ranks) in sorted(blocks.items()):
+            (r0, rs), (c0, cs) = ((0, 1), key[0]) if nd == 1 else key
+            ax.add_patch(Rectangle((c0, r0), cs, rs, facecolor=palette[min(ranks) % len(palette)], edgecolor="black",
+                                   linewidth=0.8))
+            ax.text(c0 + cs / 2, r0 + rs / 2, ("P " if partial else "") + _ranks_label(ranks), ha="center",
+                    va="center", fontsize=fs)
+        width, rows = shape[-1], (1 if nd == 1 else shape[0])
+        ax.set_xlim(0, width)
+        ax.set_ylim(rows, 0)
+        xt = sorted({k[-1][0] for k in blocks} | {width})
+        ax.set_xticks(xt if len(xt) <= 9 else [0, width])
+        ax.xaxis.tick_top()
+        ax.tick_params(labelsize=7)
+        if nd == 1:
+            ax.set_yticks([])
+        else:
+            yt = sorted({k[0][0] for k in blocks} | {rows})
+            ax.set_yticks(yt if len(yt) <= 9 else [0, rows])
+        if empty:
+            notes.append("empty: " + _ranks_label(empty))
+        ax.set_xlabel("\n".join(notes), fontsize=7)
+    else:
+        ax.axis("off")
+        body = _dims_text(shape, mesh_shape, pl, order) if math.prod(shape) > 0 or nd == 0 else ["(no elements)"]
+        ax.text(0.0, 0.9, "\n".join(body + notes), va="top", ha="left", family="monospace", fontsize=7,
+                transform=ax.transAxes)
+
+
+def _draw(ex: Explanation, path: str, dpi: int) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from ..debug.visualize import _PALETTE
+
+    nd = len(ex.shape)
+    rows = list(ex.steps) or [None]
+    row_h = 1.5 if nd == 1 else 2.4 if nd == 2 else 0.6 + 0.22 * max(nd, 2)
+    nranks = math.prod(ex.mesh_shape)
+    footer = ""
+    if len(ex.mesh_shape) > 1 and nranks <= 16:
+        coords = itertools.product(*(range(k) for k in ex.mesh_shape))
+        footer = "ranks: " + "  ".join(f"r{r}={tuple(c)}" for r, c in enumerate(coords))
+    fig = Figure(figsize=(11, 1.1 + row_h * len(rows) + (0.3 if footer else 0)), dpi=dpi, layout="constrained")
+    FigureCanvasAgg(fig)
+    gs = fig.add_gridspec(len(rows), 3, width_ratios=[4, 2.4, 4])
+    fig.suptitle(f"{ex.shape} {ex.dtype} on mesh {ex.mesh_shape}: {ex.src} -> {ex.dst}   [{ex.planner}]\n"
+                 f"total {format_bytes(ex.total_bytes)} per rank, {format_time(ex.total_time)};  "
+                 f"lower bound {format_bytes(ex.lower_bound_bytes)}", fontsize=10)
+    for i, st in enumerate(rows):
+        left, mid, right = (fig.add_subplot(gs[i, c]) for c in range(3))
+        if st is None:
+            _draw_state(left, ex, ex.src_placements, ex.src_order, _PALETTE)
+            _draw_state(right, ex, ex.dst_placements, ex.dst_order, _PALETTE)
+            label = "no steps\n(same spec)"
+        else:
+            _draw_state(left, ex, st.placements_before, st.order_before, _PALETTE)
+            _draw_state(right, ex, st.placements_after, st.order_after, _PALETTE)
+            label = (f"step {st.index}: mesh dim {st.mesh_dim} (k={st.group_size})\n{st.src} -> {st.dst}\n"
+                     f"{st.collective}\n{format_bytes(st.bytes)} per rank\n{format_time(st.time)}")
+        mid.axis("off")
+        mid.annotate("", xy=(0.98, 0.5), xytext=(0.02, 0.5), xycoords="axes fraction",
+                     arrowprops=dict(arrowstyle="-|>", lw=1.5, color="#444444"))
+        mid.text(0.5, 0.56, label, ha="center", va="bottom", fontsize=8, transform=mid.transAxes)
+    if footer:
+        fig.supxlabel(footer, fontsize=7)
+    fig.savefig(path, format="png")
