@@ -14,7 +14,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import comm
 from .mesh import DeviceMesh
-from .placement import Partial, Placement, Replicate, Shard, chunk, display, local_shape_and_offset
+from .placement import (Partial, Placement, Replicate, Shard, chunk, display, local_shape_and_offset,
+                        normalize_placements)
 from .propagation import propagate
 from .redistribute import redistribute_local
 from .spec import DTensorSpec
@@ -75,8 +76,6 @@ class DTensor(torch.Tensor):
             raise TypeError(f"device_mesh must be a DeviceMesh, got {device_mesh!r}")
         if placements is None:
             placements = [Replicate()] * device_mesh.ndim
-        from .placement import normalize_placements
-
         pl = normalize_placements(placements, local_tensor.ndim, device_mesh.ndim)
         if run_check:
             shape = _check_local_shapes(local_tensor, device_mesh, pl, shape)
