@@ -161,6 +161,8 @@ def main() -> int:
     rows = []
     worse_total = 0
     all_ours, all_theirs = [], []
+    per_mesh: dict[tuple, tuple[list, list]] = {}
+    expansions = []
     caps = 0
     print(f"torch {torch.__version__}; {os.cpu_count()} CPUs; best of {args.repeats} runs per plan; itemsize {ITEMSIZE}")
     print()
@@ -183,6 +185,7 @@ def main() -> int:
                 t_o, steps = _best_time(lambda: optimal.plan_uncached(src, so, dst, do, shape, mesh_shape, ITEMSIZE,
                                                                        stats=stats), args.repeats)
                 caps += stats.get("capped", False)
+                expansions.append(stats.get("expanded", 0))
                 a = _torch_spec(tmesh, src, so, shape)
                 b = _torch_spec(tmesh, dst, do, shape)
                 t_t, infos = _best_time(lambda: tr._gen_transform_infos_non_cached(a, b), args.repeats)
@@ -206,6 +209,9 @@ def main() -> int:
             worse_total += gt
             all_ours += ours_t
             all_theirs += theirs_t
+            pm = per_mesh.setdefault(mesh_shape, ([], []))
+            pm[0].extend(ours_t)
+            pm[1].extend(theirs_t)
             us = lambda v: f"{v * 1e6:8.0f}"  # noqa: E731
             print(f"{str(mesh_shape):>12} {ndim:>2} {args.pairs:>3} | {us(statistics.median(ours_t))} {us(max(ours_t))} | "
                   f"{us(statistics.median(theirs_t)):>9} {us(max(theirs_t)):>9} | "
@@ -220,6 +226,17 @@ def main() -> int:
     under = sum(t <= 100e-6 for t in all_ours)
     print(f"ours <= 100 us on {under}/{len(all_ours)} pairs; pairs where ours moves more bytes: {worse_total}; "
           f"expansion cap hit: {caps}; cached hit: {_cached_hit_us():.1f} us")
+    ex = sorted(expansions)
+    print(f"A* expansions per plan: median {statistics.median(ex):.0f}, p90 {ex[int(0.9 * len(ex))]}, max {ex[-1]}")
+    print()
+    print("per mesh (all tensor ranks): uncached plan time (us)")
+    hdr3 = f"{'mesh':>12} | {'ours med':>8} {'ours p90':>8} {'ours max':>8} | {'torch med':>9} {'torch max':>9} | {'torch/ours med':>14}"
+    print(hdr3)
+    print("-" * len(hdr3))
+    for mesh_shape, (o_t, t_t) in per_mesh.items():
+        print(f"{str(mesh_shape):>12} | {statistics.median(o_t) * 1e6:8.0f} {p90(o_t):8.0f} {max(o_t) * 1e6:8.0f} | "
+              f"{statistics.median(t_t) * 1e6:9.0f} {max(t_t) * 1e6:9.0f} | "
+              f"{statistics.median(t_t) / statistics.median(o_t):14.2f}")
 
     # PyTorch's graph-based (min-cost) planner on a few pairs with random nested orders
     print()

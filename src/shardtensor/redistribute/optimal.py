@@ -64,26 +64,66 @@ meshes (0.1-1 s in Python), the bound brings the median to a handful (see below)
 model would make the problem shape independent (a DP per mesh and pair), but uneven shards
 change which plan is cheapest, and the optimality tests include them.
 
-Engineering: states are ints (a few bits per mesh dim: R, P, or (tensor dim, list position));
-costs are exact integers (elements x ``K_all * lcm(k)``, so the all-reduce's ``/k`` and every
+Exact prunings (they remove edges, never the optimum; the bound stays admissible because from
+every state an optimal path avoiding the pruned edges exists):
+
+* saturated dims: never push a mesh dim onto a tensor dim whose padded piece is already <= 1
+  element, unless that tensor dim is the mover's own target dim.  The push shrinks nothing, so
+  every later step costs the same as with the mover left unsharded, while the mover itself pays
+  more: a chunk buys a later all-gather or all-to-all (vs. nothing or a free chunk), an
+  all-to-all costs what an all-gather costs, a reduce-scatter costs ``(k-1) |X|`` against the
+  all-reduce's ``2(k-1)/k |X|`` (equal bytes and latency once its forced exit is counted);
+* symmetric dims: two tensor dims with no target entries and the same size class (equal length,
+  or both divisible by every product of mesh sizes, so every padded size equals the real one)
+  are interchangeable while both are empty; pushes go to the lower one only (the other choice is
+  the mirror image of a state that is searched, with identical costs and goal).
+
+Engineering: states are ints (a few bits per mesh dim: R, P, or (tensor dim, list position)); a
+spec is validated and encoded in one pass; the goal test is one mask and compare (a compatible
+source partial may stay).  Zero-cost pairs are answered without a search: when every source
+shard list is a prefix of its target list, every other target shard is replicated and every
+source partial may stay, the plan is the chunks in target order (no bytes, no latency).
+Costs are exact integers (elements x ``K_all * lcm(k)``, so the all-reduce's ``/k`` and every
 term of the bound are exact), combined with the latency into one int (bandwidth << shift |
-latency) so one comparison is lexicographic.  Per expansion the state is decoded once (padded
-sizes, list heights and tops, final prefixes); per (mesh shape, tensor rank, links) constant
-tables are cached.  Plans are cached in a bounded LRU (``CACHE_SIZE``) keyed by every argument.
+latency) so one comparison is lexicographic.  Per expansion the state
+is decoded once (padded sizes, list heights and tops, final prefixes); the waiting-cycle search
+runs only when at least two misplaced shards could form a cycle; per (mesh shape, tensor rank,
+links) constant tables are cached.  Plans are cached in a bounded LRU (``CACHE_SIZE``) keyed by
+every argument.
 
 Guarantees: the result is optimal over the edge set above, so never worse than the simple
 planner ``planner.plan``, whose steps are paths of the same graph (nor, on every benchmark
-pair, than PyTorch's greedy or graph plans priced by this model).  As spec 3.7 asks, the number of expanded states is capped
-(``MAX_EXPANSIONS``); beyond the cap the simple plan is returned (never hit in the tests or the
-benchmark: at most 132 expansions over the test pairs, 269 over the benchmark's 600 pairs).
+pair, than PyTorch's greedy or graph plans priced by this model).  As spec 3.7 asks, the number
+of expanded states is capped (``MAX_EXPANSIONS``); beyond the cap the simple plan is returned
+(correct, never more bytes than itself; never hit in the tests or the benchmark: at most 205
+expansions over the benchmark's 600 pairs).  On random stress pairs with dims of 1-7 elements
+on 4-D meshes (near-zero costs, wide plateaus) it is hit about once per 1,000 pairs, against
+about 6 per 1,000 before the saturated-dim pruning.
 
 Measured (``benchmarks/planner.py``: 600 random pairs on meshes (4,4) .. (2,2,4,4), 2-D to 4-D
-tensors, one slow shared 2-core machine, best of 3 runs): uncached plan median ~135-165 us,
-p90 ~0.5-0.65 ms, worst ~4.6-5 ms (nested-order puzzles and tiny padded dims on 4-D meshes;
-median 4 expansions, p90 ~30); a third of the pairs take <= 100 us, (4,4) rows median ~60-90
-us.  PyTorch's default greedy planner: median ~65 us, worst ~0.2 ms, but 1.5x-8x more bytes
-per row; its graph planner: 1.3 ms - 1.1 s per plan, never fewer bytes.  A plan-cache hit
-costs ~5 us.  The 100 us worst-case goal is not met beyond 2-D meshes.
+tensors, one noisy shared 2-core machine, best of 3 runs): uncached plan median ~120-150 us, p90
+~0.55-0.65 ms, worst ~3.5-5 ms; per mesh (median / worst): (4,4) ~50 / 140 us, (2,2,4) ~105 /
+320 us, (4,4,4) ~100 / 510 us, (2,2,2,2) ~250 us / 3.6 ms, (2,2,4,4) ~250 us / 3.5 ms.  A* expands
+a median of 4 states, p90 28, at most 205 (51 pairs need no search: zero-cost plans).  Old and
+new planner timed interleaved in one process (best of 5 per pair): median 172 -> 153 us, p90
+708 -> 661 us, worst 6.9 -> 4.9 ms; the gain comes from the prunings (tiny padded dims, parking
+dims) and the zero-cost shortcut, not from cheaper expansions (~15 us each either way).
+PyTorch's default greedy planner: median ~60-90 us, worst ~0.2 ms, but 1.5x-8x more bytes per
+row; its graph planner: ms to s per plan, never fewer bytes.  A plan-cache hit costs ~4 us.
+
+The 100 us worst-case goal is NOT met on 3-D and 4-D meshes, and cannot be met by an exact
+search in pure Python with this state space.  The slow pairs are nested-order puzzles with two
+tensor dims on 4-D meshes (two stacks, four mesh dims: the optimum is a Tower-of-Hanoi-like
+shuffle of 8-11 steps) and pairs with tiny padded dims (7, 12 elements split 8-64 ways); they
+expand 100-200 states at ~15-20 us each.  Measured offline on the benchmark pairs: even with
+the exact cost-to-go of the even-size model as the heuristic (the best shape-independent bound
+there is), padded pairs still need up to 190 expansions (23 of 300 need more than 12), and
+building that heuristic costs 3-28 ms per target on 4-D meshes (0.4-4 s for every target of a
+(mesh, tensor rank)); a bidirectional Dijkstra expands 5x more states than this A*.  Meeting the
+goal exactly needs a native implementation of this search (expansions ~50x cheaper) or
+per-target tables built ahead of time.  A small expansion cap is no way out: with a cap of 4
+expansions (about 100 us) 299 of the 600 pairs fall back and 271 of them move more bytes (up to
+64x); with a cap of 32, 54 fall back and 51 move more bytes.
 """
 from __future__ import annotations
 
@@ -101,6 +141,7 @@ __all__ = ["optimal_plan", "clear_cache", "plan_uncached", "MAX_EXPANSIONS", "CA
 MAX_EXPANSIONS = 1024
 CACHE_SIZE = 8192
 _REPLICATE = Replicate()
+_INF = 1 << 4000
 
 
 def _int_weights(values: Sequence[float]) -> tuple[int, ...]:
@@ -124,8 +165,17 @@ def _gcd(a: int, b: int) -> int:
     return a
 
 
-def _freeze(order: dict[int, list[int]]) -> ShardOrder:
-    return tuple((d, tuple(js)) for d, js in sorted(order.items()) if js)
+def _norm_order(order) -> ShardOrder:
+    """Sorted ``((tensor dim, (mesh dims...)), ...)`` with plain ints (a no-op for normal orders)."""
+    if type(order) is tuple:
+        prev = -1
+        for e in order:
+            if type(e) is not tuple or len(e) != 2 or type(e[0]) is not int or e[0] <= prev or type(e[1]) is not tuple:
+                break
+            prev = e[0]
+        else:
+            return order
+    return tuple(sorted((int(d), tuple(js)) for d, js in order))
 
 
 def optimal_plan(src: Sequence[Placement], src_order: ShardOrder, dst: Sequence[Placement], dst_order: ShardOrder,
@@ -138,10 +188,8 @@ def optimal_plan(src: Sequence[Placement], src_order: ShardOrder, dst: Sequence[
     bounded LRU keyed by every argument.
     """
     mesh_shape = tuple(int(k) for k in mesh_shape)
-    return _cached(mesh_shape, normalize_links(links, len(mesh_shape)), tuple(src),
-                   tuple(sorted((int(d), tuple(js)) for d, js in src_order)), tuple(dst),
-                   tuple(sorted((int(d), tuple(js)) for d, js in dst_order)),
-                   tuple(int(n) for n in global_shape), int(itemsize))
+    return _cached(mesh_shape, normalize_links(links, len(mesh_shape)), tuple(src), _norm_order(src_order),
+                   tuple(dst), _norm_order(dst_order), tuple(int(n) for n in global_shape), int(itemsize))
 
 
 @lru_cache(maxsize=CACHE_SIZE)
@@ -157,31 +205,13 @@ def clear_cache() -> None:
 
 def plan_uncached(src, src_order, dst, dst_order, global_shape, mesh_shape, itemsize, links=None,
                   stats: dict | None = None) -> tuple[Step, ...]:
-    """``optimal_plan`` without the cache (benchmarks, tests).  ``stats`` receives counters."""
+    """``optimal_plan`` without the plan cache (benchmarks, tests).  ``stats`` receives counters."""
     mesh_shape = tuple(int(k) for k in mesh_shape)
-    steps, info = _search(mesh_shape, normalize_links(links, len(mesh_shape)), tuple(src),
-                          tuple(sorted((int(d), tuple(js)) for d, js in src_order)), tuple(dst),
-                          tuple(sorted((int(d), tuple(js)) for d, js in dst_order)), tuple(int(n) for n in global_shape))
+    steps, info = _search(mesh_shape, normalize_links(links, len(mesh_shape)), tuple(src), _norm_order(src_order),
+                          tuple(dst), _norm_order(dst_order), tuple(int(n) for n in global_shape))
     if stats is not None:
         stats.update(info)
     return steps
-
-
-def _check(pl: tuple, order: ShardOrder, m: int, n: int, what: str) -> None:
-    if len(pl) != m:
-        raise ValueError(f"{what} placements {pl} do not match a mesh with {m} dims")
-    seen = 0
-    for d, js in order:
-        if not js:
-            raise ValueError(f"{what} shard order {order}: tensor dim {d} has an empty mesh-dim list")
-        if not 0 <= d < n:
-            raise ValueError(f"{what} shard order {order}: tensor dim {d} out of range for {n} dims")
-        for j in js:
-            if not 0 <= j < m or pl[j] != Shard(d):
-                raise ValueError(f"{what} shard order {order} does not match placements {pl}")
-            seen += 1
-    if seen != sum(isinstance(p, Shard) for p in pl):
-        raise ValueError(f"{what} shard order {order} does not list every sharding mesh dim of {pl}")
 
 
 @lru_cache(maxsize=256)
@@ -212,7 +242,40 @@ def _mesh_tables(mesh_shape: tuple[int, ...], N: int, links: tuple[LinkModel, ..
     AR = tuple(((2 * (k - 1) * (S // k)) * wb[j]) << shift for j, k in enumerate(ks))
     LAT1 = tuple((k - 1) * wa[j] for j, k in enumerate(ks))
     LAT2 = tuple(2 * (k - 1) * wa[j] for j, k in enumerate(ks))
-    return ks, K_all, S, hmul, W, MASK, SH, CD, CP, AG, AR, LAT1, LAT2
+    return ks, K_all, S, hmul, MASK, SH, CD, CP, AG, AR, LAT1, LAT2
+
+
+def _encode(pl: tuple, order: ShardOrder, m: int, N: int, SH: tuple, what: str) -> int:
+    """Validate a spec (spec 1.3) and encode it as a state int."""
+    if len(pl) != m:
+        raise ValueError(f"{what} placements {pl} do not match a mesh with {m} dims")
+    code = 0
+    nshard = 0
+    for j, p in enumerate(pl):
+        if isinstance(p, Shard):
+            nshard += 1
+        elif isinstance(p, Partial):
+            code |= 1 << SH[j]
+    seen = 0
+    dims = 0
+    for d, js in order:
+        if not js:
+            raise ValueError(f"{what} shard order {order}: tensor dim {d} has an empty mesh-dim list")
+        if not 0 <= d < N or dims >> d & 1:
+            raise ValueError(f"{what} shard order {order}: tensor dim {d} out of range for {N} dims or repeated")
+        dims |= 1 << d
+        base = 2 + d * m
+        for pos, j in enumerate(js):
+            if not 0 <= j < m or seen >> j & 1:
+                raise ValueError(f"{what} shard order {order} does not match placements {pl}")
+            p = pl[j]
+            if not isinstance(p, Shard) or p.dim != d:
+                raise ValueError(f"{what} shard order {order} does not match placements {pl}")
+            seen |= 1 << j
+            code |= (base + pos) << SH[j]
+    if bin(seen).count("1") != nshard:
+        raise ValueError(f"{what} shard order {order} does not list every sharding mesh dim of {pl}")
+    return code
 
 
 def _cycle_extra(codes, CD, TD, FL, tS, m, weight) -> int:
@@ -267,45 +330,59 @@ def _cycle_extra(codes, CD, TD, FL, tS, m, weight) -> int:
 def _search(mesh_shape, links, src, src_order, dst, dst_order, shape):
     m = len(mesh_shape)
     N = len(shape)
-    _check(src, src_order, m, N, "source")
-    _check(dst, dst_order, m, N, "target")
+    if not m:  # a mesh without dims: nothing to plan
+        _encode(src, src_order, 0, N, (), "source")
+        _encode(dst, dst_order, 0, N, (), "target")
+        return (), {"expanded": 0, "generated": 0, "capped": False, "certified": True}
+    (ks, K_all, S, hmul, MASK, SH, CD, CP, AG, AR, LAT1, LAT2) = _mesh_tables(mesh_shape, N, links)
+    start = _encode(src, src_order, m, N, SH, "source")
+    gbase = _encode(tuple(p if isinstance(p, Shard) else _REPLICATE for p in dst), dst_order, m, N, SH, "target")
     info = {"expanded": 0, "generated": 0, "capped": False, "certified": True}
-    if src == dst and src_order == dst_order:
+    if start == gbase and src == dst:
         return (), info
+    # target facts per mesh dim; goal: the target's shard codes, a compatible source partial may stay
+    tS = [False] * m
+    TD = [-1] * m
+    compat = [False] * m
+    GM = -1  # goal test: (state & GM) == gbase
+    for j, b in enumerate(dst):
+        if isinstance(b, Shard):
+            tS[j] = True
+            TD[j] = b.dim
+        elif isinstance(b, Partial):
+            a = src[j]
+            if isinstance(a, Partial) and (a.reduce_op == b.reduce_op or {a.reduce_op, b.reduce_op} == {"sum", "avg"}):
+                compat[j] = True
+                GM &= ~(1 << SH[j])
+    if start & GM == gbase:
+        return _to_steps((), src, src_order, dst, dst_order), info
+    # zero-cost plans: every source shard list is a prefix of its target list, every other target
+    # shard is replicated now, and every source partial may stay: chunks in target order (no bytes,
+    # no latency: optimal)
+    lists = dict(src_order)
+    chunks = []
+    for d, js in dst_order:
+        have = lists.pop(d, ())
+        if js[:len(have)] != have:
+            break
+        for j in js[len(have):]:
+            if src[j] is not _REPLICATE and not isinstance(src[j], Replicate):
+                break
+            chunks.append((j, 4, d))
+        else:
+            continue
+        break
+    else:
+        if not lists and all(compat[j] for j in range(m) if isinstance(src[j], Partial)):
+            return _to_steps(chunks, src, src_order, dst, dst_order), info
 
-    (ks, K_all, S, hmul, W, MASK, SH, CD, CP, AG, AR, LAT1, LAT2) = _mesh_tables(mesh_shape, N, links)
+    T = [()] * N
+    for d, js in dst_order:
+        T[d] = js
     X = 1
     for L in shape:
         X *= L
     XS = X * S
-
-    def encode(pl, order) -> int:
-        st = 0
-        for j, p in enumerate(pl):
-            if isinstance(p, Partial):
-                st |= 1 << SH[j]
-        for d, js in order:
-            for p, j in enumerate(js):
-                st |= (2 + d * m + p) << SH[j]
-        return st
-
-    start = encode(src, src_order)
-    T = [()] * N
-    for d, js in dst_order:
-        T[d] = js
-    tS = [isinstance(p, Shard) for p in dst]
-    compat = [False] * m
-    for j in range(m):
-        a, b = src[j], dst[j]
-        if isinstance(a, Partial) and isinstance(b, Partial):
-            compat[j] = a.reduce_op == b.reduce_op or {a.reduce_op, b.reduce_op} == {"sum", "avg"}
-    # goal states: target shard codes, plus any subset of compatible partials kept
-    gbase = encode(tuple(p if isinstance(p, Shard) else _REPLICATE for p in dst), dst_order)
-    goals = {gbase}
-    for j in range(m):
-        if compat[j] and isinstance(src[j], Partial):
-            goals |= {g | (1 << SH[j]) for g in goals}
-
     K_end = 1
     for j in range(m):
         if tS[j]:
@@ -313,28 +390,36 @@ def _search(mesh_shape, links, src, src_order, dst, dst_order, shape):
     PHIEND = XS // K_end
     AU = [(k - 1) * (XS // (k * K_all)) for k in ks]  # all-to-all bound unit per mesh dim
     AU2 = [2 * a for a in AU]
-    TD = [p.dim if isinstance(p, Shard) else -1 for p in dst]
     # bound weight of mesh dim j placed (not finally) on tensor dim b: [b has no pending entry, pending]
     PW = [[((AU2[j] if TD[j] == b else AU[j]), (AU2[j] if TD[j] == b else AU[j])) if TD[j] >= 0
            else (0, AU[j]) for b in range(N)] for j in range(m)]
     LU = LAT1  # latency bound: one ring collective on the mesh dim
-
-    def bases(Kf: int, KC: int, KP: int, KO: int) -> tuple[int, int]:
-        """The bound without its move terms ``A2``, for the two optional-entry choices:
-        ``h = max(0, min(b1 + KO * A2, b2 + A2)) * hmul + latency`` (see the module docstring)."""
-        A = XS // Kf
-        C2 = KC * KO
-        return PHIEND + A // KC - 2 * (A // (KC * KP)), PHIEND + A // C2 - 2 * (A // (C2 * KP))
-
     TL = [len(t) for t in T]
     # PK[d][p]: 1 if a mesh dim of size > 1 enters d's list at position p or later (an entry
     # whose cost a mesh dim left above position p would have raised)
-    PK = [[1 if any(ks[i] > 1 for i in t[p:]) else 0 for p in range(len(t))] for t in T]
+    PK = []
+    for t in T:
+        row = [0] * len(t)
+        later = 0
+        for p in range(len(t) - 1, -1, -1):
+            if ks[t[p]] > 1:
+                later = 1
+            row[p] = later
+        PK.append(row)
+    CYW = [AU[j] * hmul for j in range(m)]  # (no latency: the detour may be all-gather + chunk)
+    # symmetry: an empty tensor dim with no target entries and the size class of an empty smaller
+    # one (same length, or both divisible by every mesh-size product) is never pushed onto
+    twin = [-1] * N
+    for d in range(N):
+        if not T[d]:
+            for e in range(d):
+                if not T[e] and (shape[e] == shape[d] or (shape[e] % K_all == 0 and shape[d] % K_all == 0)):
+                    twin[d] = e
+                    break
     rng_m = range(m)
     rng_n = range(N)
-    INF = 1 << 4000
+    INF = _INF
 
-    CYW = [AU[j] * hmul for j in range(m)]  # (no latency: the detour may be all-gather + chunk)
     cyc_done: set[int] = set()
     best = {start: 0}
     prev: dict[int, tuple[int, int]] = {}
@@ -353,17 +438,16 @@ def _search(mesh_shape, links, src, src_order, dst, dst_order, shape):
             continue
         if parent >= 0:
             prev[st] = (parent, move)
-        if st in goals:
+        if st & GM == gbase:
             found = st
             break
         # ---- decode
+        codes = [(st >> s) & MASK for s in SH]
         Kd = [1] * N
         H = [0] * N
         at = [-1] * (N * m)
-        codes = [0] * m
         for j in rng_m:
-            c = (st >> SH[j]) & MASK
-            codes[j] = c
+            c = codes[j]
             if c >= 2:
                 d = CD[c]
                 p = CP[c]
@@ -371,10 +455,9 @@ def _search(mesh_shape, links, src, src_order, dst, dst_order, shape):
                 at[d * m + p] = j
                 if p >= H[d]:
                     H[d] = p + 1
-        n = [0] * N
+        n = [-(-shape[d] // Kd[d]) for d in rng_n]
         phi = 1
-        for d in rng_n:
-            n[d] = v = -(-shape[d] // Kd[d])
+        for v in n:
             phi *= v
         TN = [-1] * N  # mesh dim whose push onto d lands in its final place
         FL = [0] * N  # length of d's final prefix
@@ -384,7 +467,7 @@ def _search(mesh_shape, links, src, src_order, dst, dst_order, shape):
             h = H[d]
             p = 0
             base = d * m
-            while p < h and p < len(t) and at[base + p] == t[p]:
+            while p < h and p < TL[d] and at[base + p] == t[p]:
                 p += 1
             FL[d] = p
             if p < TL[d]:
@@ -395,6 +478,7 @@ def _search(mesh_shape, links, src, src_order, dst, dst_order, shape):
         Kf = KC = KP = KO = 1
         A2 = 0
         LT = 0
+        ncyc = 0
         own = [0] * m
         ownl = [0] * m
         for j in rng_m:
@@ -417,7 +501,11 @@ def _search(mesh_shape, links, src, src_order, dst, dst_order, shape):
                 d = CD[c]
                 if CP[c] >= FL[d]:  # misplaced: must leave its place
                     if tS[j]:
-                        w2 = AU2[j] if TD[j] == d else AU[j]
+                        if TD[j] == d:
+                            w2 = AU2[j]
+                        else:
+                            w2 = AU[j]
+                            ncyc += 1
                     elif PD[d]:
                         w2 = AU[j]  # blocks a pending target entry below it
                     else:
@@ -428,7 +516,7 @@ def _search(mesh_shape, links, src, src_order, dst, dst_order, shape):
                     ownl[j] = LU[j]
         # ---- lazily, once per state: shards that wait for each other's places (a cycle of
         # "my target list still holds you") need one extra move for some member of each cycle
-        if st not in cyc_done:
+        if ncyc > 1 and st not in cyc_done:
             cyc_done.add(st)
             extra = _cycle_extra(codes, CD, TD, FL, tS, m, CYW)
             if extra:
@@ -438,14 +526,26 @@ def _search(mesh_shape, links, src, src_order, dst, dst_order, shape):
         if expanded > MAX_EXPANSIONS:
             info["capped"] = True
             break
+        # ---- exact prunings of pushes onto tensor dim b: an empty twin of an empty smaller dim,
+        # or a saturated dim (piece length <= 1) that is not the mover's target dim
+        skip = [False] * N
+        for b in rng_n:
+            e = twin[b]
+            if (e >= 0 and H[b] == 0 and H[e] == 0) or n[b] <= 1:
+                skip[b] = True
         # ---- successors (the cost check comes first: the bound is computed only for pushes).
         # The bound of a successor differs from its parent's only in the moved mesh dim's
-        # category; ``bases`` is evaluated once per (mesh dim, kind of move).
-        pb1, pb2 = bases(Kf, KC, KP, KO)  # all-to-all keeps the products of the parent
+        # category: ``h = max(0, min(b1 + KO*A2, b2 + A2)) * hmul + latency`` with
+        # ``b1 = Phi_t + A/KC - 2A/(KC*KP)``, ``b2`` the same with ``KC*KO`` for ``KC``, ``A = Phi_s``.
+        A = XS // Kf
+        C2 = KC * KO
+        pb1 = PHIEND + A // KC - 2 * (A // (KC * KP))  # all-to-all keeps the parent's products
+        pb2 = PHIEND + A // C2 - 2 * (A // (C2 * KP))
         for j in rng_m:
             c = codes[j]
             k = ks[j]
             sj = SH[j]
+            tdj = TD[j]
             if c >= 2:
                 a = CD[c]
                 if CP[c] != H[a] - 1:
@@ -457,13 +557,15 @@ def _search(mesh_shape, links, src, src_order, dst, dst_order, shape):
                 g2 = g + AG[j] * phi + LAT1[j]
                 if g2 < bget(cleared, INF):
                     best[cleared] = g2
+                    Ag = A * k
                     if tS[j]:
-                        b1, b2 = bases(Kf // k, KC * k, KP, KO)
-                        v = b1 + KO * bA2
+                        K1 = KC * k
+                        v = PHIEND + Ag // K1 - 2 * (Ag // (K1 * KP)) + KO * bA2
+                        K2 = K1 * KO
                     else:
-                        b1, b2 = bases(Kf // k, KC, KP, KO * k)
-                        v = b1 + KO * k * bA2
-                    w = b2 + bA2
+                        v = PHIEND + Ag // KC - 2 * (Ag // (KC * KP)) + KO * k * bA2
+                        K2 = C2 * k
+                    w = PHIEND + Ag // K2 - 2 * (Ag // (K2 * KP)) + bA2
                     if w < v:
                         v = w
                     push(pq, (g2 + (v * hmul + bLT if v > 0 else bLT), -g2, cleared, st, j))
@@ -471,7 +573,7 @@ def _search(mesh_shape, links, src, src_order, dst, dst_order, shape):
                 mLT = bLT + LU[j]
                 pw = PW[j]
                 for b in rng_n:
-                    if b == a:
+                    if b == a or (skip[b] and b != tdj):
                         continue
                     nb = n[b]
                     g2 = g + (AG[j] * (phi // nb * -(-nb // k)) if nb else 0) + LAT1[j]
@@ -499,19 +601,25 @@ def _search(mesh_shape, links, src, src_order, dst, dst_order, shape):
                 if g2 < bget(cleared, INF):
                     best[cleared] = g2
                     if tS[j]:
-                        b1, b2 = bases(Kf, KC * k, cKP, cKO)
-                        v = b1 + cKO * A2
+                        K1 = KC * k
+                        v = PHIEND + A // K1 - 2 * (A // (K1 * cKP)) + cKO * A2
+                        K2 = K1 * cKO
                     else:
-                        b1, b2 = bases(Kf, KC, cKP, cKO * k)
-                        v = b1 + cKO * k * A2
-                    w = b2 + A2
+                        v = PHIEND + A // KC - 2 * (A // (KC * cKP)) + cKO * k * A2
+                        K2 = KC * cKO * k
+                    w = PHIEND + A // K2 - 2 * (A // (K2 * cKP)) + A2
                     if w < v:
                         v = w
                     push(pq, (g2 + (v * hmul + bLT if v > 0 else bLT), -g2, cleared, st, j | 0x200))
                 mLT = bLT + LU[j]
                 pw = PW[j]
-                b1, b2 = bases(Kf * k, KC, cKP, cKO)
+                Ar = A // k
+                K2 = KC * cKO
+                b1 = PHIEND + Ar // KC - 2 * (Ar // (KC * cKP))
+                b2 = PHIEND + Ar // K2 - 2 * (Ar // (K2 * cKP))
                 for b in rng_n:
+                    if skip[b] and b != tdj:
+                        continue
                     nb = n[b]
                     g2 = g + (AG[j] * (phi // nb * -(-nb // k)) if nb else 0) + LAT1[j]
                     s2 = cleared | ((2 + b * m + H[b]) << sj)
@@ -534,8 +642,13 @@ def _search(mesh_shape, links, src, src_order, dst, dst_order, shape):
                     cKC, cKO = KC, KO // k
                 mLT = LT + LU[j]
                 pw = PW[j]
-                b1, b2 = bases(Kf * k, cKC, KP, cKO)
+                Ar = A // k
+                K2 = cKC * cKO
+                b1 = PHIEND + Ar // cKC - 2 * (Ar // (cKC * KP))
+                b2 = PHIEND + Ar // K2 - 2 * (Ar // (K2 * KP))
                 for b in rng_n:
+                    if skip[b] and b != tdj:
+                        continue
                     s2 = st | ((2 + b * m + H[b]) << sj)
                     if g < bget(s2, INF):
                         best[s2] = g
@@ -552,8 +665,7 @@ def _search(mesh_shape, links, src, src_order, dst, dst_order, shape):
     info["generated"] = len(best)
     if found is None:
         info["certified"] = False
-        steps = simple_plan(src, src_order, dst, dst_order)
-        return steps, info
+        return simple_plan(src, src_order, dst, dst_order), info
     moves = []
     s = found
     while s != start:
@@ -565,8 +677,11 @@ def _search(mesh_shape, links, src, src_order, dst, dst_order, shape):
 
 
 def _to_steps(moves, src, src_order, dst, dst_order) -> tuple[Step, ...]:
+    """Turn ``(mesh dim, kind, tensor dim)`` moves into ``Step``s, then append the free tail
+    (``R -> P`` partitions and ``sum <-> avg`` rescales)."""
     cur = list(src)
-    order = {d: list(js) for d, js in src_order}
+    lists = {d: js for d, js in src_order}
+    frozen = src_order
     steps: list[Step] = []
     shards: dict[int, Shard] = {}
     for j, kind, b in moves:
@@ -575,16 +690,17 @@ def _to_steps(moves, src, src_order, dst, dst_order) -> tuple[Step, ...]:
             new: Placement = _REPLICATE
         else:
             new = shards.get(b) or shards.setdefault(b, Shard(b))
-        steps.append(Step(j, p, new, tuple(cur), _freeze(order)))
+        steps.append(Step(j, p, new, tuple(cur), frozen))
         if isinstance(p, Shard):
-            order[p.dim].pop()
-        if isinstance(new, Shard):
-            order.setdefault(b, []).append(j)
+            lists[p.dim] = lists[p.dim][:-1]
+        if kind != 0 and kind != 2:
+            lists[b] = lists.get(b, ()) + (j,)
+        if isinstance(p, Shard) or kind != 0 and kind != 2:
+            frozen = tuple((d, lists[d]) for d in sorted(lists) if lists[d])
         cur[j] = new
     for j, t in enumerate(dst):
         if isinstance(t, Partial) and cur[j] != t:
-            steps.append(Step(j, cur[j], t, tuple(cur), _freeze(order)))
+            steps.append(Step(j, cur[j], t, tuple(cur), frozen))
             cur[j] = t
-    fin = _freeze(order)
-    assert tuple(cur) == tuple(dst) and fin == tuple(dst_order), (src, src_order, dst, dst_order, moves)
+    assert tuple(cur) == tuple(dst) and frozen == tuple(dst_order), (src, src_order, dst, dst_order, moves)
     return tuple(steps)
