@@ -82,6 +82,36 @@ class Partial(Placement):
         return f"P({self.reduce_op})"
 
 
+@dataclass(frozen=True, slots=True, init=False, repr=False)
+class NormPartial(Partial):
+    """p-norm partial ``PN(p)``: each rank holds the p-norm of its part of the data.
+
+    The global value is the p-norm of the local norms: max for ``inf``, min for ``-inf``,
+    a plain sum for 0 and 1, and ``(sum L^p)^(1/p)`` for any other ``p`` (the collective sums
+    ``L^p`` in fp32).  Equal only to a ``NormPartial`` with the same ``p``.
+    """
+
+    norm: float
+
+    def __init__(self, norm: float | str = 2.0) -> None:
+        if isinstance(norm, str):
+            if norm not in ("inf", "-inf"):
+                raise NotImplementedError(f"NormPartial: unsupported norm {norm!r}")
+            norm = float(norm)
+        if isinstance(norm, (complex, bool)) or not isinstance(norm, (int, float)) or norm != norm:
+            raise NotImplementedError(f"NormPartial: unsupported norm {norm!r}")
+        norm = float(norm)
+        op = "max" if norm == float("inf") else "min" if norm == float("-inf") else "sum"
+        object.__setattr__(self, "reduce_op", op)
+        object.__setattr__(self, "norm", norm)
+
+    def __repr__(self) -> str:
+        return f"NormPartial({self.norm:g})"
+
+    def __str__(self) -> str:
+        return f"PN({self.norm:g})"
+
+
 ShardOrder = tuple[tuple[int, tuple[int, ...]], ...]
 """``((tensor_dim, (mesh_dim, ...)), ...)`` sorted by tensor dim, first-applied mesh dim first."""
 

@@ -16,7 +16,7 @@ from . import comm
 from .mesh import DeviceMesh
 from .placement import (Partial, Placement, Replicate, Shard, chunk, display, local_shape_and_offset,
                         normalize_placements)
-from .propagation import propagate
+from .propagation import propagate, route
 from .redistribute import redistribute_local
 from .spec import DTensorSpec
 
@@ -147,7 +147,18 @@ class DTensor(torch.Tensor):
 
 
 def dispatch(func, args: tuple, kwargs: dict) -> Any:
-    """propagation -> redistribute -> local kernel -> wrap."""
+    """propagation -> redistribute -> local kernel -> wrap (or a decomposition into ops that have rules)."""
+    r = route(func)
+    if isinstance(r, tuple):
+        try:
+            return r[1](*args, **kwargs)
+        except NotImplementedError as e:
+            if str(func) in str(e):
+                raise
+            pls = ", ".join(display(a.placements, a.shard_order) for a in tree_flatten((args, kwargs))[0]
+                            if isinstance(a, DTensor))
+            raise NotImplementedError(f"shardtensor: {func} has no sharding rule and its decomposition failed "
+                                      f"(input placements: {pls}): {e}") from e
     flat, treedef = tree_flatten((args, kwargs))
     specs: list[DTensorSpec | None] = []
     for a in flat:
@@ -169,7 +180,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     if decision.local_args is not None:
         local = decision.local_args(local)
     largs, lkwargs = tree_unflatten(local, treedef)
-    out = func(*largs, **lkwargs)
+    out = (decision.kernel or func)(*largs, **lkwargs)
     if func._schema.name.endswith("_") and isinstance(flat[0], DTensor):
         return flat[0]
     return _wrap(out, decision.output)

@@ -19,29 +19,52 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..placement import display
 from ..spec import DTensorSpec
 
-__all__ = ["Call", "Decision", "register", "propagate", "RULES", "TAG_RULES", "clear_cache", "cache_info", "unsupported"]
+__all__ = ["Call", "Decision", "register", "propagate", "RULES", "TAG_RULES", "clear_cache", "cache_info",
+           "unsupported", "MeshMismatchError", "Candidate", "decide"]
+
+
+_UNSET = object()
+
+
+class MeshMismatchError(RuntimeError, ValueError):
+    """Tensor arguments of one op live on different meshes."""
 
 
 @dataclass(frozen=True)
 class Decision:
-    """What a rule decided: required spec per flat argument (None = leave it) and output spec(s)."""
+    """What a rule decided: required spec per flat argument (None = leave it) and output spec(s).
+
+    Decisions are cached and shared by every rank, so nothing in one may depend on the rank;
+    rank-dependent work happens in ``local_args`` and ``kernel``, which run per call.
+    """
 
     inputs: tuple[DTensorSpec | None, ...]
     output: Any
     redistribute: bool
     local_args: Callable[[list[Any]], list[Any]] | None = None
     """Per-rank rewrite of the flat local arguments (e.g. global sizes -> this rank's local sizes)."""
+    kernel: Callable[..., Any] | None = None
+    """Custom local step ``kernel(*local_args, **local_kwargs)`` run instead of the op (it may use
+    small collectives, e.g. a scalar all-reduce); ``None`` runs the aten op itself."""
 
 
-@dataclass
 class Call:
-    """One op call as the rules see it: flat args, their specs (None for non-DTensors), output meta."""
+    """One op call as the rules see it: flat args, their specs (None for non-DTensors), output meta.
 
-    op: torch._ops.OpOverload
-    flat: list[Any]
-    specs: list[DTensorSpec | None]
-    treedef: Any
-    out_meta: Any
+    ``out_meta`` (global output shape/stride/dtype on meta tensors) is computed on first use
+    only, so rules that do not need it never pay for it.
+    """
+
+    __slots__ = ("op", "flat", "specs", "treedef", "_meta")
+
+    def __init__(self, op, flat: list[Any], specs: list[DTensorSpec | None], treedef, out_meta: Any = _UNSET) -> None:
+        self.op, self.flat, self.specs, self.treedef, self._meta = op, flat, specs, treedef, out_meta
+
+    @property
+    def out_meta(self) -> Any:
+        if self._meta is _UNSET:
+            self._meta = _out_meta(self.op, self.flat, self.specs, self.treedef)
+        return self._meta
 
     @property
     def tensor_positions(self) -> list[int]:
@@ -54,18 +77,68 @@ class Call:
     def args_kwargs(self) -> tuple[tuple, dict]:
         return tree_unflatten(self.flat, self.treedef)
 
+    def spec_args(self) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` with every DTensor replaced by its spec."""
+        return tree_unflatten([a if s is None else s for a, s in zip(self.flat, self.specs)], self.treedef)
 
-Rule = Callable[[Call], Decision]
+    def arg(self, name: str, default: Any = None) -> Any:
+        """Argument ``name`` of the op's schema (positional or keyword; DTensors as specs)."""
+        args, kwargs = self.spec_args()
+        if name in kwargs:
+            return kwargs[name]
+        for i, a in enumerate(self.op._schema.arguments):
+            if a.name == name:
+                if i < len(args):
+                    return args[i]
+                return default
+        raise KeyError(f"{self.op} has no argument {name!r}")
+
+    def pos(self, name: str) -> int | None:
+        """Flat position of the top-level tensor argument ``name`` (None when absent or not a DTensor)."""
+        args, kwargs = tree_unflatten(list(range(len(self.flat))), self.treedef)
+        where = kwargs.get(name)
+        if where is None:
+            for i, a in enumerate(self.op._schema.arguments):
+                if a.name == name and i < len(args):
+                    where = args[i]
+        if isinstance(where, int) and self.specs[where] is not None:
+            return where
+        return None
+
+    def positions(self, name: str) -> list[int | None]:
+        """Flat positions of the elements of the tensor-list argument ``name`` (None for non-DTensors)."""
+        args, kwargs = tree_unflatten(list(range(len(self.flat))), self.treedef)
+        where = kwargs.get(name)
+        if where is None:
+            for i, a in enumerate(self.op._schema.arguments):
+                if a.name == name and i < len(args):
+                    where = args[i]
+        if not isinstance(where, (list, tuple)):
+            return []
+        return [w if isinstance(w, int) and self.specs[w] is not None else None for w in where]
+
+
+Rule = Callable[[Call], "Decision | list"]
 RULES: dict[Any, Rule] = {}
 TAG_RULES: list[tuple[torch.Tag, Rule]] = []
+SCALARS_BY_SIGN: set[Any] = set()
+"""Ops whose decision depends on a Python scalar only through its type and sign: their cache
+key holds ``(type, sign)`` so ``x * 2.0`` and ``x * 3.0`` share an entry."""
 
 
-def register(*ops: Any) -> Callable[[Rule], Rule]:
-    """Decorator: ``@register(aten.add.Tensor, ...)`` makes ``fn`` the rule of those overloads."""
+def register(*ops: Any, scalars_by_sign: bool = False) -> Callable[[Rule], Rule]:
+    """Decorator: ``@register(aten.add.Tensor, ...)`` makes ``fn`` the rule of those overloads.
+
+    A rule returns a :class:`Decision` or a list of :class:`Candidate` (selected by cost).
+    ``scalars_by_sign=True`` declares that only the type and sign of scalar arguments matter.
+    """
 
     def deco(fn: Rule) -> Rule:
         for op in ops:
             RULES[op] = fn
+            if scalars_by_sign:
+                SCALARS_BY_SIGN.add(op)
+            _route.pop(op, None)
         return fn
 
     return deco
@@ -112,6 +185,16 @@ def cache_info() -> dict[str, int]:
     return {"hits": _cache.hits, "misses": _cache.misses, "size": len(_cache.data), "maxsize": _cache.maxsize}
 
 
+def _sign(v: Any) -> Any:
+    if isinstance(v, (bool, int, float)):
+        if v != v:
+            return (type(v), "nan")
+        return (type(v), (v > 0) - (v < 0))
+    if isinstance(v, complex):
+        return (complex,)
+    return _freeze(v)
+
+
 def _freeze(v: Any) -> Any:
     if isinstance(v, (bool, int, float, complex)):
         if isinstance(v, float) and math.isnan(v):
@@ -149,33 +232,85 @@ def _out_meta(op, flat, specs, treedef) -> Any:
     return op(*args, **kwargs)
 
 
+def _is_out_overload(op) -> bool:
+    return any(a.is_out for a in op._schema.arguments) if hasattr(op._schema.arguments[0], "is_out") else \
+        op._overloadname.startswith("out")
+
+
 def _find_rule(op) -> Rule | None:
-    if op._overloadname.startswith("out"):
-        return None
     rule = RULES.get(op)
-    if rule is None:
+    if rule is None and not _is_out_overload(op):
         tags = op.tags
         for tag, fn in TAG_RULES:
             if tag in tags:
+                if tag is torch.Tag.pointwise:
+                    SCALARS_BY_SIGN.add(op)
                 return fn
     return rule
 
 
+_route: dict[Any, Any] = {}
+"""op -> its rule, or ``("decompose", fn)``, or None: resolved once per op."""
+
+
+def route(op) -> Any:
+    """How ``op`` is handled: a rule (callable), ``("decompose", fn)``, or ``None`` (unsupported)."""
+    r = _route.get(op, _MISSING)
+    if r is _MISSING:
+        r = _find_rule(op)
+        if r is None:
+            from .decompose import find_decomposition
+
+            fn = find_decomposition(op)
+            r = ("decompose", fn) if fn is not None else None
+        _route[op] = r
+    return r
+
+
+_MISSING = object()
+
+
 def propagate(op, flat: list[Any], specs: list[DTensorSpec | None], treedef) -> Decision:
     """The decision for one call, from the cache when the same signature was seen before."""
-    key = (op, treedef, tuple(s if s is not None else _freeze(a) for a, s in zip(flat, specs)))
+    fr = _sign if op in SCALARS_BY_SIGN else _freeze
+    key = (op, treedef, tuple(s if s is not None else fr(a) for a, s in zip(flat, specs)))
     d = _cache.get(key)
     if d is not None:
         return d
-    meshes = {s.mesh for s in specs if s is not None}
-    if len(meshes) > 1:
-        raise ValueError(f"{op}: operands live on different meshes {sorted(map(repr, meshes))}")
-    rule = _find_rule(op)
-    if rule is None:
+    mesh = None
+    for s in specs:
+        if s is not None:
+            if mesh is None:
+                mesh = s.mesh
+            elif s.mesh != mesh:
+                raise MeshMismatchError(f"{op}: cross-mesh operation, operands live on different meshes "
+                                        f"{mesh!r} and {s.mesh!r}")
+    rule = route(op)
+    if rule is None or isinstance(rule, tuple):
         raise unsupported(op, specs)
-    d = rule(Call(op, flat, specs, treedef, _out_meta(op, flat, specs, treedef)))
+    call = Call(op, flat, specs, treedef)
+    try:
+        d = rule(call)
+    except (NotImplementedError, MeshMismatchError):
+        raise
+    except RuntimeError as e:
+        if str(e).startswith("shardtensor:") or "in-place" in str(e) or "Partial" in str(e):
+            raise
+        raise RuntimeError(f"shardtensor: sharding propagation failed on {op} "
+                           f"(input placements: {_placements(specs)}): {e}") from e
+    if isinstance(d, list):
+        d = decide(call, d)
+    elif isinstance(d, Candidate):
+        d = decide(call, d)
+    if not isinstance(d, Decision):
+        raise ValueError(f"shardtensor: rule of {op} returned {type(d).__name__}, expected a Decision or candidates")
     _cache.put(key, d)
     return d
 
 
+def _placements(specs) -> str:
+    return ", ".join(display(s.placements, s.shard_order) for s in specs if s is not None)
+
+
+from .strategy import Candidate, decide  # noqa: E402
 from .rules import factory, pointwise, reduction, view  # noqa: E402,F401  (registers the rules)

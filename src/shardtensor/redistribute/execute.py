@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from .. import comm
 from ..mesh import DeviceMesh
-from ..placement import Partial, Replicate, Shard, chunk, local_shape_and_offset
+from ..placement import NormPartial, Partial, Replicate, Shard, chunk, local_shape_and_offset
 from .optimal import optimal_plan
 from .planner import Step, plan
 
@@ -75,12 +75,14 @@ def apply_step(t: torch.Tensor, step: Step, global_shape, mesh: DeviceMesh) -> t
         gathered = comm.all_gather(_pad_to(t, d, c).contiguous(), mesh, j)
         return _merge(gathered, d).narrow(d, 0, length)
     if isinstance(src, Partial) and isinstance(dst, Replicate):
-        return comm.all_reduce(t, src.reduce_op, mesh, j)
+        t, back = _norm_pre(t, src)
+        return back(comm.all_reduce(t, src.reduce_op, mesh, j))
     if isinstance(src, Partial) and isinstance(dst, Shard):
         d = dst.dim
         size, _ = chunk(t.shape[d], k, me)
+        t, back = _norm_pre(t, src)
         out = comm.reduce_scatter(_pieces(t, d, k).contiguous(), src.reduce_op, mesh, j)
-        return out.narrow(d, 0, size)
+        return back(out.narrow(d, 0, size))
     if isinstance(src, Shard) and isinstance(dst, Shard):
         a, b = src.dim, dst.dim
         la = _logical_len(step, global_shape, mesh, coord, a)
@@ -92,8 +94,8 @@ def apply_step(t: torch.Tensor, step: Step, global_shape, mesh: DeviceMesh) -> t
         full_a = _merge(recv, a).narrow(a, 0, la)
         return full_a.narrow(b, 0, size_b)
     if isinstance(src, Replicate) and isinstance(dst, Partial):
-        return partition(t, dst.reduce_op, k, me)
-    if isinstance(src, Partial) and isinstance(dst, Partial):
+        return partition(t, dst, k, me)
+    if type(src) is Partial and type(dst) is Partial:
         if (src.reduce_op, dst.reduce_op) == ("sum", "avg"):
             return t * k
         if (src.reduce_op, dst.reduce_op) == ("avg", "sum"):
@@ -103,8 +105,27 @@ def apply_step(t: torch.Tensor, step: Step, global_shape, mesh: DeviceMesh) -> t
     raise NotImplementedError(f"no transition from {src} to {dst} on mesh dim {j}")
 
 
-def partition(t: torch.Tensor, op: str, k: int, me: int) -> torch.Tensor:
+def _norm_pre(t: torch.Tensor, src: Partial):
+    """For ``PN(p)`` with finite ``p`` other than 0 and 1: ``L^p`` in fp32 before the sum, ``^(1/p)`` after."""
+    p = getattr(src, "norm", None)
+    if p is None or p in (0.0, 1.0) or p in (float("inf"), float("-inf")):
+        return t, lambda x: x
+    dtype = t.dtype
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    return t.to(wide).pow(p), lambda x: x.pow(1.0 / p).to(dtype)
+
+
+def partition(t: torch.Tensor, op: "str | Partial", k: int, me: int) -> torch.Tensor:
     """Replicate -> Partial(op), locally: the ranks' terms reduce back to ``t``."""
+    if isinstance(op, NormPartial):
+        p = op.norm
+        if p == 0:
+            raise RuntimeError("Replicate -> NormPartial(0) is not defined (a count of non-zeros cannot be split)")
+        if p in (float("inf"), float("-inf")):
+            return t.clone()
+        return t / (k ** (1.0 / p))
+    if isinstance(op, Partial):
+        op = op.reduce_op
     if op == "sum":
         if t.is_floating_point() or t.is_complex():
             return t / k

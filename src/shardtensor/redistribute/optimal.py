@@ -351,7 +351,7 @@ def _search(mesh_shape, links, src, src_order, dst, dst_order, shape):
             TD[j] = b.dim
         elif isinstance(b, Partial):
             a = src[j]
-            if isinstance(a, Partial) and (a.reduce_op == b.reduce_op or {a.reduce_op, b.reduce_op} == {"sum", "avg"}):
+            if a == b or (type(a) is Partial and type(b) is Partial and {a.reduce_op, b.reduce_op} == {"sum", "avg"}):
                 compat[j] = True
                 GM &= ~(1 << SH[j])
     if start & GM == gbase:

@@ -103,7 +103,7 @@ def plan(src: tuple[Placement, ...], src_order: ShardOrder, dst: tuple[Placement
 
     for j, (c, t) in enumerate(zip(cur, dst)):
         if isinstance(c, Partial) and c != t:
-            if isinstance(t, Partial) and {c.reduce_op, t.reduce_op} == {"sum", "avg"}:
+            if type(t) is Partial and type(c) is Partial and {c.reduce_op, t.reduce_op} == {"sum", "avg"}:
                 emit(j, t)
             else:
                 emit(j, Replicate())

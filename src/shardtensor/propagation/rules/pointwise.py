@@ -200,7 +200,7 @@ def copy_rule(call: Call) -> Decision:
     if src is None or tuple(src.shape) != tuple(dst.shape):
         raise unsupported(call.op, call.specs, "with a broadcast or plain source")
     need = [p if not isinstance(p, Partial) or p == q else Replicate() for p, q in zip(dst.placements, src.placements)]
-    parts = [(j, p.reduce_op) for j, (p, n) in enumerate(zip(dst.placements, need)) if isinstance(p, Partial) and n != p]
+    parts = [(j, p) for j, (p, n) in enumerate(zip(dst.placements, need)) if isinstance(p, Partial) and n != p]
     want = DTensorSpec.build(dst.mesh, need, src.shape, src.stride, src.dtype, dst.shard_order)
     inputs = tuple(dst if i == 0 else want if i == 1 else None for i in range(len(call.flat)))
     local_args = None
