@@ -313,4 +313,5 @@ def _placements(specs) -> str:
 
 
 from .strategy import Candidate, decide  # noqa: E402
-from .rules import factory, pointwise, reduction, view  # noqa: E402,F401  (registers the rules)
+from .rules import (embedding, factory, foreach, matrix, misc, nn, norm, pointwise, reduction,  # noqa: E402,F401
+                    view)  # (importing registers the rules)

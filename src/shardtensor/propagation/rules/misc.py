@@ -1,0 +1,2 @@
+"""Sharding rules (being written)."""
+from __future__ import annotations
