@@ -11,7 +11,7 @@ from .placement import (Placement, ShardOrder, default_shard_order, display, loc
                         normalize_placements, validate_shard_order)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class DTensorSpec:
     """Mesh + placements + shard order + global shape, stride and dtype (immutable, hashable)."""
 
@@ -21,6 +21,22 @@ class DTensorSpec:
     stride: tuple[int, ...]
     dtype: torch.dtype
     shard_order: ShardOrder = field(default=())
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.mesh, self.placements, tuple(self.shape), self.stride, self.dtype,
+                                                self.shard_order)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, DTensorSpec) or self._hash != other._hash:
+            return False
+        return (self.placements == other.placements and self.shape == other.shape and self.stride == other.stride
+                and self.dtype == other.dtype and self.shard_order == other.shard_order and self.mesh == other.mesh)
 
     @staticmethod
     def build(mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int], stride: Sequence[int] | None,

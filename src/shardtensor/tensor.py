@@ -16,7 +16,7 @@ from . import comm
 from .mesh import DeviceMesh
 from .placement import (Partial, Placement, Replicate, Shard, chunk, display, local_shape_and_offset,
                         normalize_placements)
-from .propagation import propagate, route
+from .propagation import flatten_call, propagate, route, unflatten_call
 from .redistribute import redistribute_local
 from .spec import DTensorSpec
 
@@ -159,7 +159,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
                             if isinstance(a, DTensor))
             raise NotImplementedError(f"shardtensor: {func} has no sharding rule and its decomposition failed "
                                       f"(input placements: {pls}): {e}") from e
-    flat, treedef = tree_flatten((args, kwargs))
+    flat, treedef = flatten_call(args, kwargs)
     specs: list[DTensorSpec | None] = []
     for a in flat:
         if isinstance(a, DTensor):
@@ -172,18 +172,36 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
                 )
             specs.append(None)
     decision = propagate(func, flat, specs, treedef)
-    if decision.redistribute and comm.listening():
+    if not decision.redistribute:
+        local = [a if s is None else a._local_tensor for a, s in zip(flat, specs)]
+    elif comm.listening():
         with comm.scope(str(func)):
             local = _local_args(flat, specs, decision)
     else:
         local = _local_args(flat, specs, decision)
     if decision.local_args is not None:
         local = decision.local_args(local)
-    largs, lkwargs = tree_unflatten(local, treedef)
+    largs, lkwargs = unflatten_call(local, treedef)
     out = (decision.kernel or func)(*largs, **lkwargs)
-    if func._schema.name.endswith("_") and isinstance(flat[0], DTensor):
+    if _returns_self(func):
         return flat[0]
     return _wrap(out, decision.output)
+
+
+_SELF_RETURN: dict[Any, bool] = {}
+
+
+def _returns_self(func) -> bool:
+    """In-place ops that return their (DTensor) self argument."""
+    r = _SELF_RETURN.get(func)
+    if r is None:
+        sch = func._schema
+        rets = sch.returns
+        r = bool(len(rets) == 1 and rets[0].alias_info is not None and rets[0].alias_info.is_write
+                 and sch.arguments and sch.arguments[0].alias_info is not None
+                 and sch.arguments[0].alias_info.is_write and not sch.arguments[0].kwarg_only)
+        _SELF_RETURN[func] = r
+    return r
 
 
 def _local_args(flat: list, specs: list, decision) -> list:

@@ -26,6 +26,75 @@ __all__ = ["Call", "Decision", "register", "propagate", "RULES", "TAG_RULES", "c
 _UNSET = object()
 
 
+class FlatCall(tuple):
+    """Tree spec of a call nested at most one level: ``(arg shapes, kwarg names, kwarg shapes)``.
+
+    An arg shape is ``None`` for a leaf or ``(type, n)`` for a list/tuple/Size of ``n`` leaves.
+    The flat leaves are exactly pytree's, but building and hashing this costs a fraction of a
+    pytree walk, which matters on every cached dispatch.
+    """
+
+    __slots__ = ()
+
+
+_SEQ = (list, tuple)
+
+
+def _shape_of(a: Any, flat: list) -> Any:
+    if isinstance(a, _SEQ):
+        for x in a:
+            if isinstance(x, (list, tuple, dict)):
+                raise _Nested
+        flat.extend(a)
+        return (type(a), len(a))
+    if isinstance(a, dict):
+        raise _Nested
+    flat.append(a)
+    return None
+
+
+class _Nested(Exception):
+    pass
+
+
+def flatten_call(args: tuple, kwargs: dict) -> tuple[list, Any]:
+    """``(flat leaves, treedef)`` like ``tree_flatten((args, kwargs))``, fast for shallow calls."""
+    flat: list = []
+    try:
+        shapes = tuple(_shape_of(a, flat) for a in args)
+        if kwargs:
+            kw = tuple(_shape_of(a, flat) for a in kwargs.values())
+            return flat, FlatCall((shapes, tuple(kwargs), kw))
+        return flat, FlatCall((shapes, (), ()))
+    except _Nested:
+        return tree_flatten((args, kwargs))
+
+
+def _rebuild(shapes, flat: list, i: int, out: list) -> int:
+    for sh in shapes:
+        if sh is None:
+            out.append(flat[i])
+            i += 1
+        else:
+            typ, n = sh
+            out.append(typ(flat[i:i + n]))
+            i += n
+    return i
+
+
+def unflatten_call(flat: list, treedef: Any) -> tuple[tuple, dict]:
+    if isinstance(treedef, FlatCall):
+        shapes, names, kw = treedef
+        args: list = []
+        i = _rebuild(shapes, flat, 0, args)
+        if not names:
+            return tuple(args), {}
+        vals: list = []
+        _rebuild(kw, flat, i, vals)
+        return tuple(args), dict(zip(names, vals))
+    return tree_unflatten(flat, treedef)
+
+
 class MeshMismatchError(RuntimeError, ValueError):
     """Tensor arguments of one op live on different meshes."""
 
@@ -75,11 +144,11 @@ class Call:
         return self.specs[self.tensor_positions[0]].mesh
 
     def args_kwargs(self) -> tuple[tuple, dict]:
-        return tree_unflatten(self.flat, self.treedef)
+        return unflatten_call(self.flat, self.treedef)
 
     def spec_args(self) -> tuple[tuple, dict]:
         """``(args, kwargs)`` with every DTensor replaced by its spec."""
-        return tree_unflatten([a if s is None else s for a, s in zip(self.flat, self.specs)], self.treedef)
+        return unflatten_call([a if s is None else s for a, s in zip(self.flat, self.specs)], self.treedef)
 
     def arg(self, name: str, default: Any = None) -> Any:
         """Argument ``name`` of the op's schema (positional or keyword; DTensors as specs)."""
@@ -95,7 +164,7 @@ class Call:
 
     def pos(self, name: str) -> int | None:
         """Flat position of the top-level tensor argument ``name`` (None when absent or not a DTensor)."""
-        args, kwargs = tree_unflatten(list(range(len(self.flat))), self.treedef)
+        args, kwargs = unflatten_call(list(range(len(self.flat))), self.treedef)
         where = kwargs.get(name)
         if where is None:
             for i, a in enumerate(self.op._schema.arguments):
@@ -107,7 +176,7 @@ class Call:
 
     def positions(self, name: str) -> list[int | None]:
         """Flat positions of the elements of the tensor-list argument ``name`` (None for non-DTensors)."""
-        args, kwargs = tree_unflatten(list(range(len(self.flat))), self.treedef)
+        args, kwargs = unflatten_call(list(range(len(self.flat))), self.treedef)
         where = kwargs.get(name)
         if where is None:
             for i, a in enumerate(self.op._schema.arguments):
@@ -228,7 +297,7 @@ def _to_meta(a: Any, s: DTensorSpec | None) -> Any:
 
 def _out_meta(op, flat, specs, treedef) -> Any:
     """Output shape/stride/dtype from running the op on meta tensors of the global shapes."""
-    args, kwargs = tree_unflatten([_to_meta(a, s) for a, s in zip(flat, specs)], treedef)
+    args, kwargs = unflatten_call([_to_meta(a, s) for a, s in zip(flat, specs)], treedef)
     return op(*args, **kwargs)
 
 

@@ -1,0 +1,175 @@
+"""Eager dispatch overhead per op: shardtensor vs PyTorch's DTensor, same process, same data.
+
+    python benchmarks/dispatch.py            # every op, meshes (4,) and (2, 2)
+    python benchmarks/dispatch.py --quick    # fewer iterations (smoke run)
+
+Both libraries run on torch's ``fake`` process-group backend (world 4, this process is rank 0;
+collectives return at once without moving data), one intra-op thread, 64x64 fp32 inputs.
+Per op and mesh it reports the median time per call of:
+
+* ``local``: the plain torch op on the local shards rank 0 holds (what the local kernel costs);
+* ``ours hit`` / ``dt hit``: the op on sharded tensors with the sharding decision cached;
+* ``ours miss`` / ``dt miss``: the same with the decision cache cleared before every call
+  (ours: ``shardtensor.propagation.clear_cache()``; PyTorch: the sharding propagator's LRU cache,
+  reached through its attributes -- a benchmark-only use of a private path);
+
+and the ratios ``hit/dt`` (target <= 1/3), ``hit/local`` (target <= 2) and ``miss/dt``
+(target <= 1/10).  Any mismatch between the two libraries' results or placements is printed.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def _timeit(fn: Callable[[], object], iters: int, repeats: int = 5, before: Callable[[], None] | None = None) -> float:
+    for _ in range(max(3, iters // 10)):
+        if before:
+            before()
+        fn()
+    samples = []
+    for _ in range(repeats):
+        if before:
+            t_total = 0.0
+            for _ in range(iters):
+                before()
+                t0 = time.perf_counter()
+                fn()
+                t_total += time.perf_counter() - t0
+            samples.append(t_total / iters)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            samples.append((time.perf_counter() - t0) / iters)
+    return statistics.median(samples)
+
+
+def _cases(two_d: bool):
+    """(name, fn, [(tensor, placements spec string)...]) — placements as ('S0','R'...) per mesh dim."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 64, generator=g)
+    b = torch.randn(64, 64, generator=g)
+    w = torch.randn(64, generator=g)
+    bias = torch.randn(64, generator=g)
+    if not two_d:
+        S0, S1, R = ("S0",), ("S1",), ("R",)
+        mm = [(a, S1), (b, S0)]
+        view_pl = S0
+    else:
+        S0, S1, R = ("S0", "S1"), ("S1", "S0"), ("R", "R")
+        mm = [(a, ("S0", "S1")), (b, ("R", "S0"))]
+        view_pl = ("S0", "S1")
+    return [
+        ("add S0+S0", lambda x, y: x + y, [(a, S0), (b, S0)]),
+        ("mul scalar", lambda x: x * 2.0, [(a, S0)]),
+        ("mul tensor", lambda x, y: x * y, [(a, S0), (b, S0)]),
+        ("sum(0)->P", lambda x: x.sum(0), [(a, S0)]),
+        ("matmul ->P", lambda x, y: x @ y, mm),
+        ("softmax(-1)", lambda x: torch.softmax(x, -1), [(a, S0)]),
+        ("layer_norm", lambda x, w_, b_: F.layer_norm(x, (64,), w_, b_), [(a, S0), (w, R), (bias, R)]),
+        ("view", lambda x: x.view(64, 8, 8), [(a, view_pl)]),
+        ("reshape", lambda x: x.reshape(8, 8, 64), [(a, view_pl)]),
+    ]
+
+
+def _placements(lib, spec):
+    out = []
+    for s in spec:
+        if s == "R":
+            out.append(lib.Replicate())
+        else:
+            out.append(lib.Shard(int(s[1:])))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--iters", type=int, default=None)
+    args = ap.parse_args()
+    iters = args.iters or (50 if args.quick else 400)
+    miss_iters = max(10, iters // 8)
+
+    torch.set_num_threads(1)
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+
+    import torch.distributed.tensor as tdt
+    from torch.distributed.device_mesh import init_device_mesh as t_init
+
+    import shardtensor as st
+    from shardtensor.propagation import clear_cache
+
+    def dt_clear():
+        try:
+            prop = tdt.DTensor._op_dispatcher.sharding_propagator
+            fn = prop.propagate_op_sharding
+            if hasattr(fn, "cache_clear"):
+                fn.cache_clear()
+        except AttributeError:
+            pass
+
+    print(f"torch {torch.__version__}, fake process group (world 4, rank 0), 1 thread, 64x64 fp32; "
+          f"{iters} iterations (hit), {miss_iters} (miss), median of 5 repeats")
+    header = (f"{'mesh':7} {'op':13} {'local':>8} {'ours hit':>9} {'dt hit':>8} {'ours miss':>10} {'dt miss':>9}"
+              f" {'hit/dt':>7} {'hit/local':>9} {'miss/dt':>8}")
+    print(header)
+    print("-" * len(header))
+    bad = 0
+    ratios = []
+    for mesh_shape in [(4,), (2, 2)]:
+        ours_mesh = st.init_device_mesh("cpu", mesh_shape)
+        dt_mesh = t_init("cpu", mesh_shape)
+        for name, fn, inputs in _cases(len(mesh_shape) == 2):
+            ours_in = [st.distribute_tensor(t, ours_mesh, _placements(st, pl)) for t, pl in inputs]
+            dt_in = [tdt.distribute_tensor(t, dt_mesh, _placements(tdt, pl)) for t, pl in inputs]
+            local_in = [x.to_local() for x in ours_in]
+            try:
+                r_ours = fn(*ours_in)
+            except Exception as e:  # noqa: BLE001
+                print(f"{str(mesh_shape):7} {name:13} ours failed: {type(e).__name__}: {str(e)[:150]}")
+                bad += 1
+                continue
+            r_dt = fn(*dt_in)
+            if [str(p) for p in r_ours.placements] != [str(p) for p in _norm(r_dt.placements)]:
+                print(f"   note: placements differ: ours {r_ours.placements}, DTensor {tuple(r_dt.placements)}")
+            t_local = _timeit(lambda: fn(*local_in), iters)
+            t_ours = _timeit(lambda: fn(*ours_in), iters)
+            t_dt = _timeit(lambda: fn(*dt_in), iters)
+            t_ours_miss = _timeit(lambda: fn(*ours_in), miss_iters, before=clear_cache)
+            t_dt_miss = _timeit(lambda: fn(*dt_in), miss_iters, before=dt_clear)
+            r = (t_ours / t_dt, t_ours / t_local, t_ours_miss / t_dt_miss)
+            ratios.append(r)
+            print(f"{str(mesh_shape):7} {name:13} {t_local*1e6:7.1f}u {t_ours*1e6:8.1f}u {t_dt*1e6:7.1f}u "
+                  f"{t_ours_miss*1e6:9.1f}u {t_dt_miss*1e6:8.1f}u {r[0]:7.2f} {r[1]:9.2f} {r[2]:8.2f}")
+    if ratios:
+        gm = [statistics.geometric_mean([r[i] for r in ratios]) for i in range(3)]
+        print(f"{'geomean':21} {'':>8} {'':>9} {'':>8} {'':>10} {'':>9} {gm[0]:7.2f} {gm[1]:9.2f} {gm[2]:8.2f}")
+    dist.destroy_process_group()
+    return 1 if bad else 0
+
+
+def _norm(pls):
+    out = []
+    for p in pls:
+        s = type(p).__name__
+        if s == "Shard":
+            out.append(f"S({p.dim})")
+        elif s == "Replicate":
+            out.append("R")
+        else:
+            out.append(f"P({getattr(p, 'reduce_op', 'sum')})")
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
