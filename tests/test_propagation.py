@@ -1,0 +1,340 @@
+"""The propagation engine (spec propagation.md section 11): cache keys, selection, errors.
+
+Rules of real op families have their own test files (tests/test_ops_*.py); here test-only ops
+defined with ``torch.library`` give full control over the candidates a rule offers.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor, init_device_mesh, run_spmd
+from shardtensor.propagation import (Candidate, Decision, MeshMismatchError, _freeze, cache_info, clear_cache, decide,
+                                     register)
+import shardtensor.propagation as prop
+
+TIMEOUT = 30.0
+
+_lib = torch.library.Library("sttest", "DEF")
+_lib.define("pick(Tensor x) -> Tensor")
+_lib.define("pick2(Tensor x, Tensor y) -> Tensor")
+_lib.define("shardby(Tensor x, int d) -> Tensor")
+_lib.define("norule(Tensor x) -> Tensor")
+_lib.define("infeasible(Tensor x) -> Tensor")
+for name in ("pick", "norule", "infeasible"):
+    _lib.impl(name, lambda x: x.clone(), "CompositeExplicitAutograd")
+_lib.impl("pick2", lambda x, y: x + y, "CompositeExplicitAutograd")
+_lib.impl("shardby", lambda x, d: x.clone(), "CompositeExplicitAutograd")
+st = torch.ops.sttest
+
+R, S0, S1, P = Replicate(), Shard(0), Shard(1), Partial("sum")
+CALLS = {"pick": 0}
+
+
+@register(st.pick.default)
+def _pick_rule(call):
+    """Offer 'input S(0) -> output S(0)' first, then 'input R -> output R'."""
+    CALLS["pick"] += 1
+    x = call.pos("x")
+    return [Candidate({x: (S0,)}, (S0,)), Candidate({x: (R,)}, (R,))]
+
+
+@register(st.pick2.default)
+def _pick2_rule(call):
+    x, y = call.pos("x"), call.pos("y")
+    return [Candidate({x: (S0,), y: (S0,)}, (S0,)), Candidate({x: (S1,), y: (S1,)}, (S1,))]
+
+
+@register(st.shardby.default)
+def _shardby_rule(call):
+    """Output sharded on the dim given as a plain int: the int must be part of the cache key."""
+    d = call.arg("d")
+    return [Candidate({call.pos("x"): (Shard(d),)}, (Shard(d),))]
+
+
+@register(st.infeasible.default)
+def _infeasible_rule(call):
+    return [Candidate({call.pos("x"): (Partial("sum"),)}, (R,))]
+
+
+def spmd(fn, world=4):
+    return run_spmd(fn, world, timeout=TIMEOUT)
+
+
+def _from_terms(full: torch.Tensor, mesh, placements):
+    """A DTensor of value ``full`` with Partial(sum) terms (rank 0 holds the value, others 0)."""
+    coord = mesh.get_coordinate()
+    local = full.clone() if all(c == 0 for c in coord) else torch.zeros_like(full)
+    return DTensor.from_local(local, mesh, placements, shape=full.shape)
+
+
+# -- selection -----------------------------------------------------------------------------
+
+def test_replicated_input_prefers_no_movement():
+    """#9: R input, candidates S(0) and R both cost 0 -> R (nothing moves)."""
+    def body():
+        mesh = init_device_mesh("cpu", (4,))
+        x = distribute_tensor(torch.arange(8.0), mesh, [R])
+        y = st.pick(x)
+        return y.placements, y.full_tensor()
+
+    for pl, full in spmd(body):
+        assert pl == (R,)
+        assert torch.equal(full, torch.arange(8.0))
+
+
+def test_partial_input_prefers_reduce_scatter():
+    """#10: P(sum) input, candidates needing S(0) and R -> S(0) (reduce-scatter moves fewer bytes)."""
+    def body():
+        mesh = init_device_mesh("cpu", (4,))
+        x = _from_terms(torch.arange(8.0), mesh, [P])
+        with comm.recording() as log:
+            y = st.pick(x)
+        kinds = [e.kind for e in log.events if e.rank == comm.current_transport().rank]
+        return y.placements, y.full_tensor(), kinds
+
+    for pl, full, kinds in spmd(body):
+        assert pl == (S0,)
+        assert torch.equal(full, torch.arange(8.0))
+        assert kinds == ["reduce_scatter"]
+
+
+def test_ties_are_deterministic():
+    """#11: equal-cost candidates -> the first listed, on every rank and every run."""
+    def body():
+        mesh = init_device_mesh("cpu", (4,))
+        x = distribute_tensor(torch.ones(8, 8), mesh, [R])
+        y = distribute_tensor(torch.ones(8, 8), mesh, [R])
+        return st.pick2(x, y).placements
+
+    for _ in range(2):
+        clear_cache()
+        assert set(spmd(body)) == {(S0,)}
+
+
+def test_infinite_cost_raises_naming_op_and_placements():
+    """#12: every candidate unreachable (Shard -> Partial) -> RuntimeError, not a wrong result."""
+    def body():
+        mesh = init_device_mesh("cpu", (4,))
+        st.infeasible(distribute_tensor(torch.ones(8), mesh, [S0]))
+
+    with pytest.raises(RuntimeError, match=r"sttest\.infeasible.*S\(0\)"):
+        spmd(body)
+
+
+def test_cost_follows_the_planner_bytes():
+    """Selection uses the planner's modeled cost: moving a big input costs more than a small one."""
+    from shardtensor.propagation.strategy import input_cost
+
+    def body():
+        mesh = init_device_mesh("cpu", (4,))
+        small = distribute_tensor(torch.ones(8, 8), mesh, [S0])._spec
+        big = distribute_tensor(torch.ones(64, 64), mesh, [S0])._spec
+        return (input_cost(small, (R,)), input_cost(big, (R,)), input_cost(big, (S0,)), input_cost(big, (S1,)),
+                input_cost(big, (P,)))
+
+    c_small, c_big, c_same, c_a2a, c_inf = spmd(body)[0]
+    assert 0 < c_small < c_big
+    assert c_same == 0.0
+    assert 0 < c_a2a < c_big  # all-to-all moves fewer bytes than all-gather
+    assert math.isinf(c_inf)
+
+
+# -- cache -----------------------------------------------------------------------------------
+
+def test_second_call_is_a_hit_without_metadata_or_rule(monkeypatch):
+    """#1 and #23: a hit builds no meta tensors and calls no rule."""
+    metas = {"n": 0}
+    real = prop._out_meta
+
+    def counting(*a, **k):
+        metas["n"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(prop, "_out_meta", counting)
+    clear_cache()
+    CALLS["pick"] = 0
+
+    def body():
+        mesh = init_device_mesh("cpu", (1,))
+        x = distribute_tensor(torch.ones(8, 8), mesh, [S0])
+        for _ in range(20):
+            x = x + 1.0
+            x = st.pick(x)
+        return x.full_tensor()
+
+    out = spmd(body, 1)
+    assert torch.equal(out[0], torch.full((8, 8), 21.0))
+    info = cache_info()
+    assert info["size"] == 2, info
+    assert info["hits"] >= 38, info
+    assert CALLS["pick"] == 1
+    assert metas["n"] <= 2
+
+
+def test_int_and_float_scalars_are_different_entries():
+    """#2: x.add(1) and x.add(1.0) on int64 give int64 and float32."""
+    def body():
+        mesh = init_device_mesh("cpu", (4,))
+        x = distribute_tensor(torch.arange(8), mesh, [S0])
+        a, b = x.add(1), x.add(1.0)
+        return a.dtype, a._local_tensor.dtype, b.dtype, b._local_tensor.dtype, b.full_tensor()
+
+    for da, la, db, lb, full in spmd(body):
+        assert da == la == torch.int64
+        assert db == lb == torch.float32
+        assert torch.equal(full, torch.arange(8) + 1.0)
+
+
+def test_scalar_values_share_an_entry_but_signs_do_not():
+    """x * 2.0 and x * 3.0 share a cache entry (pointwise ops key scalars by type and sign)."""
+    clear_cache()
+
+    def body():
+        mesh = init_device_mesh("cpu", (1,))
+        x = distribute_tensor(torch.arange(8.0), mesh, [S0])
+        before = cache_info()["size"]
+        y2, y3 = x * 2.0, x * 3.0
+        mid = cache_info()["size"]
+        yn = x * -1.0
+        return before, mid, cache_info()["size"], y2.full_tensor(), y3.full_tensor(), yn.full_tensor()
+
+    before, mid, after, y2, y3, yn = spmd(body, 1)[0]
+    assert mid - before == 1 and after - mid == 1
+    assert torch.equal(y3, torch.arange(8.0) * 3) and torch.equal(yn, -torch.arange(8.0))
+
+
+def test_nan_scalar_makes_one_entry():
+    """#4: a NaN static arg does not grow the cache."""
+    clear_cache()
+
+    def body():
+        mesh = init_device_mesh("cpu", (1,))
+        x = distribute_tensor(torch.arange(4.0), mesh, [S0])
+        for _ in range(1000):
+            x.add(float("nan"))
+        return cache_info()["size"]
+
+    assert spmd(body, 1)[0] == 1
+
+
+def test_nested_static_args_freeze():
+    """#2/#5 of the pitfalls: nested lists/dicts hash; -0.0/0.0, 1/1.0/True stay distinct."""
+    k = _freeze([[1, 2], [3, {"a": [4]}]])
+    hash(k)
+    assert _freeze(1) != _freeze(1.0) != _freeze(True)
+    assert _freeze(float("nan")) == _freeze(float("nan"))
+    assert _freeze(torch.ones(3)) == _freeze(torch.zeros(3))  # plain tensors keyed by meta, not identity
+
+
+def test_decision_depending_on_an_int_argument():
+    """#5: a rule whose decision depends on a plain int is right on the second call."""
+    def body():
+        mesh = init_device_mesh("cpu", (2,))
+        x = distribute_tensor(torch.ones(4, 4), mesh, [R])
+        return st.shardby(x, 0).placements, st.shardby(x, 1).placements
+
+    assert spmd(body, 2)[0] == ((S0,), (S1,))
+
+
+def test_cache_is_bounded():
+    """#21: the LRU evicts; its size never exceeds the bound over many distinct shapes."""
+    clear_cache(maxsize=16)
+    try:
+        def body():
+            mesh = init_device_mesh("cpu", (1,))
+            peak = 0
+            for n in range(1, 200):
+                x = distribute_tensor(torch.ones(n), mesh, [S0])
+                x + x
+                peak = max(peak, cache_info()["size"])
+            return peak
+
+        assert spmd(body, 1)[0] <= 16
+    finally:
+        clear_cache(maxsize=4096)
+
+
+def test_rank_dependent_sizes_do_not_leak_through_the_cache():
+    """#6: new_zeros((7, 5)) on an S(0) tensor of that shape: rank 3 holds (1, 5), the others (2, 5)."""
+    def body():
+        mesh = init_device_mesh("cpu", (4,))
+        x = distribute_tensor(torch.ones(7, 5), mesh, [S0])
+        z = x.new_zeros((7, 5))
+        return tuple(z._local_tensor.shape), z.placements
+
+    shapes = spmd(body)
+    assert [s for s, _ in shapes] == [(2, 5), (2, 5), (2, 5), (1, 5)]
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+def test_op_without_rule_names_op_and_placements():
+    """#18."""
+    def body():
+        mesh = init_device_mesh("cpu", (4,))
+        st.norule(distribute_tensor(torch.ones(8), mesh, [S0]))
+
+    with pytest.raises(NotImplementedError, match=r"sttest\.norule.*S\(0\)"):
+        spmd(body)
+
+
+def test_two_meshes_raise():
+    """#19: cross-mesh operations raise RuntimeError."""
+    def body():
+        m1 = init_device_mesh("cpu", (4,))
+        m2 = init_device_mesh("cpu", (2, 2))
+        a = distribute_tensor(torch.ones(8), m1, [S0])
+        b = distribute_tensor(torch.ones(8), m2, [S0, R])
+        a + b
+
+    with pytest.raises(RuntimeError, match="cross-mesh"):
+        spmd(body)
+    assert issubclass(MeshMismatchError, RuntimeError)
+
+
+def test_out_tensor_with_other_placements_gets_the_result():
+    """#20: an out= DTensor whose placements differ from the result's receives the right value."""
+    def body():
+        mesh = init_device_mesh("cpu", (4,))
+        a = distribute_tensor(torch.arange(8.0), mesh, [S0])
+        b = distribute_tensor(torch.ones(8), mesh, [S0])
+        out = distribute_tensor(torch.zeros(8), mesh, [R])
+        r = torch.add(a, b, out=out)
+        return r is out, out.placements, out.full_tensor()
+
+    for same, pl, full in spmd(body):
+        assert same and pl == (R,)
+        assert torch.equal(full, torch.arange(8.0) + 1)
+
+
+def test_rule_returning_garbage_is_a_value_error():
+    lib_op = "garbage"
+    _lib.define(f"{lib_op}(Tensor x) -> Tensor")
+    _lib.impl(lib_op, lambda x: x.clone(), "CompositeExplicitAutograd")
+    register(getattr(st, lib_op).default)(lambda call: 42)
+
+    def body():
+        mesh = init_device_mesh("cpu", (2,))
+        st.garbage(distribute_tensor(torch.ones(4), mesh, [S0]))
+
+    with pytest.raises(ValueError, match="returned int"):
+        spmd(body, 2)
+
+
+def test_decide_builds_fresh_output_specs():
+    """#8: decisions hold immutable specs; two calls never share a mutable output object."""
+    def body():
+        mesh = init_device_mesh("cpu", (2,))
+        x = distribute_tensor(torch.ones(4), mesh, [S0])
+        y = x + x
+        z = x + x
+        return y._spec is z._spec, y._spec == z._spec
+
+    same_obj, equal = spmd(body, 2)[0]
+    assert equal  # cached decision reused; DTensorSpec is frozen, so sharing is safe
+    with pytest.raises(Exception):
+        spmd(lambda: setattr(distribute_tensor(torch.ones(2), init_device_mesh("cpu", (2,)), [S0])._spec,
+                             "placements", (R,)), 2)
