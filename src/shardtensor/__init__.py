@@ -7,9 +7,12 @@ from .tensor import DTensor, distribute_tensor
 from . import debug
 from .debug import CommTrace, visualize_sharding
 from .redistribute import explain_redistribute
+from . import parallel
+from .parallel import distribute_module
 
 __all__ = [
     "CommTrace", "DTensor", "DTensorSpec", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard",
     "distribute_tensor", "explain_redistribute", "init_device_mesh", "run_spmd", "visualize_sharding",
 ]
+__all__ += ["distribute_module"]
 __version__ = "0.1.0"

@@ -1,2 +1,119 @@
-"""Sharding rules (being written)."""
+"""Embedding lookup and its dense backward: candidates per mesh dim, cheapest by modeled cost.
+
+``embedding(weight[V, D], indices[*I]) -> out[*I, D]``, per mesh dim:
+
+| candidate | weight | indices | output |
+|---|---|---|---|
+| replicate | `R` | `R` | `R` |
+| batch | `R` | `S(d)` | `S(d)` |
+| column-wise | `S(1)` | `R` | `S(last)` |
+| row-wise (vocab parallel) | `S(0)` | `R` | `P(sum)`, custom kernel |
+| partial weight | `P(any kind)` (as it is now) | `R` | same `P` (a lookup commutes with every elementwise combine) |
+
+Row-wise kernel: each rank looks up only the indices in its row range ``[off, off + rows)``
+and writes zeros for the others, so the per-rank terms sum to the lookup (uneven and empty
+row shards included).  No placement carries state, so decisions stay cacheable.
+
+``embedding_dense_backward(grad[*I, D], indices[*I], V, padding_idx, scale) -> gw[V, D]``:
+
+| candidate | grad_output | indices | grad weight |
+|---|---|---|---|
+| replicate | `R` | `R` | `R` |
+| batch | `S(d)` | `S(d)` | `P(sum)` (not with ``scale_grad_by_freq``: counts are global) |
+| column | `S(last)` | `R` | `S(1)` |
+| partial grad | `P(sum)`/`P(avg)` | `R` | same `P` (the scatter-add is linear) |
+
+A row-wise weight receives an `R` or `P(sum)` gradient: the gradient's value is exact, and an
+optimizer step ``w.add_(g)`` on the `S(0)` weight brings it to `S(0)` locally (`R`) or by a
+reduce-scatter (`P(sum)`).
+"""
 from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ...placement import Partial, Replicate, Shard
+from ...spec import DTensorSpec
+from .. import Call, Decision, register, unsupported
+from ..strategy import select
+from .matrix import Option, expand, finish, linear_partial
+
+aten = torch.ops.aten
+
+VOCAB, EMB = "vocab", "emb"
+
+
+def _labels(nd: int) -> tuple:
+    return tuple(("i", d) for d in range(nd))
+
+
+@register(aten.embedding.default)
+def embedding_rule(call: Call) -> Decision:
+    """Lookup: replicate / batch / column-wise / row-wise (masked, P(sum)) / partial weight."""
+    wpos, ipos = call.pos("weight"), call.pos("indices")
+    if wpos is None or ipos is None:
+        raise unsupported(call.op, call.specs, "with a plain-tensor weight or indices")
+    w, idx = call.specs[wpos], call.specs[ipos]
+    if w.ndim != 2:
+        raise unsupported(call.op, call.specs, f"with a {w.ndim}-D weight")
+    n = idx.ndim
+    options: list[list[Option]] = []
+    for j in range(call.mesh.ndim):
+        opts: list[Option] = [({}, Replicate())]
+        opts += [({ipos: Shard(d)}, Shard(d)) for d in range(n)]
+        opts.append(({wpos: Shard(1)}, Shard(n)))
+        opts.append(({wpos: Shard(0)}, Partial("sum")))
+        p = w.placements[j]
+        if isinstance(p, Partial):
+            opts.append(({wpos: p}, p))
+        options.append(opts)
+    cand = select(call, expand(options, [wpos, ipos]))
+    labels = {wpos: (VOCAB, EMB), ipos: _labels(n)}
+    rowwise = any(p == Shard(0) for p in cand.inputs[wpos])
+
+    def kernel(targets: dict[int, DTensorSpec]) -> Callable | None:
+        return _rowwise_lookup(targets[wpos]) if rowwise else None
+
+    return finish(call, cand, labels, _labels(n) + (EMB,), kernel=kernel)
+
+
+def _rowwise_lookup(wspec: DTensorSpec) -> Callable:
+    """Local step of a row-sharded weight: rows outside this rank's range give zeros."""
+
+    def kernel(weight: torch.Tensor, indices: torch.Tensor, padding_idx: int = -1,
+               scale_grad_by_freq: bool = False, sparse: bool = False) -> torch.Tensor:
+        (rows, _), (off, _) = wspec.local_shape_and_offset()
+        shape = (*indices.shape, weight.shape[1])
+        if rows == 0:
+            return weight.new_zeros(shape)
+        mask = (indices >= off) & (indices < off + rows)
+        local = torch.where(mask, indices - off, torch.zeros_like(indices))
+        out = torch.embedding(weight, local)
+        return torch.where(mask.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype))
+
+    return kernel
+
+
+@register(aten.embedding_dense_backward.default)
+def embedding_dense_backward_rule(call: Call) -> Decision:
+    """Grad weight: R, P(sum) from a batch-sharded grad, S(1) from an emb-sharded grad, or a linear P."""
+    gpos, ipos = call.pos("grad_output"), call.pos("indices")
+    if gpos is None or ipos is None:
+        raise unsupported(call.op, call.specs, "with a plain-tensor grad_output or indices")
+    g, idx = call.specs[gpos], call.specs[ipos]
+    n = idx.ndim
+    scale = bool(call.arg("scale_grad_by_freq", False))
+    options: list[list[Option]] = []
+    for j in range(call.mesh.ndim):
+        opts: list[Option] = [({}, Replicate())]
+        if not scale:
+            opts += [({gpos: Shard(d), ipos: Shard(d)}, Partial("sum")) for d in range(n)]
+        opts.append(({gpos: Shard(n)}, Shard(1)))
+        p = g.placements[j]
+        if linear_partial(p):
+            opts.append(({gpos: p}, p))
+        options.append(opts)
+    cand = select(call, expand(options, [gpos, ipos]))
+    labels = {gpos: _labels(n) + (EMB,), ipos: _labels(n)}
+    return finish(call, cand, labels, (VOCAB, EMB))

@@ -1,39 +1,89 @@
-"""``new_*`` factories called on a DTensor with its own global size (autograd uses them).
+"""``new_*`` factories called on a DTensor (spec propagation.md 7).
 
-The output takes ``self``'s placements (Partial becomes Replicate: a fill is not a term),
-and each rank's size arguments are rewritten to its local shape after the cache lookup, so
-the cached decision stays rank independent.  Other sizes raise NotImplementedError.
+| size argument | output | local call |
+|---|---|---|
+| ``self``'s global shape | ``self``'s placements and shard order (Partial kept for ``new_empty``/``new_zeros``/``new_empty_strided``, whose values are a valid term of every kind; Replicate for ``new_ones``/``new_full``) | sizes -> this rank's local shape; ``new_empty_strided``: strides dense over the local shape, dims in the order of the global strides |
+| any other size | Replicate | the global sizes and strides unchanged |
+
+The rewrite of size/stride arguments happens per rank after the cache lookup, so the cached
+decision stays rank independent.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
-from ...placement import Replicate
-from ...spec import DTensorSpec, contiguous_stride
-from .. import Call, Decision, register, unsupported
+from ...placement import Replicate, Shard
+from ...spec import DTensorSpec
+from .. import Call, Decision, register
 
 aten = torch.ops.aten
+
+try:
+    from .. import unflatten_call as _unflatten
+except ImportError:  # engines that keep pytree specs
+    from torch.utils._pytree import tree_unflatten as _unflatten
+
+__all__ = ["new_factory_rule", "dense_stride_like"]
+
+KEEPS_PARTIAL = (aten.new_empty_strided.default, aten.new_empty.default, aten.new_zeros.default)
+
+
+def dense_stride_like(shape: Sequence[int], stride: Sequence[int]) -> tuple[int, ...]:
+    """Dense strides over ``shape`` that order the dims as ``stride`` does (innermost = smallest stride)."""
+    order = sorted(range(len(shape)), key=lambda d: (stride[d], -d))
+    out = [0] * len(shape)
+    acc = 1
+    for d in order:
+        out[d] = acc
+        acc *= max(shape[d], 1)
+    return tuple(out)
+
+
+def _slots(call: Call, name: str):
+    args, kwargs = _unflatten(list(range(len(call.flat))), call.treedef)
+    if name in kwargs:
+        return kwargs[name]
+    for i, a in enumerate(call.op._schema.arguments):
+        if a.name == name:
+            return args[i] if i < len(args) else None
+    return None
+
+
+def _put(flat: list, slots, values: Sequence[int]) -> None:
+    if isinstance(slots, (list, tuple)):
+        for s, v in zip(slots, values):
+            flat[s] = v
+    elif slots is not None:
+        flat[slots] = list(values)
 
 
 @register(aten.new_empty_strided.default, aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default,
           aten.new_full.default)
 def new_factory_rule(call: Call) -> Decision:
+    """Follow ``self`` when the size is its shape, else a Replicate output with global sizes."""
     s = call.specs[0]
-    size = call.flat[1:1 + len(s.shape)]
-    if tuple(call.out_meta.shape) != tuple(s.shape) or list(size) != list(s.shape):
-        raise unsupported(call.op, call.specs, f"with size {tuple(call.out_meta.shape)} != self's {tuple(s.shape)}")
-    keep = call.op in (aten.new_empty_strided.default, aten.new_empty.default, aten.new_zeros.default)
+    meta = call.out_meta
+    inputs = tuple(call.specs)
+    if tuple(meta.shape) != tuple(s.shape):
+        out = DTensorSpec.build(s.mesh, [Replicate()] * s.mesh.ndim, meta.shape, meta.stride(), meta.dtype)
+        return Decision(inputs, out, False)
+    keep = call.op in KEEPS_PARTIAL
     pl = s.placements if keep else tuple(Replicate() if p.is_partial() else p for p in s.placements)
-    out = DTensorSpec.build(s.mesh, pl, s.shape, call.out_meta.stride(), call.out_meta.dtype, s.shard_order)
-    n = len(s.shape)
-    strided = call.op is aten.new_empty_strided.default
+    out = DTensorSpec.build(s.mesh, pl, s.shape, meta.stride(), meta.dtype, s.shard_order)
+    if not any(isinstance(p, Shard) for p in pl):
+        return Decision(inputs, out, False)
+    size_slots = _slots(call, "size")
+    stride_slots = _slots(call, "stride") if call.op is aten.new_empty_strided.default else None
+    global_stride = tuple(meta.stride())
 
     def local_args(flat: list) -> list:
         shape = out.local_shape
         flat = list(flat)
-        flat[1:1 + n] = list(shape)
-        if strided:
-            flat[1 + n:1 + 2 * n] = list(contiguous_stride(shape))
+        _put(flat, size_slots, shape)
+        if stride_slots is not None:
+            _put(flat, stride_slots, dense_stride_like(shape, global_stride))
         return flat
 
-    return Decision(tuple(call.specs), out, False, local_args)
+    return Decision(inputs, out, False, local_args)

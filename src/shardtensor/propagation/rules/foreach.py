@@ -1,2 +1,408 @@
-"""Sharding rules (being written)."""
+"""Foreach ops and fused optimizers (spec ops.md 8.1-8.6): one decision entry per list element.
+
+A foreach op is its element op applied at each list index, so its decision is built from the
+element op's own rule (the pointwise rule, ``copy_``, ``zero_``), one element at a time:
+
+| foreach op (and its in-place ``_``-form) | element op | per element |
+|---|---|---|
+| unary ``_foreach_neg/sqrt/reciprocal/abs/exp/...`` | ``aten.<op>.default`` | pointwise: R/S pass; partials only through ``neg`` (sum/avg) |
+| ``_foreach_add/sub/mul/div .List/.Tensor`` | ``add.Tensor`` ... | pointwise binary: add/sub keep matching ``P(sum)``/``P(avg)``; mul/div keep one ``P(sum|avg)`` factor (numerator) |
+| ``_foreach_add/sub/mul/div .Scalar/.ScalarList`` | ``add.Scalar`` ... | mul/div keep ``P(sum|avg)``; add/sub of a scalar reduce partials first |
+| ``_foreach_maximum/minimum/clamp_min/clamp_max`` | ``maximum`` / ``clamp_min`` ... | pointwise, partials reduced |
+| ``_foreach_addcmul/addcdiv .Scalar/.ScalarList`` | ``addcmul`` / ``addcdiv`` | pointwise, partials reduced |
+| ``_foreach_pow .List/.Scalar/.ScalarList/.ScalarAndTensor`` | ``pow.*`` | pointwise, partials reduced (exponents follow the base) |
+| ``_foreach_lerp .List/.Scalar/.ScalarList`` | ``lerp.*`` | pointwise, partials reduced |
+| ``_foreach_copy_`` / ``_foreach_zero_`` | ``copy_`` / ``zero_`` | src moves to self's placements / any placement |
+| ``_fused_adam(w)``, ``_fused_adam(w)_``, ``_fused_sgd_`` | -- | every list moves to the params' placements; ``state_steps``, ``grad_scale``, ``found_inf``, a tensor ``lr`` must be R; params never Partial; an empty ``max_exp_avg_sqs`` / momentum list gives an empty output list |
+
+A tensor argument shared by all elements (``other`` of ``.Tensor``) must get one placement:
+elements that disagree raise.  In-place forms never move ``self`` (its local tensors are
+written): the other operands are first aligned to ``self`` (same shards, Replicate where they
+broadcast; a matching Partial kept only for add/sub), and if ``self`` would still have to
+change (e.g. ``sqrt_`` of a ``P(sum)`` list) the op raises naming the element.  For
+``_fused_adam(w)_`` the mutated state lists must already match the params; the grads may move
+(they are read-only for the kernel unless ``grad_scale`` is given -- that combination raises,
+since the in-place unscale of a redistributed grad would be lost).
+
+In-place foreach ops and ``_fused_*_`` return nothing: their decision's output is ``None``.
+"""
 from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from ...placement import Partial, Placement, Replicate, Shard
+from ...spec import DTensorSpec
+from .. import Call, Decision, register, unflatten_call, unsupported
+from ..decompose import decomposition
+from ..strategy import decide
+
+aten = torch.ops.aten
+
+__all__ = ["foreach_rule", "fused_optimizer_rule", "FOREACH_OPS", "FUSED_OPS"]
+
+UNARY = ["abs", "acos", "asin", "atan", "ceil", "cos", "cosh", "erf", "erfc", "exp", "expm1", "floor", "frac",
+         "lgamma", "log", "log10", "log1p", "log2", "neg", "reciprocal", "round", "rsqrt", "sigmoid", "sign",
+         "sin", "sinh", "sqrt", "tan", "tanh", "trunc"]
+ARITH = ["add", "sub", "mul", "div"]
+CLAMPS = {"maximum": "clamp_min", "minimum": "clamp_max", "clamp_min": "clamp_min", "clamp_max": "clamp_max"}
+ELEMENT_BY_OVERLOAD: dict[str, dict[str, Any]] = {
+    "List": {**{n: f"{n}.Tensor" for n in ARITH}, "maximum": "maximum.default", "minimum": "minimum.default",
+             "clamp_min": "clamp_min.Tensor", "clamp_max": "clamp_max.Tensor", "pow": "pow.Tensor_Tensor",
+             "lerp": "lerp.Tensor"},
+    "Scalar": {**{n: f"{n}.Scalar" for n in ARITH}, **{n: f"{c}.default" for n, c in CLAMPS.items()},
+               "pow": "pow.Tensor_Scalar", "lerp": "lerp.Scalar", "addcmul": "addcmul.default",
+               "addcdiv": "addcdiv.default"},
+    "Tensor": {n: f"{n}.Tensor" for n in ARITH},
+    "ScalarAndTensor": {"pow": "pow.Scalar"},
+}
+ELEMENT_BY_OVERLOAD["ScalarList"] = ELEMENT_BY_OVERLOAD["Scalar"]
+ADDITIVE_ELEMENTS = {aten.add.Tensor, aten.sub.Tensor}
+NATIVE_INPLACE = {aten.copy_.default, aten.zero_.default}
+
+
+def _resolve(qual: str) -> Any:
+    name, overload = qual.split(".")
+    return getattr(getattr(aten, name), overload)
+
+
+def _element_op(op) -> Any:
+    """The single-tensor op a foreach op applies per element (out-of-place form, except copy_/zero_)."""
+    name = op._schema.name.split("::")[-1]
+    base = name[len("_foreach_"):].rstrip("_")
+    if base in ("copy", "zero"):
+        return getattr(aten, base + "_").default
+    overload = op._overloadname
+    if overload == "default":
+        return getattr(aten, base).default
+    qual = ELEMENT_BY_OVERLOAD.get(overload, {}).get(base)
+    if qual is None:
+        return None
+    return _resolve(qual)
+
+
+def _is_void(op) -> bool:
+    return len(op._schema.returns) == 0
+
+
+def _aligned(self_spec: DTensorSpec, other: DTensorSpec, keep_partial: bool) -> DTensorSpec:
+    """``other`` placed like ``self`` (in-place ops cannot move ``self``)."""
+    shift = self_spec.ndim - other.ndim
+    pl: list[Placement] = []
+    for p, q in zip(self_spec.placements, other.placements):
+        if isinstance(p, Shard):
+            d = p.dim - shift
+            ok = d >= 0 and other.shape[d] == self_spec.shape[p.dim]
+            pl.append(Shard(d) if ok else Replicate())
+        elif isinstance(p, Partial) and keep_partial and q == p:
+            pl.append(q)
+        else:
+            pl.append(Replicate())
+    order = []
+    for d, js in self_spec.shard_order:
+        keep = tuple(j for j in js if pl[j] == Shard(d - shift))
+        if keep:
+            order.append((d - shift, keep))
+    return other.with_placements(pl, tuple(order))
+
+
+def _element_calls(call: Call, elem_op) -> list[tuple[list[int], Call]]:
+    """Per list index: (foreach flat positions of the element's leaves, the element Call)."""
+    idx_args, idx_kwargs = unflatten_call(list(range(len(call.flat))), call.treedef)
+    schema = call.op._schema.arguments
+    values: list[tuple[Any, bool, Any]] = []
+    n = None
+    for i, a in enumerate(schema):
+        if a.name == "out":
+            continue
+        if i < len(idx_args):
+            v = idx_args[i]
+        elif a.name in idx_kwargs:
+            v = idx_kwargs[a.name]
+        else:
+            values.append((a, False, None))
+            continue
+        is_list = isinstance(v, (list, tuple))
+        if is_list:
+            if n is None:
+                n = len(v)
+            elif len(v) != n:
+                raise RuntimeError(f"shardtensor: {call.op}: list arguments differ in length ({n} and {len(v)})")
+        values.append((a, True, v))
+    elem_schema = elem_op._schema.arguments
+    out = []
+    for k in range(n or 0):
+        eargs: list[Any] = []
+        ekwargs: dict[str, Any] = {}
+        for (a, present, v), ea in zip(values, elem_schema):
+            if not present:
+                continue
+            v = v[k] if isinstance(v, (list, tuple)) else v
+            if ea.kwarg_only:
+                ekwargs[ea.name] = v
+            else:
+                eargs.append(v)
+        leaves, etree = tree_flatten((tuple(eargs), ekwargs))
+        out.append((leaves, Call(elem_op, [call.flat[p] for p in leaves], [call.specs[p] for p in leaves], etree)))
+    return out
+
+
+def foreach_rule(call: Call) -> Decision:
+    """Decision of a foreach op from its element op's rule at every list index."""
+    from .. import route
+
+    elem_op = _element_op(call.op)
+    if elem_op is None:
+        raise unsupported(call.op, call.specs, "has no element op known to shardtensor")
+    rule = route(elem_op)
+    if rule is None or isinstance(rule, tuple):
+        raise unsupported(call.op, call.specs, f"(element op {elem_op} has no sharding rule)")
+    inplace = _is_void(call.op) or call.op._schema.name.endswith("_")
+    required: dict[int, DTensorSpec] = {}
+    outputs: list[DTensorSpec | None] = []
+    local_fns: list[tuple[list[int], Callable]] = []
+    for k, (leaves, ecall) in enumerate(_element_calls(call, elem_op)):
+        self_spec = ecall.specs[0] if ecall.specs else None
+        if inplace and self_spec is None:
+            raise unsupported(call.op, call.specs, f"writes into a plain tensor at index {k}")
+        if inplace and elem_op not in NATIVE_INPLACE:
+            keep = elem_op in ADDITIVE_ELEMENTS
+            ecall.specs = [s if e == 0 or s is None else _aligned(self_spec, s, keep) for e, s in enumerate(ecall.specs)]
+        d = rule(ecall)
+        if not isinstance(d, Decision):
+            d = decide(ecall, d)
+        if d.kernel is not None:
+            raise unsupported(call.op, call.specs, f"(element op {elem_op} needs a custom kernel)")
+        if inplace:
+            out = d.output
+            want = d.inputs[0] if d.inputs[0] is not None else self_spec
+            if want != self_spec or (out is not None and (out.placements != self_spec.placements)):
+                got = out.placements if out is not None else want.placements
+                raise RuntimeError(
+                    f"shardtensor: {call.op}: in-place on element {k} with placements {self_spec.placements} would "
+                    f"need placements {got}; redistribute self or use the out-of-place op")
+        else:
+            outputs.append(d.output)
+        parts: list[tuple[int, int, Placement]] = []
+        for e, pos in enumerate(leaves):
+            want = d.inputs[e]
+            if call.specs[pos] is None or want is None:
+                continue
+            if inplace and e > 0:
+                want, moved_parts = _partition_locally(call.specs[pos], want)
+                parts += [(e, j, q) for j, q in moved_parts]
+            have = required.get(pos)
+            if have is not None and have != want:
+                raise unsupported(call.op, call.specs, f"(a shared tensor argument needs {have.placements} for one "
+                                  f"element and {want.placements} for another)")
+            required[pos] = want
+        if d.local_args is not None:
+            local_fns.append((leaves, d.local_args))
+        if parts:
+            local_fns.append((leaves, _partitioner(parts, call.mesh)))
+    inputs = tuple(required.get(i, s) for i, s in enumerate(call.specs))
+    moved = any(r is not None and r != s for r, s in zip(inputs, call.specs))
+    return Decision(inputs, None if inplace else list(outputs), moved, _compose(local_fns) if local_fns else None)
+
+
+def _partition_locally(have: DTensorSpec, want: DTensorSpec) -> tuple[DTensorSpec, list[tuple[int, Placement]]]:
+    """``want`` with each newly Partial mesh dim made Replicate (partitioned locally afterwards).
+
+    The executor cannot move ``Shard -> Partial`` in the forward pass; Replicate then a local
+    split into terms is the same value and needs only the gather.
+    """
+    moved = [(j, q) for j, (p, q) in enumerate(zip(have.placements, want.placements))
+             if isinstance(q, Partial) and p != q]
+    if not moved:
+        return want, []
+    pl = [Replicate() if any(j == m for m, _ in moved) else q for j, q in enumerate(want.placements)]
+    return want.with_placements(pl, want.shard_order), moved
+
+
+def _partitioner(parts: list[tuple[int, int, Placement]], mesh) -> Callable[[list], list]:
+    def local_args(flat: list) -> list:
+        from ...redistribute.execute import partition
+
+        coord = mesh.get_coordinate()
+        flat = list(flat)
+        for e, j, q in parts:
+            flat[e] = partition(flat[e], q, mesh.shape[j], coord[j])
+        return flat
+
+    return local_args
+
+
+def _compose(fns: list[tuple[list[int], Callable]]) -> Callable[[list], list]:
+    def local_args(flat: list) -> list:
+        flat = list(flat)
+        for leaves, fn in fns:
+            new = fn([flat[p] for p in leaves])
+            for p, v in zip(leaves, new):
+                flat[p] = v
+        return flat
+
+    return local_args
+
+
+# -- fused optimizers ----------------------------------------------------------------------
+
+FUSED_LISTS = {
+    "_fused_adam": ("self", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"),
+    "_fused_adamw": ("self", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"),
+}
+REPLICATED_ARGS = ("state_steps", "grad_scale", "found_inf", "lr")
+
+
+def fused_optimizer_rule(call: Call) -> Decision:
+    """Every state list takes the params' placements; scalars-as-tensors must be Replicate."""
+    name = call.op._schema.name.split("::")[-1]
+    inplace = name.endswith("_")
+    lists = FUSED_LISTS[name.rstrip("_")]
+    params = call.positions("self")
+    if any(p is None for p in params):
+        raise unsupported(call.op, call.specs, "with plain-tensor params mixed with DTensors")
+    required = list(call.specs)
+    for i, pos in enumerate(params):
+        s = call.specs[pos]
+        if any(p.is_partial() for p in s.placements):
+            raise RuntimeError(f"shardtensor: {call.op}: param {i} is Partial {s.placements}; optimizer params "
+                               "must be Replicate or Shard")
+    grad_scale = call.arg("grad_scale", None)
+    for lname in lists[1:]:
+        pos_list = call.positions(lname)
+        if not pos_list:
+            continue
+        if len(pos_list) != len(params):
+            raise RuntimeError(f"shardtensor: {call.op}: {lname} has {len(pos_list)} tensors, params {len(params)}")
+        for i, (pp, pos) in enumerate(zip(params, pos_list)):
+            if pos is None:
+                raise unsupported(call.op, call.specs, f"with a plain tensor in {lname}[{i}]")
+            ps, s = call.specs[pp], call.specs[pos]
+            want = s.with_placements(ps.placements, ps.shard_order)
+            if want == s:
+                continue
+            if inplace and lname != "grads":
+                raise RuntimeError(f"shardtensor: {call.op}: {lname}[{i}] has placements {s.placements} but its param "
+                                   f"{ps.placements}; the optimizer state is updated in place and cannot move")
+            if inplace and grad_scale is not None:
+                raise unsupported(call.op, call.specs, f"with grad_scale and grads[{i}] placed {s.placements} unlike "
+                                  f"its param {ps.placements} (the kernel unscales grads in place)")
+            required[pos] = want
+    for aname in REPLICATED_ARGS:
+        try:
+            where = call.positions(aname) if aname == "state_steps" else [call.pos(aname)]
+        except KeyError:
+            continue
+        for pos in where:
+            if pos is not None:
+                s = call.specs[pos]
+                required[pos] = s.with_placements([Replicate()] * s.mesh.ndim)
+    moved = any(r != s for r, s in zip(required, call.specs))
+    if inplace:
+        return Decision(tuple(required), None, moved)
+    meta = call.out_meta
+    outs = []
+    for lname, metas in zip(lists, meta):
+        pos_list = call.positions(lname) or []
+        outs.append([DTensorSpec.build(call.mesh, call.specs[pp].placements, m.shape, m.stride(), m.dtype,
+                                       call.specs[pp].shard_order) for pp, m in zip(params, metas)]
+                    if pos_list else [])
+    return Decision(tuple(required), tuple(outs), moved)
+
+
+# -- registration --------------------------------------------------------------------------
+
+def _overloads(name: str) -> list[Any]:
+    packet = getattr(aten, name, None)
+    if packet is None:
+        return []
+    out = []
+    for o in packet.overloads():
+        op = getattr(packet, o)
+        if "out" in o.lower() and any(a.name == "out" for a in op._schema.arguments):
+            continue
+        out.append(op)
+    return out
+
+
+FOREACH_OPS: list[Any] = []
+for _n in [*UNARY, *ARITH, *CLAMPS, "addcmul", "addcdiv", "pow", "lerp"]:
+    for _op in _overloads(f"_foreach_{_n}") + _overloads(f"_foreach_{_n}_"):
+        if _element_op(_op) is not None:
+            FOREACH_OPS.append(_op)
+FOREACH_OPS += [aten._foreach_copy_.default, aten._foreach_zero_.default]
+FUSED_OPS: list[Any] = [op for n in ("_fused_adam", "_fused_adam_", "_fused_adamw", "_fused_adamw_")
+                        for op in _overloads(n)]
+
+
+def _fused_sgd(op) -> Callable[..., None]:
+    """``_fused_sgd_``: the fused kernel on local shards when every momentum buffer has its
+    param's placements (grads move to them); otherwise the same update in foreach ops.
+
+    Torch creates the first momentum buffers with ``empty_like(grad)``, so a ``Partial`` grad
+    gives a ``Partial`` buffer that the fused kernel cannot update in place; the foreach form
+    keeps such a buffer ``Partial`` (as ``foreach=True`` SGD does).
+    """
+
+    def run(params, grads, bufs, *, weight_decay, momentum, lr, dampening, nesterov, maximize, is_first_step,
+            grad_scale=None, found_inf=None) -> None:
+        from ...tensor import DTensor, redistribute_local
+
+        kw = dict(weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov,
+                  maximize=maximize, is_first_step=is_first_step, grad_scale=grad_scale, found_inf=found_inf)
+        same = all(isinstance(b, DTensor) and isinstance(p, DTensor) and b._spec.placements == p._spec.placements
+                   and b._spec.shard_order == p._spec.shard_order for p, b in zip(params, bufs))
+        if same:
+            flat = [*params, *grads, *bufs]
+            specs = [t._spec if isinstance(t, DTensor) else None for t in flat]
+            n = len(params)
+            for i, (p, g) in enumerate(zip(params, grads)):
+                if not isinstance(p, DTensor) or not isinstance(g, DTensor):
+                    raise unsupported(op, specs, "with plain tensors mixed with DTensors")
+                if any(q.is_partial() for q in p.placements):
+                    raise RuntimeError(f"shardtensor: {op}: param {i} is Partial {p.placements}; optimizer params "
+                                       "must be Replicate or Shard")
+            local_g = []
+            for p, g in zip(params, grads):
+                want = g._spec.with_placements(p._spec.placements, p._spec.shard_order)
+                if want != g._spec and grad_scale is not None:
+                    raise unsupported(op, specs, "with grad_scale and grads placed unlike their params (the kernel "
+                                      "unscales grads in place)")
+                local_g.append(g._local_tensor if want == g._spec else redistribute_local(g._local_tensor, g._spec, want))
+            extra = {k: (_replicated_local(v) if isinstance(v, DTensor) else v) for k, v in kw.items()}
+            op([p._local_tensor for p in params], local_g, [b._local_tensor for b in bufs][:n] if bufs else [], **extra)
+            return None
+        if grad_scale is not None or found_inf is not None:
+            raise unsupported(op, [t._spec for t in [*params, *grads, *bufs] if isinstance(t, DTensor)],
+                              "with grad_scale/found_inf and momentum buffers placed unlike their params")
+        if isinstance(lr, torch.Tensor):
+            lr = lr.item()
+        g = torch._foreach_neg(grads) if maximize else list(grads)
+        if weight_decay != 0:
+            g = torch._foreach_add(g, params, alpha=weight_decay)
+        if momentum != 0:
+            if is_first_step:
+                torch._foreach_copy_(bufs, g)
+            else:
+                torch._foreach_mul_(bufs, momentum)
+                torch._foreach_add_(bufs, g, alpha=1 - dampening)
+            g = torch._foreach_add(g, bufs, alpha=momentum) if nesterov else bufs
+        torch._foreach_add_(params, g, alpha=-lr)
+        return None
+
+    return run
+
+
+def _replicated_local(t) -> torch.Tensor:
+    from ...tensor import redistribute_local
+
+    want = t._spec.with_placements([Replicate()] * t._spec.mesh.ndim)
+    return t._local_tensor if want == t._spec else redistribute_local(t._local_tensor, t._spec, want)
+
+
+register(*FOREACH_OPS, scalars_by_sign=True)(foreach_rule)
+register(*FUSED_OPS, scalars_by_sign=True)(fused_optimizer_rule)
+for _op in _overloads("_fused_sgd_"):
+    decomposition(_op)(_fused_sgd(_op))

@@ -1,2 +1,214 @@
-"""Sharding rules (being written)."""
+"""Matrix products: candidates per mesh dim from index labels, expanded to the mesh, scored by cost.
+
+Each op is an einsum over labelled dims (``m``, ``k``, ``n``, batch ``b``); per mesh dim the
+candidates are (placements of the operands -> placement of the output):
+
+| candidate | operands | output |
+|---|---|---|
+| all replicate | every operand `R` | `R` |
+| shard a kept label `L` (m, n, b) | `S(dim of L)` where the operand has `L`, else `R` | `S(dim of L)` |
+| shard the contracted label `k` | `S(dim of k)` in every operand | `P(sum)` (no communication) |
+| keep a linear partial | one operand `P(sum)` or `P(avg)` (as it is now), the others `R` | same `P` |
+
+| op | labels |
+|---|---|
+| `mm` | `mk, kn -> mn` |
+| `bmm` | `bmk, bkn -> bmn` |
+| `mv` | `mk, k -> m` |
+| `dot` | `k, k -> ()` |
+| `addmm`, `baddbmm`, `addmv` | as `mm`, `bmm`, `mv`, plus a broadcast bias ``self`` |
+
+Only one operand is ever partial on a mesh dim (a product is linear in each operand
+separately, never jointly).  The mesh-wide candidates are the cartesian product of the per-dim
+ones; the engine picks the cheapest by the planner's modeled cost.
+
+The bias of ``addmm``-style ops (``beta*self + alpha*(A@B)``) follows the output: `S` where the
+output is sharded on a dim the bias does not broadcast (else `R`), `R` where it is `R`, and the
+output's `P(kind)` where it is partial (a replicated bias is partitioned locally, so each rank's
+``beta*self_r`` terms add up to ``beta*self``).
+
+Nested sharding (several mesh dims on one label) keeps the shard order of an operand that
+already has those placements; every other tensor carrying the label, and the output, use
+that order (operands with another order are reordered).
+
+``torch.matmul`` and ``F.linear`` are composite and reach these rules as ``mm``/``bmm``/``mv``/
+``dot``/``addmm`` after ``view``/``expand``/``t``/``transpose`` (view rules).
+"""
 from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Hashable, Sequence
+
+import torch
+
+from ...placement import Partial, Placement, Replicate, Shard
+from ...spec import DTensorSpec
+from .. import Call, Decision, register, unsupported
+from ..strategy import Candidate, select
+
+aten = torch.ops.aten
+
+Labels = tuple[Hashable | None, ...]
+Option = tuple[dict[int, Placement], Placement]
+"""One per-mesh-dim choice: required placement per flat position, and the output placement."""
+
+LINEAR_KINDS = ("sum", "avg")
+
+
+def linear_partial(p: Placement) -> bool:
+    """A plain Partial whose combine is linear (sum or avg); norm partials are not."""
+    return type(p) is Partial and p.reduce_op in LINEAR_KINDS
+
+
+def compatible_kinds(out: Sequence[Placement]) -> bool:
+    """Partials on several mesh dims must commute: only {sum, avg} mix, else all equal."""
+    parts = [p for p in out if isinstance(p, Partial)]
+    if len(parts) < 2:
+        return True
+    if all(linear_partial(p) for p in parts):
+        return True
+    return all(p == parts[0] for p in parts)
+
+
+def expand(options: Sequence[Sequence[Option]], positions: Sequence[int],
+           valid: Callable[[Candidate], bool] | None = None) -> list[Candidate]:
+    """Cartesian product of per-mesh-dim options into mesh-wide candidates (invalid ones dropped)."""
+    cands = []
+    for combo in itertools.product(*options):
+        inputs = {pos: tuple(opt[0].get(pos, Replicate()) for opt in combo) for pos in positions}
+        out = tuple(opt[1] for opt in combo)
+        if not compatible_kinds(out):
+            continue
+        cand = Candidate(inputs, out)
+        if valid is None or valid(cand):
+            cands.append(cand)
+    return cands
+
+
+def _ascending(pl: Sequence[Placement], d: int) -> tuple[int, ...]:
+    return tuple(j for j, p in enumerate(pl) if p == Shard(d))
+
+
+def _order_for(pl: Sequence[Placement], labels: Labels, label_order: dict) -> tuple:
+    dims = sorted({p.dim for p in pl if isinstance(p, Shard)})
+    order = []
+    for d in dims:
+        js = _ascending(pl, d)
+        want = label_order.get(labels[d])
+        order.append((d, want if want is not None and sorted(want) == list(js) else js))
+    return tuple(order)
+
+
+def finish(call: Call, cand: Candidate, labels: dict[int, Labels], out_labels: Labels, *,
+           kernel: Callable[[dict[int, DTensorSpec]], Callable | None] | None = None) -> Decision:
+    """Turn a selected candidate into a Decision whose shard orders agree across a label.
+
+    ``labels`` gives each constrained tensor's label per dim (``None`` for a broadcast dim);
+    ``kernel(targets)`` may return a custom local step given the required input specs.
+    """
+    label_order: dict[Hashable, tuple[int, ...]] = {}
+    for pos, pl in cand.inputs.items():
+        s = call.specs[pos]
+        if s.placements == tuple(pl):
+            for d, js in s.shard_order:
+                if len(js) > 1 and labels[pos][d] is not None:
+                    label_order.setdefault(labels[pos][d], js)
+    targets: dict[int, DTensorSpec] = {}
+    for pos, pl in cand.inputs.items():
+        s = call.specs[pos]
+        targets[pos] = s.with_placements(tuple(pl), _order_for(pl, labels[pos], label_order))
+    inputs = tuple(targets.get(i, s) for i, s in enumerate(call.specs))
+    meta = call.out_meta
+    out_spec = DTensorSpec.build(call.mesh, cand.output, meta.shape, meta.stride(), meta.dtype,
+                                 _order_for(cand.output, out_labels, label_order))
+    changed = any(t != call.specs[pos] for pos, t in targets.items())
+    return Decision(inputs, out_spec, changed, None, kernel(targets) if kernel is not None else None)
+
+
+def einsum_options(call: Call, operands: Sequence[tuple[int, Labels]], out_labels: Labels,
+                   bias: tuple[int, Labels] | None) -> list[list[Option]]:
+    """Per-mesh-dim options of a product: replicate, shard a kept or contracted label, keep a partial."""
+    labels_in = []
+    for _, labs in operands:
+        for L in labs:
+            if L not in labels_in:
+                labels_in.append(L)
+    per_dim = []
+    for j in range(call.mesh.ndim):
+        opts: list[Option] = [({}, Replicate())]
+        for L in labels_in:
+            req = {pos: Shard(labs.index(L)) for pos, labs in operands if L in labs}
+            out = Shard(out_labels.index(L)) if L in out_labels else Partial("sum")
+            opts.append((req, out))
+        for pos, _ in operands:
+            p = call.specs[pos].placements[j]
+            if linear_partial(p):
+                opts.append(({pos: p}, p))
+        if bias is not None:
+            bpos, blabs = bias
+            opts = [({**req, bpos: _bias_placement(out, blabs, out_labels)}, out) for req, out in opts]
+        per_dim.append(opts)
+    return per_dim
+
+
+def _bias_placement(out: Placement, blabs: Labels, out_labels: Labels) -> Placement:
+    if isinstance(out, Shard):
+        L = out_labels[out.dim]
+        return Shard(blabs.index(L)) if L in blabs else Replicate()
+    return out
+
+
+def _bias_labels(bias: DTensorSpec, out_shape: Sequence[int], out_labels: Labels) -> Labels:
+    """Bias dims aligned to the output from the right; a broadcast dim gets no label."""
+    shift = len(out_shape) - bias.ndim
+    if shift < 0:
+        return (None,) * bias.ndim
+    return tuple(out_labels[d + shift] if bias.shape[d] == out_shape[d + shift] else None for d in range(bias.ndim))
+
+
+SIGNATURES: dict[Any, tuple[tuple[str, str], ...]] = {
+    aten.mm.default: (("self", "mk"), ("mat2", "kn")),
+    aten.bmm.default: (("self", "bmk"), ("mat2", "bkn")),
+    aten.mv.default: (("self", "mk"), ("vec", "k")),
+    aten.dot.default: (("self", "k"), ("tensor", "k")),
+    aten.addmm.default: (("mat1", "mk"), ("mat2", "kn")),
+    aten.baddbmm.default: (("batch1", "bmk"), ("batch2", "bkn")),
+    aten.addmv.default: (("mat", "mk"), ("vec", "k")),
+}
+OUT_LABELS = {aten.mm.default: "mn", aten.bmm.default: "bmn", aten.mv.default: "m", aten.dot.default: "",
+              aten.addmm.default: "mn", aten.baddbmm.default: "bmn", aten.addmv.default: "m"}
+BIASED = {aten.addmm.default, aten.baddbmm.default, aten.addmv.default}
+
+
+@register(aten.mm.default, aten.bmm.default, aten.mv.default, aten.dot.default)
+def product_rule(call: Call) -> Decision:
+    """mm / bmm / mv / dot: the einsum candidates, cheapest by modeled cost."""
+    return _product(call)
+
+
+@register(aten.addmm.default, aten.baddbmm.default, aten.addmv.default, scalars_by_sign=True)
+def biased_product_rule(call: Call) -> Decision:
+    """addmm / baddbmm / addmv: the product's candidates with the bias following the output."""
+    return _product(call)
+
+
+def _product(call: Call) -> Decision:
+    operands = []
+    for name, labs in SIGNATURES[call.op]:
+        pos = call.pos(name)
+        if pos is None:
+            raise unsupported(call.op, call.specs, f"with a plain-tensor {name!r} operand")
+        operands.append((pos, tuple(labs)))
+    out_labels = tuple(OUT_LABELS[call.op])
+    bias = None
+    labels = dict(operands)
+    if call.op in BIASED:
+        bpos = call.pos("self")
+        if bpos is None:
+            raise unsupported(call.op, call.specs, "with a plain-tensor bias")
+        blabs = _bias_labels(call.specs[bpos], call.out_meta.shape, out_labels)
+        bias = (bpos, blabs)
+        labels[bpos] = blabs
+    options = einsum_options(call, operands, out_labels, bias)
+    cands = expand(options, list(labels))
+    return finish(call, select(call, cands), labels, out_labels)

@@ -1,2 +1,417 @@
-"""Sharding rules (being written)."""
+"""Linalg, diagonals, triangles, upsampling (spec ops.md 3), data-dependent ops and random ops.
+
+| op | required input | output |
+|---|---|---|
+| ``_linalg_svd``, ``linalg_qr``, ``_linalg_eigh`` | ``S(d)`` kept on batch dims (all but the last two); matrix dims gathered; partials reduced | every output shards the same batch dims (R where an output has no such dims) |
+| ``tril``, ``triu`` | anything kept (partials of every kind: zeros are zeros on each rank) | input's placements; with rows or columns sharded the local kernel uses diagonal ``t + r0 - c0`` (``r0``, ``c0`` = this block's global row/column offset) |
+| ``diagonal``, ``diagonal_copy`` | ``S(dim1)``/``S(dim2)`` gathered; every partial kept (a selection) | ``S(d)`` renumbered to ``d``'s place among the kept dims (diagonal last) |
+| ``diagonal_backward`` | the diagonal dim gathered; every partial kept (zeros elsewhere) | ``S`` renumbered back; ``input_sizes`` become local sizes |
+| ``diag`` | all shards gathered; every partial kept | R / the partials |
+| ``diag_embed`` | ``S`` on batch dims kept, last dim gathered; every partial kept | batch shards renumbered around ``dim1``/``dim2`` |
+| ``upsample_*`` (and ``_backward``) | ``S(0)``, ``S(1)`` kept, spatial dims gathered; ``P(sum)``/``P(avg)`` kept (linear), every kind for nearest forward | input's placements; a backward's ``input_size`` becomes local |
+| ``equal`` | same non-partial placements: compared shard by shard, then a min all-reduce; otherwise both gathered to R | a Python bool |
+| ``_local_scalar_dense`` (``.item()``) | R | a Python scalar |
+
+Random ops (``rand_like``, ``randn_like``, ``randint_like``, ``bernoulli``, ``bernoulli_``,
+``uniform_``, ``normal_``, ``exponential_``, ``geometric_``, ``log_normal_``, ``cauchy_``,
+``random_``) follow one rule, so a result never depends on the placements:
+
+    The rank at mesh coordinate (0, ..., 0) draws one 62-bit seed from the op's generator
+    (the default CPU generator when none is given) and broadcasts it over the mesh; every rank
+    builds a ``torch.Generator`` seeded with it, generates the GLOBAL random tensor, and keeps
+    its own local piece.
+
+Hence, from the same generator state, the global value is the same for every placement and
+mesh layout, Replicate pieces agree on every rank, and only the first rank's generator
+advances (so simulated ranks sharing one default generator stay deterministic).  Values
+differ from a dense ``torch.rand_like`` with the same seed (they come from the drawn seed),
+and every rank materializes the global tensor once.  Outputs take the input's placements with
+Partial turned into Replicate; an in-place fill of a Partial tensor raises.  ``bernoulli(p)``
+compares the global uniform piece with the local probabilities (``P(sum)`` probabilities are
+reduced first).
+"""
 from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ...placement import Partial, Placement, Replicate, Shard
+from ...spec import DTensorSpec
+from .. import Call, Decision, register, unflatten_call, unsupported
+
+aten = torch.ops.aten
+
+__all__ = ["linalg_rule", "triangle_rule", "diagonal_rule", "diagonal_backward_rule", "diag_rule",
+           "diag_embed_rule", "upsample_rule", "upsample_backward_rule", "equal_rule", "item_rule",
+           "random_like_rule", "random_fill_rule", "bernoulli_rule"]
+
+
+def _spec_with(s: DTensorSpec, pl: Sequence[Placement]) -> DTensorSpec:
+    """``s`` with placements ``pl``, keeping the shard order of the dims that stay sharded."""
+    order = tuple((d, tuple(j for j in js if pl[j] == Shard(d))) for d, js in s.shard_order)
+    return s.with_placements(pl, tuple((d, js) for d, js in order if js))
+
+
+def _gather(s: DTensorSpec, keep_shard: Callable[[int], bool], keep_partial: Callable[[Partial], bool]) -> DTensorSpec:
+    pl: list[Placement] = []
+    for p in s.placements:
+        if isinstance(p, Shard) and not keep_shard(p.dim):
+            p = Replicate()
+        elif isinstance(p, Partial) and not keep_partial(p):
+            p = Replicate()
+        pl.append(p)
+    return _spec_with(s, pl)
+
+
+def _renumbered(req: DTensorSpec, where: dict[int, int], meta: torch.Tensor) -> DTensorSpec:
+    """Output spec: ``S(d)`` of the input becomes ``S(where[d])``, other placements unchanged."""
+    pl = [Shard(where[p.dim]) if isinstance(p, Shard) else p for p in req.placements]
+    order = tuple(sorted((where[d], js) for d, js in req.shard_order))
+    return DTensorSpec.build(req.mesh, pl, meta.shape, meta.stride(), meta.dtype, order)
+
+
+def _inputs(call: Call, changes: dict[int, DTensorSpec]) -> tuple[tuple, bool]:
+    inputs = tuple(changes.get(i, s) for i, s in enumerate(call.specs))
+    return inputs, any(r != s for r, s in zip(inputs, call.specs))
+
+
+def _any_partial(p: Partial) -> bool:
+    return True
+
+
+def _linear_partial(p: Partial) -> bool:
+    return p.reduce_op in ("sum", "avg") and type(p) is Partial
+
+
+def _no_partial(p: Partial) -> bool:
+    return False
+
+
+# -- linalg --------------------------------------------------------------------------------
+
+@register(aten._linalg_svd.default, aten.linalg_qr.default, aten._linalg_eigh.default)
+def linalg_rule(call: Call) -> Decision:
+    """Batched factorizations: batch-dim shards stay, the matrices are gathered, partials reduced."""
+    s = call.specs[0]
+    nb = s.ndim - 2
+    req = _gather(s, lambda d: d < nb, _no_partial)
+    outs = []
+    for m in call.out_meta:
+        if m.ndim >= nb and tuple(m.shape[:nb]) == tuple(s.shape[:nb]):
+            outs.append(_renumbered(req, {d: d for d in range(nb)}, m))
+        else:
+            outs.append(DTensorSpec.build(s.mesh, [Replicate()] * s.mesh.ndim, m.shape, m.stride(), m.dtype))
+    inputs, moved = _inputs(call, {0: req})
+    return Decision(inputs, tuple(outs), moved)
+
+
+# -- triangles -----------------------------------------------------------------------------
+
+@register(aten.tril.default, aten.triu.default)
+def triangle_rule(call: Call) -> Decision:
+    """Every placement passes; a row/column-sharded block shifts its diagonal by ``r0 - c0``."""
+    s = call.specs[0]
+    if s.ndim < 2:
+        raise unsupported(call.op, call.specs, "needs at least 2 dims")
+    meta = call.out_meta
+    out = DTensorSpec.build(s.mesh, s.placements, meta.shape, meta.stride(), meta.dtype, s.shard_order)
+    rows, cols = s.ndim - 2, s.ndim - 1
+    kernel = None
+    if any(isinstance(p, Shard) and p.dim in (rows, cols) for p in s.placements):
+        op = call.op
+
+        def kernel(x: torch.Tensor, diagonal: int = 0) -> torch.Tensor:
+            _, off = s.local_shape_and_offset()
+            return op(x, diagonal + off[rows] - off[cols])
+
+    return Decision(tuple(call.specs), out, False, None, kernel)
+
+
+# -- diagonals -----------------------------------------------------------------------------
+
+def _diag_dims(ndim: int, dim1: int, dim2: int) -> tuple[int, int]:
+    d1, d2 = dim1 % ndim, dim2 % ndim
+    if d1 == d2:
+        raise RuntimeError(f"diagonal dimensions cannot be identical {dim1}, {dim2}")
+    return d1, d2
+
+
+@register(aten.diagonal.default, aten.diagonal_copy.default)
+def diagonal_rule(call: Call) -> Decision:
+    """Kept dims keep their shards (renumbered); the two diagonal dims are gathered."""
+    s = call.specs[0]
+    d1, d2 = _diag_dims(s.ndim, call.arg("dim1", 0), call.arg("dim2", 1))
+    req = _gather(s, lambda d: d not in (d1, d2), _any_partial)
+    kept = [d for d in range(s.ndim) if d not in (d1, d2)]
+    out = _renumbered(req, {d: i for i, d in enumerate(kept)}, call.out_meta)
+    inputs, moved = _inputs(call, {0: req})
+    return Decision(inputs, out, moved)
+
+
+def _size_positions(call: Call, name: str) -> list[int]:
+    args, kwargs = unflatten_call(list(range(len(call.flat))), call.treedef)
+    for i, a in enumerate(call.op._schema.arguments):
+        if a.name == name:
+            v = kwargs.get(name, args[i] if i < len(args) else None)
+            return list(v) if isinstance(v, (list, tuple)) else []
+    return []
+
+
+def _local_sizes(out: DTensorSpec, positions: list[int]) -> Callable[[list], list]:
+    def local_args(flat: list) -> list:
+        flat = list(flat)
+        for p, n in zip(positions, out.local_shape):
+            flat[p] = n
+        return flat
+
+    return local_args
+
+
+@register(aten.diagonal_backward.default)
+def diagonal_backward_rule(call: Call) -> Decision:
+    """Zeros with the diagonal filled: grad's batch shards map back, its diagonal dim is gathered."""
+    g = call.specs[0]
+    meta = call.out_meta
+    n = meta.ndim
+    d1, d2 = _diag_dims(n, call.arg("dim1"), call.arg("dim2"))
+    kept = [d for d in range(n) if d not in (d1, d2)]
+    req = _gather(g, lambda d: d < g.ndim - 1, _any_partial)
+    out = _renumbered(req, {i: d for i, d in enumerate(kept)}, meta)
+    inputs, moved = _inputs(call, {0: req})
+    return Decision(inputs, out, moved, _local_sizes(out, _size_positions(call, "input_sizes")))
+
+
+@register(aten.diag.default)
+def diag_rule(call: Call) -> Decision:
+    """``diag`` moves values between 1-D and 2-D: shards gathered, partials kept."""
+    s = call.specs[0]
+    req = _gather(s, lambda d: False, _any_partial)
+    meta = call.out_meta
+    out = DTensorSpec.build(s.mesh, req.placements, meta.shape, meta.stride(), meta.dtype)
+    inputs, moved = _inputs(call, {0: req})
+    return Decision(inputs, out, moved)
+
+
+@register(aten.diag_embed.default)
+def diag_embed_rule(call: Call) -> Decision:
+    """Batch shards renumbered around the two new dims; the embedded (last) dim is gathered."""
+    s = call.specs[0]
+    meta = call.out_meta
+    d1, d2 = _diag_dims(meta.ndim, call.arg("dim1", -2), call.arg("dim2", -1))
+    kept = [d for d in range(meta.ndim) if d not in (d1, d2)]
+    req = _gather(s, lambda d: d < s.ndim - 1, _any_partial)
+    out = _renumbered(req, {i: d for i, d in enumerate(kept)}, meta)
+    inputs, moved = _inputs(call, {0: req})
+    return Decision(inputs, out, moved)
+
+
+# -- upsampling ----------------------------------------------------------------------------
+
+UPSAMPLE = ["upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d",
+            "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
+            "upsample_bicubic2d", "upsample_trilinear3d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa"]
+
+
+def _ops(names: list[str], overload: str = "default") -> list[Any]:
+    out = []
+    for n in names:
+        packet = getattr(aten, n, None)
+        if packet is not None and overload in packet.overloads():
+            out.append(getattr(packet, overload))
+    return out
+
+
+@register(*_ops(UPSAMPLE))
+def upsample_rule(call: Call) -> Decision:
+    """Batch/channel shards stay; interpolation is linear (nearest is a selection)."""
+    s = call.specs[0]
+    nearest = "nearest" in call.op._schema.name
+    req = _gather(s, lambda d: d < 2, _any_partial if nearest else _linear_partial)
+    meta = call.out_meta
+    out = _renumbered(req, {0: 0, 1: 1}, meta)
+    inputs, moved = _inputs(call, {0: req})
+    return Decision(inputs, out, moved, None, _empty_safe(call.op, out))
+
+
+@register(*_ops([n + "_backward" for n in UPSAMPLE]))
+def upsample_backward_rule(call: Call) -> Decision:
+    """Gradient of upsampling: a sum over the output pixels (linear), batch/channel shards kept."""
+    g = call.specs[0]
+    req = _gather(g, lambda d: d < 2, _linear_partial)
+    meta = call.out_meta
+    out = _renumbered(req, {0: 0, 1: 1}, meta)
+    inputs, moved = _inputs(call, {0: req})
+    return Decision(inputs, out, moved, _local_sizes(out, _size_positions(call, "input_size")),
+                    _empty_safe(call.op, out))
+
+
+def _empty_safe(op, out: DTensorSpec) -> Callable[..., torch.Tensor]:
+    """The op, except that an empty local shard (3 over 4 ranks) gives an empty local result."""
+
+    def kernel(x: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
+        if x.numel() == 0:
+            return x.new_zeros(out.local_shape)
+        return op(x, *args, **kw)
+
+    return kernel
+
+
+# -- data-dependent ------------------------------------------------------------------------
+
+def _replicate(s: DTensorSpec) -> DTensorSpec:
+    return s.with_placements([Replicate()] * s.mesh.ndim)
+
+
+@register(aten.equal.default)
+def equal_rule(call: Call) -> Decision:
+    """``torch.equal``: shard-wise comparison plus a min all-reduce, or both gathered first."""
+    a, b = call.specs[0], call.specs[1]
+    if a is None or b is None:
+        raise unsupported(call.op, call.specs, "with a plain tensor")
+    if tuple(a.shape) != tuple(b.shape):
+        return Decision(tuple(call.specs), None, False, None, lambda *args, **kw: False)
+    if (a.placements == b.placements and a.shard_order == b.shard_order
+            and not any(p.is_partial() for p in a.placements)):
+        mesh = a.mesh
+        if all(p.is_replicate() for p in a.placements):
+            return Decision(tuple(call.specs), None, False)
+
+        def kernel(x: torch.Tensor, y: torch.Tensor) -> bool:
+            from ... import comm
+
+            same = torch.tensor([1 if torch.equal(x, y) else 0], dtype=torch.int32)
+            return bool(comm.all_reduce(same, "min", mesh, None).item())
+
+        return Decision(tuple(call.specs), None, False, None, kernel)
+    return Decision((_replicate(a), _replicate(b)), None, True)
+
+
+@register(aten._local_scalar_dense.default)
+def item_rule(call: Call) -> Decision:
+    """``.item()`` needs the whole value on every rank."""
+    s = call.specs[0]
+    req = _replicate(s)
+    return Decision((req,), None, req != s)
+
+
+# -- random --------------------------------------------------------------------------------
+
+def shared_seed(mesh, generator: torch.Generator | None) -> int:
+    """One seed drawn on mesh coordinate (0, ..., 0) from ``generator`` and broadcast to all."""
+    from ... import comm
+
+    coord = mesh.get_coordinate()
+    if all(c == 0 for c in coord):
+        seed = torch.randint(0, 2 ** 62, (1,), generator=generator, dtype=torch.int64)
+    else:
+        seed = torch.zeros(1, dtype=torch.int64)
+    for j in range(mesh.ndim):
+        seed = comm.broadcast(seed, 0, mesh, j)
+    return int(seed.item())
+
+
+def _piece(full: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
+    shape, off = spec.local_shape_and_offset()
+    for d, (n, o) in enumerate(zip(shape, off)):
+        if n != full.shape[d]:
+            full = full.narrow(d, min(o, full.shape[d]), n)
+    return full
+
+
+def _generator(mesh, generator: torch.Generator | None) -> torch.Generator:
+    return torch.Generator().manual_seed(shared_seed(mesh, generator))
+
+
+def _random_out(s: DTensorSpec, meta: torch.Tensor) -> DTensorSpec:
+    pl = [Replicate() if p.is_partial() else p for p in s.placements]
+    return DTensorSpec.build(s.mesh, pl, meta.shape, meta.stride(), meta.dtype, s.shard_order)
+
+
+LIKE_RANDOM = {aten.rand_like.default: "rand", aten.randn_like.default: "randn"}
+RANDINT_LIKE = [op for op in (getattr(aten.randint_like, o, None) for o in
+                              ("default", "low_dtype", "generator", "low_generator_dtype")) if op is not None]
+
+
+@register(*LIKE_RANDOM, *RANDINT_LIKE)
+def random_like_rule(call: Call) -> Decision:
+    """``rand_like`` & co.: the global random tensor from a shared seed, this rank's piece kept."""
+    s = call.specs[0]
+    meta = call.out_meta
+    out = _random_out(s, meta)
+    op = call.op
+    shape, dtype = tuple(meta.shape), meta.dtype
+
+    def kernel(x: torch.Tensor, *args: Any, generator: torch.Generator | None = None, **kw: Any) -> torch.Tensor:
+        g = _generator(out.mesh, generator)
+        if op in LIKE_RANDOM:
+            full = getattr(torch, LIKE_RANDOM[op])(shape, generator=g, dtype=dtype)
+        else:
+            low, high = (0, args[0]) if len(args) == 1 else args[:2]
+            full = torch.randint(low, high, shape, generator=g, dtype=dtype)
+        return _piece(full, out).clone()
+
+    return Decision(tuple(call.specs), out, False, None, kernel)
+
+
+RANDOM_FILL = [aten.uniform_.default, aten.normal_.default, aten.bernoulli_.float, aten.exponential_.default,
+               aten.geometric_.default, aten.log_normal_.default, aten.cauchy_.default,
+               *[getattr(aten.random_, o) for o in ("default", "from", "to")]]
+
+
+@register(*RANDOM_FILL)
+def random_fill_rule(call: Call) -> Decision:
+    """In-place random fills: the op runs on a global buffer with the shared-seed generator."""
+    s = call.specs[0]
+    if any(p.is_partial() for p in s.placements):
+        raise RuntimeError(f"shardtensor: {call.op} on a Partial tensor {s.placements} would change its value; "
+                           "redistribute it to Replicate first")
+    op = call.op
+
+    def kernel(x: torch.Tensor, *args: Any, generator: torch.Generator | None = None, **kw: Any) -> torch.Tensor:
+        g = _generator(s.mesh, generator)
+        full = op(torch.empty(tuple(s.shape), dtype=x.dtype), *args, generator=g, **kw)
+        return x.copy_(_piece(full, s))
+
+    return Decision(tuple(call.specs), s, False, None, kernel)
+
+
+@register(aten.bernoulli.default, aten.bernoulli.p, aten.bernoulli_.Tensor)
+def bernoulli_rule(call: Call) -> Decision:
+    """Bernoulli draws: ``u < p`` with ``u`` the shared-seed global uniform piece.
+
+    ``bernoulli(p)`` takes probabilities from its input (partials reduced first);
+    ``bernoulli(x, p)`` is a fill; ``x.bernoulli_(p)`` needs ``p`` placed like ``x``.
+    """
+    s = call.specs[0]
+    op = call.op
+    changes: dict[int, DTensorSpec] = {}
+    if op is aten.bernoulli_.Tensor:
+        if any(p.is_partial() for p in s.placements):
+            raise RuntimeError(f"shardtensor: {op} on a Partial tensor {s.placements} would change its value")
+        ppos = call.pos("p")
+        if ppos is None:
+            raise unsupported(op, call.specs, "with a plain probability tensor")
+        ps = call.specs[ppos]
+        if tuple(ps.shape) != tuple(s.shape):
+            raise unsupported(op, call.specs, "with a broadcast probability tensor")
+        changes[ppos] = ps.with_placements(s.placements, s.shard_order)
+        out = s
+    elif op is aten.bernoulli.default:
+        changes[0] = _gather(s, lambda d: True, _no_partial)
+        out = _random_out(changes[0], call.out_meta)
+    else:
+        out = _random_out(s, call.out_meta)
+    shape = tuple(s.shape)
+
+    def kernel(x: torch.Tensor, p: Any = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        g = _generator(s.mesh, generator)
+        if op is aten.bernoulli.p:
+            return _piece(torch.empty(shape, dtype=x.dtype).bernoulli_(p, generator=g), out).clone()
+        u = _piece(torch.rand(shape, generator=g, dtype=torch.float64), out)
+        if op is aten.bernoulli.default:
+            return (u < x).to(x.dtype)
+        return x.copy_(u < p)
+
+    inputs, moved = _inputs(call, changes)
+    return Decision(inputs, out, moved, None, kernel)

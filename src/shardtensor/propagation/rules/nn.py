@@ -1,2 +1,448 @@
-"""Sharding rules (being written)."""
+"""Neural-network ops: softmax, nll_loss, layer/RMS norm, top-k/sort, dropout (spec ops.md 4-7).
+
+Notation as in ops.md: ``unpartial`` turns every Partial into Replicate, ``gather(π, E)``
+also replicates shards of the dims in ``E``, ``gather_from(π, a)`` those of every dim ``>= a``,
+``drop``/``insert`` renumber shards when a dim disappears/appears.
+
+| op | required | outputs |
+|---|---|---|
+| ``_softmax``, ``_log_softmax``, ``_safe_softmax`` | ``gather(π, [dim])`` | same |
+| ``_softmax_backward_data``, ``_log_softmax_backward_data`` | both at ``gather(src, [dim])``, ``src`` = the more sharded of grad/output (ties: grad) | same |
+| ``nll_loss_forward``, ``nll_loss2d_forward`` | self ``I = gather(π_self, [c])`` (or ``insert(unpartial(π_target), c)``: both offered, cheapest wins), target ``drop(I, c)``, weight ``R`` | none: loss ``T``, total_weight ``R``; sum: both ``P(sum)`` on target-sharding mesh dims; mean: custom step, loss ``P(sum)`` there, total_weight ``R`` (all-reduced) |
+| ``nll_loss_backward``, ``nll_loss2d_backward`` | as forward; grad_output ``T`` (none) or ``R``; total_weight ``R`` for mean | grad_input ``I`` |
+| ``native_layer_norm``, ``_fused_rms_norm`` | input ``gather_from(π, axis)``, weight/bias ``R`` | all outputs ``A`` |
+| ``native_layer_norm_backward``, ``_fused_rms_norm_backward`` | grad_out, input, mean/rstd at ``A`` (from input, or from grad_out: cheapest) | d_input ``A``; d_weight/d_bias ``P(sum)`` on mesh dims where ``A`` shards a batch dim, ``R`` elsewhere |
+| ``topk``, ``sort`` | per mesh dim ``R`` or ``S(d != dim)`` (full-mesh expansion, cheapest) | values and indices alike |
+| ``native_dropout`` | train: ``unpartial(π)``; eval: ``π`` | output ``π'``, mask ``unpartial(π')`` |
+| ``bernoulli_.float`` (CPU ``F.dropout``), ``bernoulli.p``, ``bernoulli.default`` | self's placements | see RNG rule |
+
+Partial ``self`` of nll_loss: reduced first, except that ``P(sum)``/``P(avg)`` may stay on a mesh
+dim where the target is replicated (the loss is linear in ``self``; the output keeps that kind).
+
+Shapes: ``F.cross_entropy`` arrives as ``_log_softmax`` + ``nll_loss_forward`` (2-D, 1-D) or
+``nll_loss2d_forward`` (4-D); other ranks are reshaped by view ops first.  On CPU ``F.rms_norm``
+(and ``aten._fused_rms_norm``, which is CompositeImplicitAutograd there) arrives decomposed
+(``pow``, ``mean.dim``, ``add_``, ``rsqrt``, ``mul`` and their backward), so it is ruled by the
+pointwise/reduction rules; the ``_fused_rms_norm`` rules serve devices with a fused kernel.
+
+RNG rule (dropout, bernoulli).  Every random op draws one 62-bit seed per call: the rank at
+mesh coordinate 0 draws it from the op's generator (the default one unless given) and
+broadcasts it over the whole mesh (in a real multi-process world every rank draws too, so
+the per-rank generators stay in lockstep; simulated ranks share one generator, so only rank 0
+draws).  The mask element at global flat index ``i`` is then a counter-based hash of
+``(seed, i)`` (lowbias32 rounds, exact in int64), so each rank computes just its own piece of
+one global mask: Replicate mesh dims agree, Shard mesh dims hold their slice, and the result
+is the same valid dense dropout for every placement of the input given the same generator
+state.  It does not reproduce dense torch's own stream.  Cost: one 16-byte broadcast per call.
+"""
 from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import replace
+from typing import Any, Sequence
+
+import torch
+
+from ... import comm
+from ...placement import Partial, Placement, Replicate, Shard
+from ...spec import DTensorSpec, contiguous_stride
+from .. import Call, Decision, register, unsupported
+from ..strategy import Candidate, decide
+
+aten = torch.ops.aten
+
+Pl = tuple[Placement, ...]
+
+__all__ = ["unpartial", "gather", "gather_from", "drop", "insert", "mask_piece", "draw_seed"]
+
+
+# -- placement transforms (ops.md section 0) ------------------------------------------------
+
+def unpartial(pl: Sequence[Placement]) -> Pl:
+    """Every Partial -> Replicate."""
+    return tuple(Replicate() if p.is_partial() else p for p in pl)
+
+
+def gather(pl: Sequence[Placement], dims: Sequence[int]) -> Pl:
+    """``unpartial``, and shards of ``dims`` -> Replicate."""
+    return tuple(Replicate() if p.is_partial() or (isinstance(p, Shard) and p.dim in dims) else p for p in pl)
+
+
+def gather_from(pl: Sequence[Placement], axis: int) -> Pl:
+    """``unpartial``, and shards of every dim ``>= axis`` -> Replicate."""
+    return tuple(Replicate() if p.is_partial() or (isinstance(p, Shard) and p.dim >= axis) else p for p in pl)
+
+
+def drop(pl: Sequence[Placement], c: int) -> Pl:
+    """Dim ``c`` removed: shards of later dims move down by one (no ``S(c)`` allowed)."""
+    assert not any(isinstance(p, Shard) and p.dim == c for p in pl)
+    return tuple(Shard(p.dim - 1) if isinstance(p, Shard) and p.dim > c else p for p in pl)
+
+
+def insert(pl: Sequence[Placement], c: int) -> Pl:
+    """Dim ``c`` inserted: shards of dims ``>= c`` move up by one."""
+    return tuple(Shard(p.dim + 1) if isinstance(p, Shard) and p.dim >= c else p for p in pl)
+
+
+def _shards(spec: DTensorSpec, pl: Sequence[Placement]) -> int:
+    n = 1
+    for j, p in enumerate(pl):
+        if isinstance(p, Shard):
+            n *= spec.mesh.shape[j]
+    return n
+
+
+def _dim(d: int, ndim: int) -> int:
+    return d % ndim if ndim else 0
+
+
+def _finish(d: Decision) -> Decision:
+    """Kept inputs with a non-default shard order are moved to the default order.
+
+    Output specs are built with the default order, so an input whose placements survive
+    but whose nested shards split in another order would mislabel the outputs.
+    """
+    inputs = list(d.inputs)
+    moved = False
+    for i, s in enumerate(inputs):
+        if s is not None and not s.is_default_order:
+            inputs[i] = s.with_placements(s.placements)
+            moved = True
+    return replace(d, inputs=tuple(inputs), redistribute=True) if moved else d
+
+
+def _decide(call: Call, cands: Sequence[Candidate], **kw: Any) -> Decision:
+    return _finish(decide(call, _dedupe(cands), **kw))
+
+
+def _dedupe(cands: Sequence[Candidate]) -> list[Candidate]:
+    out, seen = [], set()
+    for c in cands:
+        key = (tuple(sorted(c.inputs.items())), repr(c.output))
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
+# -- 4. softmax / log_softmax ---------------------------------------------------------------
+
+@register(aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default)
+def softmax_rule(call: Call) -> Decision:
+    """Softmax dim gathered, partials reduced; shards of other dims survive."""
+    x = call.specs[0]
+    dim = _dim(call.arg("dim"), x.ndim)
+    pl = gather(x.placements, [dim])
+    return _decide(call, [Candidate({0: pl}, pl)])
+
+
+@register(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)
+def softmax_backward_rule(call: Call) -> Decision:
+    """grad and output both at ``gather(src, [dim])``, src the more sharded of the two."""
+    g, o = call.pos("grad_output"), call.pos("output")
+    if g is None or o is None:
+        raise unsupported(call.op, call.specs, "needs DTensor grad_output and output")
+    gs, os_ = call.specs[g], call.specs[o]
+    dim = _dim(call.arg("dim"), gs.ndim)
+    src = os_ if _shards(os_, os_.placements) > _shards(gs, gs.placements) else gs
+    pl = gather(src.placements, [dim])
+    return _decide(call, [Candidate({g: pl, o: pl}, pl)])
+
+
+# -- 5. nll_loss ----------------------------------------------------------------------------
+
+def _nll_layouts(call: Call, backward: bool = False) -> list[tuple[Pl, Pl, Pl]]:
+    """(self, target, self-shaped output) placements: follow self, or follow the target.
+
+    ``P(sum)``/``P(avg)`` of ``self`` stays on a mesh dim where the target is replicated (the
+    loss is linear in ``self``).  The backward reads ``self`` only for its shape, so there such
+    a dim stays as it is and ``grad_input`` is ``R``.
+    """
+    x, t = call.specs[call.pos("self")], call.specs[call.pos("target")]
+    c = 1 if x.ndim >= 2 else 0
+    m = x.mesh.ndim
+    keep = [type(p) is Partial and p.reduce_op in ("sum", "avg") and t.placements[j] == Replicate()
+            for j, p in enumerate(x.placements)]
+
+    def layout(i_pl: Pl, t_pl: Pl) -> tuple[Pl, Pl, Pl]:
+        out = tuple(Replicate() if keep[j] and backward else i_pl[j] for j in range(m))
+        return i_pl, t_pl, out
+
+    i_pl = tuple(x.placements[j] if keep[j] else gather([x.placements[j]], [c])[0] for j in range(m))
+    res = [layout(i_pl, drop(unpartial(i_pl), c))]
+    if x.ndim >= 2:
+        t_pl = unpartial(t.placements)
+        i2 = tuple(x.placements[j] if keep[j] else insert([t_pl[j]], c)[0] for j in range(m))
+        res.append(layout(i2, t_pl))
+    return res
+
+
+@register(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+def nll_loss_forward_rule(call: Call) -> Decision:
+    """Class dim gathered, target follows; mean all-reduces the total weight (exact, uneven ok)."""
+    xp, tp, wp = call.pos("self"), call.pos("target"), call.pos("weight")
+    if xp is None or tp is None:
+        raise unsupported(call.op, call.specs, "needs DTensor self and target")
+    reduction = call.arg("reduction")
+    rep = (Replicate(),) * call.mesh.ndim
+    cands = []
+    for i_pl, t_pl, _ in _nll_layouts(call):
+        inputs = {xp: i_pl, tp: t_pl}
+        if wp is not None:
+            inputs[wp] = rep
+        kept = [p if p.is_partial() else None for p in i_pl]
+        if reduction == 0:
+            out = (tuple(k or p for k, p in zip(kept, t_pl)), rep)
+        else:
+            summed = tuple(Partial("sum") if isinstance(p, Shard) else Replicate() for p in t_pl)
+            loss = tuple(k or p for k, p in zip(kept, summed))
+            out = (loss, summed if reduction == 2 else rep)
+        cands.append(Candidate(inputs, out))
+    d = _decide(call, cands)
+    dims = [j for j, p in enumerate(d.inputs[tp].placements) if isinstance(p, Shard)]
+    if reduction != 1 or not dims:
+        return d
+    return replace(d, kernel=_nll_mean_kernel(call.op, call.mesh, dims))
+
+
+def _nll_mean_kernel(op, mesh, dims: list[int]):
+    """Local summed loss over the all-reduced total weight: a ``P(sum)`` term of the mean."""
+    def kernel(self, target, weight=None, reduction=1, ignore_index=-100):
+        s, tw = op(self, target, weight, 2, ignore_index)
+        total = tw
+        for j in dims:
+            total = comm.all_reduce(total, "sum", mesh, j)
+        return s / total, total
+    return kernel
+
+
+@register(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
+def nll_loss_backward_rule(call: Call) -> Decision:
+    """grad_input follows self's required layout; mean needs the global total weight (``R``)."""
+    gp, xp, tp = call.pos("grad_output"), call.pos("self"), call.pos("target")
+    wp, twp = call.pos("weight"), call.pos("total_weight")
+    if xp is None or tp is None or gp is None:
+        raise unsupported(call.op, call.specs, "needs DTensor grad_output, self and target")
+    reduction = call.arg("reduction")
+    rep = (Replicate(),) * call.mesh.ndim
+    cands = []
+    for i_pl, t_pl, out in _nll_layouts(call, backward=True):
+        inputs = {xp: i_pl, tp: t_pl, gp: t_pl if reduction == 0 else rep}
+        if wp is not None:
+            inputs[wp] = rep
+        if twp is not None and reduction == 1:
+            inputs[twp] = rep
+        cands.append(Candidate(inputs, out))
+    return _decide(call, cands)
+
+
+# -- 6. layer_norm / rms_norm ---------------------------------------------------------------
+
+def _norm_axis(call: Call, x: DTensorSpec) -> int:
+    n = len(call.arg("normalized_shape"))
+    return x.ndim - n
+
+
+def _weight_grad_pl(a: Pl, axis: int) -> Pl:
+    return tuple(Partial("sum") if isinstance(p, Shard) and p.dim < axis else Replicate() for p in a)
+
+
+@register(aten.native_layer_norm.default, aten._fused_rms_norm.default)
+def layer_norm_rule(call: Call) -> Decision:
+    """Normalized dims gathered, partials reduced, weight/bias replicated; outputs all ``A``."""
+    xp = call.pos("input")
+    x = call.specs[xp]
+    a = gather_from(x.placements, _norm_axis(call, x))
+    rep = (Replicate(),) * x.mesh.ndim
+    inputs = {xp: a}
+    for name in ("weight", "bias"):
+        p = call.pos(name)
+        if p is not None:
+            inputs[p] = rep
+    n_out = 3 if call.op is aten.native_layer_norm.default else 2
+    return _decide(call, [Candidate(inputs, [a] * n_out)])
+
+
+@register(aten.native_layer_norm_backward.default, aten._fused_rms_norm_backward.default)
+def layer_norm_backward_rule(call: Call) -> Decision:
+    """d_input ``A``; d_weight/d_bias ``P(sum)`` only where ``A`` shards a batch dim."""
+    layer = call.op is aten.native_layer_norm_backward.default
+    gp, xp = call.pos("grad_out"), call.pos("input")
+    if gp is None or xp is None:
+        raise unsupported(call.op, call.specs, "needs DTensor grad_out and input")
+    x, g = call.specs[xp], call.specs[gp]
+    axis = _norm_axis(call, x)
+    mask = list(call.arg("output_mask"))
+    stats = [call.pos("mean"), call.pos("rstd")] if layer else [call.pos("rstd")]
+    params = [call.pos("weight")] + ([call.pos("bias")] if layer else [])
+    names = ["weight", "bias"] if layer else ["weight"]
+    for k, name in enumerate(names):
+        if mask[k + 1] and call.arg(name) is None:
+            raise RuntimeError(f"shardtensor: {call.op}: output_mask asks for d_{name} but {name} is None")
+    rep = (Replicate(),) * x.mesh.ndim
+    cands = []
+    for src in (x, g):
+        a = gather_from(src.placements, axis)
+        inputs = {xp: a, gp: a}
+        for s in stats:
+            if s is not None:
+                inputs[s] = a
+        for p in params:
+            if p is not None:
+                inputs[p] = rep
+        wg = _weight_grad_pl(a, axis)
+        outs = [a if mask[0] else None] + [wg if mask[k + 1] else None for k in range(len(names))]
+        cands.append(Candidate(inputs, outs))
+    return _decide(call, cands)
+
+
+# -- 7. topk / sort -------------------------------------------------------------------------
+
+def _expand(x: DTensorSpec, dim: int) -> list[Pl]:
+    """``gather(π, [dim])`` first, then every full-mesh choice of ``R`` / ``S(d != dim)``."""
+    base = gather(x.placements, [dim])
+    opts = [Replicate()] + [Shard(d) for d in range(x.ndim) if d != dim]
+    out = [base]
+    for combo in itertools.product(opts, repeat=x.mesh.ndim):
+        if combo == base:
+            continue
+        pieces: dict[int, int] = {}
+        for j, p in enumerate(combo):
+            if isinstance(p, Shard):
+                pieces[p.dim] = pieces.get(p.dim, 1) * x.mesh.shape[j]
+        if all(n <= x.shape[d] for d, n in pieces.items()):
+            out.append(tuple(combo))
+    return out
+
+
+@register(aten.topk.default)
+def topk_rule(call: Call) -> Decision:
+    """Values and indices share the input's required layout; ``dim`` never sharded."""
+    x = call.specs[0]
+    if x.ndim == 0:
+        pl = unpartial(x.placements)
+        return _decide(call, [Candidate({0: pl}, [pl, pl])])
+    dim = _dim(call.arg("dim", -1), x.ndim)
+    return _decide(call, [Candidate({0: pl}, [pl, pl]) for pl in _expand(x, dim)])
+
+
+@register(aten.sort.default, aten.sort.stable)
+def sort_rule(call: Call) -> Decision:
+    """Sort dim gathered; other shards kept (or moved where cheaper)."""
+    x = call.specs[0]
+    if x.ndim == 0:
+        pl = unpartial(x.placements)
+        return _decide(call, [Candidate({0: pl}, [pl, pl])])
+    dim = _dim(call.arg("dim", -1), x.ndim)
+    return _decide(call, [Candidate({0: pl}, [pl, pl]) for pl in _expand(x, dim)])
+
+
+# -- dropout / bernoulli: the RNG rule --------------------------------------------------------
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2**32`` for ``0 <= x < 2**32`` without int64 overflow."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _lowbias32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def draw_seed(mesh, generator: torch.Generator | None = None) -> tuple[int, int]:
+    """One seed per call, the same on every rank of ``mesh`` (drawn at coordinate 0, broadcast)."""
+    from ...comm.simulated import current_sim_transport
+
+    first = mesh.group_ranks(None).index(mesh.transport.rank) == 0
+    if first or current_sim_transport() is None:
+        t = torch.randint(0, 2 ** 31, (2,), generator=generator, dtype=torch.int64)
+    else:
+        t = torch.zeros(2, dtype=torch.int64)
+    if mesh.size() > 1:
+        t = comm.broadcast(t, 0, mesh, None)
+    return int(t[0]), int(t[1])
+
+
+def mask_piece(spec: DTensorSpec, seed: tuple[int, int], device: torch.device | None = None) -> torch.Tensor:
+    """This rank's piece of a global uniform [0, 1) field (float64) keyed by ``seed``."""
+    shape, offset = spec.local_shape_and_offset()
+    stride = contiguous_stride(spec.shape)
+    idx = torch.zeros((), dtype=torch.int64, device=device)
+    n = len(shape)
+    for d in range(n):
+        ar = (torch.arange(shape[d], dtype=torch.int64, device=device) + offset[d]) * stride[d]
+        idx = idx + ar.view([-1 if e == d else 1 for e in range(n)])
+    lo, hi = idx & _M32, (idx >> 32) & _M32
+    h = _lowbias32(lo ^ seed[0])
+    h = _lowbias32(h ^ _lowbias32(hi ^ seed[1]))
+    return h.to(torch.float64) * (1.0 / 2 ** 32)
+
+
+def _identity_term(spec: DTensorSpec) -> float | None:
+    """For a Partial spec: the identity this rank writes instead of the value, or None (the value)."""
+    coord = spec.mesh.get_coordinate()
+    for j, p in enumerate(spec.placements):
+        if p.is_partial() and p.reduce_op in ("sum", "product") and coord[j] != 0:
+            return 0.0 if p.reduce_op == "sum" else 1.0
+    return None
+
+
+@register(aten.native_dropout.default)
+def native_dropout_rule(call: Call) -> Decision:
+    """Train: partials reduced, mask a piece of one global mask; eval: identity (partials kept)."""
+    x = call.specs[0]
+    train = call.arg("train")
+    if train is False:
+        return _decide(call, [Candidate({}, [x.placements, unpartial(x.placements)])])
+    pl = unpartial(x.placements)
+    want = x.with_placements(pl)
+    mesh = call.mesh
+
+    def kernel(inp, p, train=None):
+        q = 1.0 - p
+        scale = 0.0 if q == 0 else 1.0 / q
+        mask = mask_piece(want, draw_seed(mesh), inp.device) < q
+        return inp.mul(mask).mul_(scale), mask
+
+    return _decide(call, [Candidate({0: pl}, [pl, pl])], kernel=kernel)
+
+
+@register(aten.bernoulli_.float)
+def bernoulli_inplace_rule(call: Call) -> Decision:
+    """``self.bernoulli_(p)`` (CPU ``F.dropout``): self keeps its spec; Partial self holds
+    the mask on one rank and the identity elsewhere (sum/product) or the mask everywhere."""
+    s = call.specs[0]
+    mesh = call.mesh
+
+    def kernel(self, p=0.5, *, generator=None):
+        u = mask_piece(s, draw_seed(mesh, generator), self.device)
+        fill = _identity_term(s) if any(q.is_partial() for q in s.placements) else None
+        if fill is not None:
+            return self.fill_(fill)
+        return self.copy_(u < p)
+
+    return Decision(tuple(call.specs), s, False, None, kernel)
+
+
+@register(aten.bernoulli.p, aten.bernoulli.default)
+def bernoulli_rule(call: Call) -> Decision:
+    """Fresh random values with self's layout (``bernoulli.default`` reads probabilities from self)."""
+    s = call.specs[0]
+    pl = unpartial(s.placements)
+    want = s.with_placements(pl)
+    mesh = call.mesh
+    probs = call.op is aten.bernoulli.default
+
+    def kernel(self, *args, generator=None):
+        p = self if probs else (args[0] if args else 0.5)
+        u = mask_piece(want, draw_seed(mesh, generator), self.device)
+        return (u < p).to(self.dtype)
+
+    return _decide(call, [Candidate({0: pl}, pl)], kernel=kernel)

@@ -1,48 +1,417 @@
-"""``sum`` over dims: a sharded reduced dim becomes Partial(sum) -- no communication.
+"""Reductions over dims: one shared machinery (spec ops.md 1.5, 2.1-2.7, 2.10).
 
-Needed by autograd to reduce broadcast gradients.  Partial(sum|avg) inputs stay Partial
-(sum is linear); other Partial kinds are reduced to Replicate first.  Empty local shards sum
-to 0, the identity of Partial(sum), so uneven shards are exact.
+``D`` (the reduced dims) comes from the dim argument: absent / ``None`` / ``[]`` -> all dims,
+an int or a list -> those dims; a 0-d input reduces nothing.  ``D`` is checked against the
+shape-inferred output.  Per mesh dim the required input placement and the output are:
+
+========================================  =====================  =====================  ============
+op                                        Partial kinds kept     ``S(d in D)`` ->       kernel
+========================================  =====================  =====================  ============
+sum.default/.dim_IntList, nansum          sum, avg               P(sum)                 aten
+mean.default/.dim                         sum, avg               P(avg) if even, else   uneven: local
+                                                                 P(sum)                 sum / N_global
+prod.default/.dim_int                     product                P(product)             aten
+amax, max.default                         max                    P(max)                 empty -> -inf
+amin, min.default                         min                    P(min)                 empty -> +inf
+any.default/.dim/.dims                    max (bool input)       P(max) (OR)            aten
+all.default/.dim/.dims                    min (bool input)       P(min) (AND)           aten
+argmax, argmin                            none                   gathered               aten
+var.correction, std.correction            none                   kept sharded: var      two-pass with
+                                                                 P(sum) (R if N-c<=0),  all-reduced
+                                                                 std R                  sum (and M2)
+cumsum                                    sum, avg               gathered               aten
+cumprod, logcumsumexp, cummax, cummin     none                   gathered               aten
+========================================  =====================  =====================  ============
+
+``S(d not in D)`` is kept and renumbered (keepdim false), ``R`` stays ``R``.  A Partial input
+of a kind that may not stay, or a Shard that must be gathered, has a real choice: ``R``
+(all-reduce / all-gather) or ``S(e)`` of another dim (reduce-scatter / all-to-all); every
+combination is offered and the engine keeps the cheapest.  Otherwise the one candidate
+follows the input.  Empty local shards of max/min reductions give the identity instead of
+letting torch raise.  ``max.dim``/``min.dim``, ``var_mean``/``std_mean`` and ``out=`` overloads
+reach these rules through decompositions.
 """
 from __future__ import annotations
 
+import itertools
+import math
+from typing import Any, Callable, Iterable, Sequence
+
 import torch
 
+from ... import comm
 from ...placement import Partial, Placement, Replicate, Shard
 from ...spec import DTensorSpec
-from .. import Call, Decision, register
+from .. import Call, Decision, register, unsupported
+from ..strategy import Candidate, select
 
 aten = torch.ops.aten
 
+__all__ = ["reduced_dims", "reduce_out", "out_order", "order_for", "choices", "finish", "identity_of",
+           "reduced_local_shape", "MAX_CANDIDATES"]
 
-@register(aten.sum.default, aten.sum.dim_IntList)
-def sum_rule(call: Call) -> Decision:
-    s = call.specs[0]
-    nd = s.ndim
-    args, kwargs = call.args_kwargs()
-    dims = args[1] if len(args) > 1 else kwargs.get("dim")
-    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
-        reduced = set(range(nd))
-    else:
-        dims = [dims] if isinstance(dims, int) else dims
-        reduced = {d % max(nd, 1) for d in dims}
-    need: list[Placement] = []
-    out_pl: list[Placement] = []
-    for p in s.placements:
-        if isinstance(p, Partial) and p.reduce_op not in ("sum", "avg"):
-            p = Replicate()
-        need.append(p)
+Pl = tuple[Placement, ...]
+MAX_CANDIDATES = 64
+
+
+# -- shared machinery ------------------------------------------------------------------------
+
+def reduced_dims(dim: Any, ndim: int) -> tuple[int, ...]:
+    """Normalized reduced dims: ``None``/``[]`` -> all dims; a 0-d input reduces no dim."""
+    if ndim == 0:
+        return ()
+    if dim is None:
+        return tuple(range(ndim))
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    if not dims:
+        return tuple(range(ndim))
+    out = set()
+    for d in dims:
+        if not -ndim <= d < ndim:
+            raise IndexError(f"Dimension out of range (expected to be in range of [{-ndim}, {ndim - 1}], but got {d})")
+        out.add(d % ndim)
+    return tuple(sorted(out))
+
+
+def check_dims(call: Call, spec: DTensorSpec, D: Sequence[int], keepdim: bool, meta: Any = None) -> None:
+    """Raise when ``D``/keepdim disagree with the shape-inferred output (never guess)."""
+    meta = call.out_meta if meta is None else meta
+    if isinstance(meta, (tuple, list)):
+        meta = meta[0]
+    want = spec.ndim if keepdim else spec.ndim - len(D)
+    if meta.ndim != want:
+        raise unsupported(call.op, call.specs, f"reduces dims {list(D)} (keepdim={keepdim}) but the output has "
+                                               f"{meta.ndim} dims, not {want}")
+
+
+def _new_dim(d: int, D: Sequence[int], keepdim: bool) -> int:
+    return d if keepdim else d - sum(1 for e in D if e < d)
+
+
+def reduce_out(pl: Sequence[Placement], D: Sequence[int], keepdim: bool, kind: Placement | None) -> Pl:
+    """``reduce_out`` of the spec: ``S(d in D)`` -> ``kind``, other shards renumbered."""
+    out: list[Placement] = []
+    for p in pl:
         if isinstance(p, Shard):
-            if p.dim in reduced:
-                out_pl.append(Partial("sum"))
+            if p.dim in D:
+                if kind is None:
+                    raise AssertionError(f"reduced dim {p.dim} still sharded in a non-decomposable reduction")
+                out.append(kind)
             else:
-                out_pl.append(Shard(p.dim if keepdim else p.dim - sum(1 for d in reduced if d < p.dim)))
+                out.append(Shard(_new_dim(p.dim, D, keepdim)))
         else:
-            out_pl.append(p)
-    order = tuple((d if keepdim else d - sum(1 for e in reduced if e < d), js) for d, js in s.shard_order if d not in reduced)
-    required = s.with_placements(need, s.shard_order)
+            out.append(p)
+    return tuple(out)
+
+
+def order_for(spec: DTensorSpec, pl: Sequence[Placement]):
+    """A shard order for ``pl`` that keeps ``spec``'s order where the same mesh dims still shard."""
+    m = len(pl)
+    order = []
+    done = set()
+    for d, js in spec.shard_order:
+        keep = tuple(j for j in js if pl[j] == Shard(d))
+        new = tuple(j for j in range(m) if pl[j] == Shard(d) and j not in keep)
+        if keep or new:
+            order.append((d, keep + new))
+            done.add(d)
+    for j, p in enumerate(pl):
+        if isinstance(p, Shard) and p.dim not in done:
+            order.append((p.dim, tuple(i for i in range(m) if pl[i] == p)))
+            done.add(p.dim)
+    return tuple(sorted(order))
+
+
+def out_order(order, out_pl: Sequence[Placement], D: Sequence[int], keepdim: bool):
+    """The input order carried to the output: dims renumbered, reduced dims dropped."""
+    res = []
+    for d, js in order:
+        if d in D:
+            continue
+        nd = _new_dim(d, D, keepdim)
+        keep = tuple(j for j in js if out_pl[j] == Shard(nd))
+        if keep:
+            res.append((nd, keep))
+    return tuple(res)
+
+
+def _targets(spec: DTensorSpec, j: int, dims: Iterable[int]) -> list[Placement]:
+    k = spec.mesh.shape[j]
+    return [Shard(e) for e in dims if spec.shape[e] >= k]
+
+
+def choices(spec: DTensorSpec, D: Sequence[int], *, decomposable: bool,
+            keep: Callable[[Partial], bool], shard_dims: Sequence[int] | None = None) -> list[Pl]:
+    """Required placements to consider for one input, the follow-the-input one first.
+
+    Per mesh dim: an acceptable entry is kept; a Partial that may not stay, or (for a
+    non-decomposable op) a Shard of a reduced dim, becomes ``R`` or ``S(e)`` for each ``e`` in
+    ``shard_dims`` (default: the unreduced dims, or every dim when decomposable).
+    """
+    if shard_dims is None:
+        shard_dims = range(spec.ndim) if decomposable else [e for e in range(spec.ndim) if e not in D]
+    per: list[list[Placement]] = []
+    for j, p in enumerate(spec.placements):
+        if spec.mesh.shape[j] == 1:
+            per.append([p if not isinstance(p, Partial) or keep(p) else Replicate()])
+        elif isinstance(p, Partial) and not keep(p):
+            per.append([Replicate()] + _targets(spec, j, shard_dims))
+        elif isinstance(p, Shard) and p.dim in D and not decomposable:
+            per.append([Replicate()] + [t for t in _targets(spec, j, shard_dims) if t != p])
+        else:
+            per.append([p])
+    return list(itertools.islice(itertools.product(*per), MAX_CANDIDATES))
+
+
+def pick(call: Call, pos: int, options: list[Pl]) -> Pl:
+    """The cheapest of ``options`` for argument ``pos`` (engine cost; ties: first listed)."""
+    if len(options) == 1:
+        return tuple(options[0])
+    return tuple(select(call, [Candidate({pos: o}) for o in options]).inputs[pos])
+
+
+def finish(call: Call, required: dict[int, Pl], outputs: Any, *, kernel: Callable | None = None,
+           local_args: Callable | None = None) -> Decision:
+    """A Decision from required placements per position and output specs (orders kept)."""
+    inputs = list(call.specs)
+    moved = False
+    for pos, pl in required.items():
+        s = call.specs[pos]
+        want = s.with_placements(pl, order_for(s, pl))
+        if want != s:
+            inputs[pos] = want
+            moved = True
+    return Decision(tuple(inputs), outputs, moved, local_args, kernel)
+
+
+def out_spec(call: Call, meta: torch.Tensor, pl: Sequence[Placement], order) -> DTensorSpec:
+    return DTensorSpec.build(call.mesh, pl, meta.shape, meta.stride(), meta.dtype, order)
+
+
+def identity_of(kind: str, dtype: torch.dtype) -> Any:
+    """The identity of a max/min combine for ``dtype`` (-inf/dtype min for max, +inf/dtype max for min)."""
+    if dtype == torch.bool:
+        return kind == "min"
+    if dtype.is_floating_point:
+        return -math.inf if kind == "max" else math.inf
+    info = torch.iinfo(dtype)
+    return info.min if kind == "max" else info.max
+
+
+def reduced_local_shape(shape: Sequence[int], D: Sequence[int], keepdim: bool) -> list[int]:
+    return [1 if d in D else n for d, n in enumerate(shape) if keepdim or d not in D]
+
+
+def empty_safe(op: Any, D: Sequence[int], keepdim: bool, fill: Callable[[torch.dtype], Any],
+               dtype: torch.dtype) -> Callable:
+    """Kernel: ``op`` on the local shard, or ``fill(dtype)`` where a reduced dim is locally empty."""
+
+    def kernel(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if x.ndim and any(x.shape[d] == 0 for d in D):
+            return torch.full(reduced_local_shape(x.shape, D, keepdim), fill(dtype), dtype=dtype, device=x.device)
+        return op(x, *args, **kwargs)
+
+    return kernel
+
+
+# -- decomposable reductions -----------------------------------------------------------------
+
+SUM_KEEP = ("sum", "avg")
+_KIND: dict[Any, tuple[str, tuple[str, ...]]] = {}
+"""op -> (partial kind produced by ``S(d in D)``, kinds kept)."""
+for _op in (aten.sum.default, aten.sum.dim_IntList, aten.nansum.default):
+    _KIND[_op] = ("sum", SUM_KEEP)
+for _op in (aten.mean.default, aten.mean.dim):
+    _KIND[_op] = ("avg", SUM_KEEP)
+for _op in (aten.prod.default, aten.prod.dim_int):
+    _KIND[_op] = ("product", ("product",))
+for _op in (aten.amax.default, aten.max.default):
+    _KIND[_op] = ("max", ("max",))
+for _op in (aten.amin.default, aten.min.default):
+    _KIND[_op] = ("min", ("min",))
+for _op in (aten.any.default, aten.any.dim, aten.any.dims):
+    _KIND[_op] = ("max", ("max",))
+for _op in (aten.all.default, aten.all.dim, aten.all.dims):
+    _KIND[_op] = ("min", ("min",))
+_FULL = {aten.sum.default, aten.mean.default, aten.prod.default, aten.max.default, aten.min.default,
+         aten.any.default, aten.all.default}
+_EMPTY_RAISES = {aten.amax.default, aten.amin.default, aten.max.default, aten.min.default}
+_BOOL_ONLY_KEEP = {aten.any.default, aten.any.dim, aten.any.dims, aten.all.default, aten.all.dim, aten.all.dims}
+
+
+def dim_args(call: Call) -> tuple[Any, bool]:
+    """``(dim, keepdim)`` of a reduction call (full-reduction overloads: ``(None, False)``)."""
+    if call.op in _FULL:
+        return None, False
+    return call.arg("dim", None), bool(call.arg("keepdim", False))
+
+
+def _evenly_split(spec: DTensorSpec, pl: Sequence[Placement], D: Sequence[int]) -> bool:
+    """Every rank holds the same number of reduced elements (nested sharding included)."""
+    for d in D:
+        k = 1
+        for j, p in enumerate(pl):
+            if p == Shard(d):
+                k *= spec.mesh.shape[j]
+        if spec.shape[d] % k:
+            return False
+    return True
+
+
+@register(*_KIND)
+def decomposable_rule(call: Call) -> Decision:
+    """sum / mean / prod / amax / amin / max / min / any / all (spec 2.1-2.4)."""
+    pos = call.pos("self")
+    s = call.specs[pos]
+    dim, keepdim = dim_args(call)
+    D = reduced_dims(dim, s.ndim)
     meta = call.out_meta
-    out = DTensorSpec.build(s.mesh, out_pl, meta.shape, meta.stride(), meta.dtype, order)
-    inputs = tuple(required if i == 0 else None for i in range(len(call.flat)))
-    return Decision(inputs, out, required != s)
+    check_dims(call, s, D, keepdim, meta)
+    kind, kept = _KIND[call.op]
+    bool_only = call.op in _BOOL_ONLY_KEEP
+
+    def keep(p: Partial) -> bool:
+        if type(p) is not Partial or p.reduce_op not in kept:
+            return False
+        return s.dtype == torch.bool if bool_only else True
+
+    req = pick(call, pos, choices(s, D, decomposable=True, keep=keep))
+    kernel = None
+    if kind == "avg" and not _evenly_split(s, req, D):
+        kind = "sum"
+        kernel = _uneven_mean(s, D, keepdim, meta.dtype)
+    elif call.op in _EMPTY_RAISES and any(isinstance(p, Shard) and p.dim in D for p in req):
+        kernel = empty_safe(call.op, D, keepdim, lambda dt, k=kind: identity_of(k, dt), meta.dtype)
+    out_pl = reduce_out(req, D, keepdim, Partial(kind))
+    order = out_order(order_for(s, req), out_pl, D, keepdim)
+    return finish(call, {pos: req}, out_spec(call, meta, out_pl, order), kernel=kernel)
+
+
+def _uneven_mean(spec: DTensorSpec, D: Sequence[int], keepdim: bool, out_dtype: torch.dtype) -> Callable:
+    """Kernel: local sum / global count -> a Partial(sum) term exact for any split."""
+    n_global = 1
+    for d in D:
+        n_global *= spec.shape[d]
+    acc = torch.float32 if out_dtype in (torch.float16, torch.bfloat16) else out_dtype
+
+    def kernel(x: torch.Tensor, *args: Any, dtype: torch.dtype | None = None, **kwargs: Any) -> torch.Tensor:
+        x = x.to(acc)
+        s = x.sum(dim=list(D), keepdim=keepdim) if D else x.clone()
+        return (s / n_global).to(out_dtype)
+
+    return kernel
+
+
+# -- argmax / argmin -------------------------------------------------------------------------
+
+@register(aten.argmax.default, aten.argmin.default)
+def arg_reduction_rule(call: Call) -> Decision:
+    """Gather the reduced dim (or everything for ``dim=None``); other shards kept and renumbered."""
+    pos = call.pos("self")
+    s = call.specs[pos]
+    dim = call.arg("dim", None)
+    keepdim = bool(call.arg("keepdim", False))
+    meta = call.out_meta
+    if dim is None:
+        req: Pl = (Replicate(),) * s.mesh.ndim
+        out_pl = req
+        return finish(call, {pos: req}, out_spec(call, meta, out_pl, ()))
+    D = reduced_dims(dim, s.ndim)
+    check_dims(call, s, D, keepdim, meta)
+    req = pick(call, pos, choices(s, D, decomposable=False, keep=lambda p: False))
+    out_pl = reduce_out(req, D, keepdim, None)
+    return finish(call, {pos: req}, out_spec(call, meta, out_pl, out_order(order_for(s, req), out_pl, D, keepdim)))
+
+
+# -- var / std -------------------------------------------------------------------------------
+
+@register(aten.var.correction, aten.std.correction)
+def var_std_rule(call: Call) -> Decision:
+    """Reduced dims stay sharded: the kernel all-reduces the sums (two-pass) over the mesh dims
+    that shard ``D``.  var ends Partial(sum) there (Replicate when ``N - correction <= 0``,
+    where rank terms of inf/NaN would not add up to dense torch's), std ends Replicate.
+    Partial inputs are reduced (or reduce-scattered) first: variance is not linear."""
+    pos = call.pos("self")
+    s = call.specs[pos]
+    D = reduced_dims(call.arg("dim", None), s.ndim)
+    keepdim = bool(call.arg("keepdim", False))
+    correction = call.arg("correction", None)
+    correction = 1 if correction is None else correction
+    meta = _var_meta(s, D, keepdim)
+    req = pick(call, pos, choices(s, D, decomposable=True, keep=lambda p: False))
+    J = [j for j, p in enumerate(req) if isinstance(p, Shard) and p.dim in D and s.mesh.shape[j] > 1]
+    n_global = 1
+    for d in D:
+        n_global *= s.shape[d]
+    denom = max(0, n_global - correction)
+    is_std = call.op is aten.std.correction
+    partial_out = not is_std and denom > 0
+    kind = Partial("sum") if partial_out else Replicate()
+    out_pl = reduce_out(req, D, keepdim, kind)
+    order = out_order(order_for(s, req), out_pl, D, keepdim)
+    kernel = None
+    if J:
+        kernel = _var_kernel(s.mesh, J, D, keepdim, n_global, denom, is_std, partial_out, meta.dtype)
+    return finish(call, {pos: req}, out_spec(call, meta, out_pl, order), kernel=kernel)
+
+
+def _var_meta(spec: DTensorSpec, D: Sequence[int], keepdim: bool) -> torch.Tensor:
+    """Output metadata of var/std without torch's (slow, Python) meta path."""
+    dtype = spec.dtype.to_real() if spec.dtype.is_complex else spec.dtype
+    if not (dtype.is_floating_point or dtype.is_complex):
+        raise RuntimeError(f"std and var only support floating point and complex dtypes, got {spec.dtype}")
+    return torch.empty(reduced_local_shape(spec.shape, D, keepdim), dtype=dtype, device="meta")
+
+
+def _var_kernel(mesh, J: list[int], D: Sequence[int], keepdim: bool, n_global: int, denom: int, is_std: bool,
+                partial_out: bool, out_dtype: torch.dtype) -> Callable:
+    """Two-pass variance over a sharded ``D``: all-reduce ``sum x`` for the mean, then the
+    local ``sum |x - mean|^2 / denom`` is a Partial(sum) term (all-reduced for std)."""
+    dims = list(D)
+
+    def kernel(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+        xa = x.to(acc)
+        total = xa.sum(dim=dims, keepdim=True)
+        for j in J:
+            total = comm.all_reduce(total, "sum", mesh, j)
+        mu = total / n_global
+        dev = xa - mu
+        sq = (dev.real.square() + dev.imag.square()) if dev.is_complex() else dev.square()
+        m2 = sq.sum(dim=dims, keepdim=keepdim)
+        if not partial_out:
+            for j in J:
+                m2 = comm.all_reduce(m2, "sum", mesh, j)
+        var = m2 / denom if denom > 0 else m2 / 0.0
+        if is_std:
+            var = var.sqrt()
+        return var.to(out_dtype)
+
+    return kernel
+
+
+# -- cumulative ops --------------------------------------------------------------------------
+
+_SCANS = {aten.cumsum.default: SUM_KEEP, aten.cumprod.default: (), aten.logcumsumexp.default: (),
+          aten.cummax.default: (), aten.cummin.default: ()}
+
+
+@register(*_SCANS)
+def scan_rule(call: Call) -> Decision:
+    """Gather the scan dim (to ``R`` or another dim's shard); other shards kept.  cumsum is
+    linear, so Partial(sum|avg) stays; the other scans reduce partials first."""
+    pos = call.pos("self")
+    s = call.specs[pos]
+    kept = _SCANS[call.op]
+    if s.ndim == 0:
+        D: tuple[int, ...] = ()
+    else:
+        D = (call.arg("dim") % s.ndim,)
+    req = pick(call, pos, choices(s, D, decomposable=False, keep=lambda p: type(p) is Partial and p.reduce_op in kept))
+    order = order_for(s, req)
+    meta = call.out_meta
+    if isinstance(meta, (tuple, list)):
+        out = type(meta)(out_spec(call, m, req, order) for m in meta)
+    else:
+        out = out_spec(call, meta, req, order)
+    return finish(call, {pos: req}, out)

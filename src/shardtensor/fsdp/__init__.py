@@ -1,0 +1,45 @@
+"""Fully sharded data parallelism (mirrors ``torch.distributed.fsdp.fully_shard``, FSDP2).
+
+``fully_shard(module, mesh=..., reshard_after_forward=True, mp_policy=MixedPrecisionPolicy())``
+is applied bottom-up (blocks, then the root).  Each call manages the parameters of ``module``
+that no child ``fully_shard`` manages, as one group:
+
+=================  =============================================================================
+when               what happens (per module, per rank)
+=================  =============================================================================
+fully_shard        each parameter becomes ``nn.Parameter(DTensor)``, ``Shard(0)`` on the dp mesh
+                   dim (torch.chunk rule: 7 rows over 4 ranks -> 2, 2, 2, 1; 3 -> 1, 1, 1, 0)
+forward pre-hook   copy-in (``chunk_cat`` of the padded local shards, cast to ``param_dtype``),
+                   ONE all-gather over dp, copy-out (``split_with_sizes_copy``) into the
+                   unsharded buffers; the module sees the unsharded tensors
+forward hook       the sharded parameters are put back; ``reshard_after_forward`` frees the
+                   unsharded storage (not for the root, whose backward comes next); a hook on
+                   the outputs re-gathers before the module's backward
+backward           unsharded gradients -> ``chunk_cat`` (cast to ``reduce_dtype``) -> ONE
+                   reduce-scatter (average over dp) -> ``param.grad`` = sharded DTensor
+=================  =============================================================================
+
+Layout.  Let ``U`` be the tensor the forward computes with: the whole parameter on a 1-D
+mesh, or on a 2-D ``(dp, tp)`` mesh the parameter's TP-local piece (TP parameters are
+DTensors on ``mesh["tp"]``, e.g. from ``parallelize_module``, or on the 2-D mesh with
+Replicate on dp).  FSDP always chunks dim 0 of ``U`` over dp: rank ``r`` keeps rows
+``[r*c, r*c + rows)`` with ``c = ceil(U.size(0) / W)``, stored in a zero-padded ``(c, ...)``
+block so that every rank sends the same number of elements.  The sharded parameter is a
+DTensor on the FSDP mesh with ``Shard(0)`` on dp and the TP placement on tp; when the TP
+placement is itself ``Shard(0)`` the dp shard nests inside the tp shard, which the spec
+records as the shard order ``{0: [tp, dp]}`` (tp splits first).  The unsharded parameter is
+a plain tensor (1-D mesh, or a parameter that is not a DTensor) or a DTensor on
+``mesh["tp"]`` with the TP placement, so TP compute dispatches as usual.
+
+Autograd: a custom Function maps the sharded parameters to the unsharded ones; its backward
+receives the unsharded gradients (TP gradients are first redistributed to the parameter's
+TP placement) and returns the reduce-scattered sharded gradients, so any ``torch.optim``
+optimizer steps the sharded DTensor parameters directly.  Mixed precision: sharded
+parameters and gradients keep their dtype; ``param_dtype`` is used for the all-gather and
+the compute, ``reduce_dtype`` (default: ``param_dtype``) for the reduce-scatter.
+
+Not supported: HSDP (replicate x shard meshes), ``set_requires_gradient_sync``, prefetching.
+"""
+from .api import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+__all__ = ["FSDPModule", "MixedPrecisionPolicy", "fully_shard"]

@@ -1,0 +1,208 @@
+"""``fully_shard`` and ``MixedPrecisionPolicy`` (mirror ``torch.distributed.fsdp``'s FSDP2 API)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..comm import current_transport
+from ..mesh import DeviceMesh, init_device_mesh
+from .group import ParamGroup, Unsharded, unsharded_with_grad
+from .param import FSDPParam, MeshInfo
+
+__all__ = ["FSDPModule", "MixedPrecisionPolicy", "fully_shard"]
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Dtypes of the all-gather/compute (``param_dtype``) and of the reduce-scatter (``reduce_dtype``).
+
+    ``None`` keeps the parameter dtype; ``reduce_dtype=None`` with a ``param_dtype`` reduces in
+    the param dtype (as FSDP2).  Sharded parameters and their gradients keep the original
+    dtype.  ``output_dtype`` casts floating outputs; ``cast_forward_inputs`` casts floating
+    inputs to ``param_dtype``.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+
+class FSDPState:
+    """Per-module FSDP state: the parameter group, hooks' settings and the live forward handle."""
+
+    def __init__(self, module: nn.Module, group: ParamGroup, reshard_after_forward: bool,
+                 mp: MixedPrecisionPolicy) -> None:
+        self.module = module
+        self.group = group
+        self.reshard_after_forward = reshard_after_forward
+        self.mp = mp
+        self.is_root: bool | None = None
+        self.handle: Unsharded | None = None
+        self._graph_built = False
+        self._callback_queued = False
+
+    def states_in_tree(self) -> list["FSDPState"]:
+        return [m._fsdp_state for m in self.module.modules() if isinstance(m, FSDPModule)]
+
+    # -- hooks ----------------------------------------------------------------------------
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.is_root is None:
+            for s in self.states_in_tree():
+                if s.is_root is None:
+                    s.is_root = False
+            self.is_root = True
+        if self.is_root:
+            self._callback_queued = False
+        if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
+            args, kwargs = _cast_floats((args, kwargs), self.mp.param_dtype)
+        handle = self.group.unshard()
+        self.handle = handle
+        tensors = unsharded_with_grad(handle)
+        self._graph_built = any(t.requires_grad for t in tensors)
+        for p, t in zip(self.group.params, tensors):
+            for mod, name in p.owners:
+                mod._parameters[name] = t
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        for p in self.group.params:
+            for mod, name in p.owners:
+                mod._parameters[name] = p.sharded
+        handle = self.handle
+        assert handle is not None
+        if not self._graph_built or not torch.is_grad_enabled():
+            handle.free()
+            self.group.live.discard(handle)
+        else:
+            if self.reshard_after_forward and not self.is_root:
+                handle.free()
+            outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            for t in outs:
+                t.register_hook(self._pre_backward_hook(handle))
+        if self.mp.output_dtype is not None:
+            output = _cast_floats(output, self.mp.output_dtype)
+        return output
+
+    def _pre_backward_hook(self, handle: Unsharded):
+        def hook(grad: torch.Tensor) -> None:
+            if handle.freed:
+                handle.gather()
+            if self.is_root and not self._callback_queued:
+                self._callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
+        return hook
+
+    def _finalize_backward(self) -> None:
+        """End of backward (root): free unsharded buffers whose gradients never came."""
+        self._callback_queued = False
+        for s in self.states_in_tree():
+            for h in list(s.group.live):
+                h.free()
+            s.group.live.clear()
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                    and t.dtype != dtype else t, tree)
+
+
+class FSDPModule:
+    """Mixin added to every ``fully_shard`` module's class (``FSDP<Name>``), as in FSDP2."""
+
+    _fsdp_state: FSDPState
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters of this module (they are re-gathered when needed)."""
+        group = self._fsdp_state.group
+        for h in list(group.live):
+            h.free()
+        group.live.clear()
+
+    def unshard(self) -> None:
+        """All-gather now (the next forward gathers again; this is for inspection)."""
+        st = self._fsdp_state
+        st.handle = st.group.unshard()
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool) -> None:
+        self._fsdp_state.reshard_after_forward = bool(reshard_after_forward)
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        return self._fsdp_state.group.info.mesh
+
+    def unsharded_params(self) -> list[torch.Tensor]:
+        """The unsharded tensors of the latest forward (their storage is empty once resharded)."""
+        h = self._fsdp_state.handle
+        return [] if h is None else list(h.views)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _fsdp_class(cls: type) -> type:
+    new = _CLASSES.get(cls)
+    if new is None:
+        new = _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+    return new
+
+
+def _managed_params(module: nn.Module) -> dict[nn.Parameter, list[tuple[nn.Module, str]]]:
+    """Parameters of ``module`` not under a child ``fully_shard``, with every (owner, name)."""
+    found: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str]]]] = {}
+
+    def visit(m: nn.Module) -> None:
+        for name, p in m._parameters.items():
+            if p is not None:
+                found.setdefault(id(p), (p, []))[1].append((m, name))
+        for child in m.children():
+            if not isinstance(child, FSDPModule):
+                visit(child)
+
+    visit(module)
+    managed = {id(p) for m in module.modules() if isinstance(m, FSDPModule) and m is not module
+               for q in m._fsdp_state.group.params for p in [q.sharded]}
+    return {p: owners for k, (p, owners) in found.items() if k not in managed}
+
+
+def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_after_forward: bool = True,
+                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()) -> nn.Module:
+    """Shard ``module``'s parameters (those no child ``fully_shard`` manages) along dim 0 over dp.
+
+    Apply bottom-up: blocks first, then the root.  Parameters become ``nn.Parameter(DTensor)``
+    with ``Shard(0)`` on the dp mesh dim (on a 2-D (dp, tp) mesh: plus their TP placement).
+    Each forward all-gathers the module's parameters with one collective; backward reduces
+    their gradients with one reduce-scatter (average over dp) into ``param.grad``.
+    ``reshard_after_forward`` frees the unsharded parameters after forward (re-gathered
+    before the module's backward); the root keeps them until its backward.  Returns
+    ``module``, whose class becomes ``FSDP<Class>`` (an ``FSDPModule``).
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard needs an nn.Module, got {type(module).__name__}")
+    if isinstance(module, FSDPModule):
+        raise RuntimeError(f"fully_shard was already applied to this {type(module).__name__}")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if mesh is None:
+        mesh = init_device_mesh("cpu", (current_transport().world_size,))
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a shardtensor DeviceMesh, got {type(mesh).__name__}")
+    info = MeshInfo.of(mesh)
+    params = []
+    for p, owners in _managed_params(module).items():
+        fp = FSDPParam(p, owners, info)
+        for mod, name in owners:
+            mod._parameters[name] = fp.sharded
+        params.append(fp)
+    reduce_dtype = mp_policy.reduce_dtype if mp_policy.reduce_dtype is not None else mp_policy.param_dtype
+    group = ParamGroup(params, info, mp_policy.param_dtype, reduce_dtype)
+    state = FSDPState(module, group, reshard_after_forward, mp_policy)
+    module._fsdp_state = state  # type: ignore[assignment]
+    module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
+    module.register_forward_hook(state.post_forward, always_call=False, with_kwargs=True)
+    module.__class__ = _fsdp_class(type(module))
+    return module

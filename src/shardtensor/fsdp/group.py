@@ -1,0 +1,225 @@
+"""The parameters of one ``fully_shard`` module: one all-gather in, one reduce-scatter out.
+
+``ParamGroup.unshard()`` returns an ``Unsharded`` handle holding the padded unsharded
+buffers of one forward call.  Copy-in packs the padded local shards into one flat buffer
+(``chunk_cat`` with one chunk, or casting copies under a param dtype), one all-gather over
+the dp mesh dim returns a ``(W, M)`` stack, and ``split_with_sizes_copy`` scatters it into
+the per-parameter buffers (spec/chunk_cat.md 3.2).  The handle's storage can be freed
+(``untyped_storage().resize_(0)``) and refilled in place before backward without touching
+the autograd version counters of the tensors the forward saved.
+
+``_Unshard`` is the autograd edge: sharded parameters in, unsharded views out; its backward
+packs the unsharded gradients with ``chunk_cat`` (cast to the reduce dtype inside the copy),
+runs one reduce-scatter (average over dp) and returns the sharded gradients as DTensors with
+the sharded parameters' specs, so autograd accumulates them into ``param.grad``.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Sequence
+
+import torch
+
+from .. import comm
+from ..redistribute import redistribute_local
+from ..tensor import DTensor
+from .param import FSDPParam, MeshInfo
+
+try:
+    from ..kernels import chunk_cat, split_with_sizes_copy
+except ImportError:  # pragma: no cover - the kernels package ships with shardtensor
+    def chunk_cat(tensors, dim, num_chunks, out=None):  # type: ignore[no-redef]
+        return torch._chunk_cat(tensors, dim, num_chunks, out=out) if out is not None else \
+            torch._chunk_cat(tensors, dim, num_chunks)
+
+    def split_with_sizes_copy(tensor, split_sizes, dim=0, out=None):  # type: ignore[no-redef]
+        return torch.split_with_sizes_copy(tensor, split_sizes, dim, out=out)
+
+__all__ = ["ParamGroup", "Unsharded"]
+
+
+class Unsharded:
+    """The unsharded buffers of one forward call (``None`` slot: a zero-element parameter)."""
+
+    def __init__(self, group: "ParamGroup") -> None:
+        self.group = group
+        dtype_of = group.compute_dtype
+        self.buffers: list[torch.Tensor] = []
+        for p in group.params:
+            buf = torch.empty((group.info.world * p.c, *p.rest), dtype=dtype_of(p), device=p.padded.device)
+            self.buffers.append(buf)
+        self.raw = [b.data for b in self.buffers]  # own version counters: refills are invisible to autograd
+        self.nbytes = [b.untyped_storage().nbytes() for b in self.buffers]
+        self.views = [p.unsharded_view(b) for p, b in zip(group.params, self.buffers)]
+        self.freed = True
+
+    def gather(self) -> None:
+        """(Re)fill the buffers: copy-in, one all-gather over dp, copy-out."""
+        for raw, n in zip(self.raw, self.nbytes):
+            if raw.untyped_storage().nbytes() != n:
+                raw.untyped_storage().resize_(n)
+        self.group.all_gather_into(self.raw)
+        self.freed = False
+
+    def free(self) -> None:
+        if self.freed:
+            return
+        for raw in self.raw:
+            raw.untyped_storage().resize_(0)
+        self.freed = True
+
+
+class ParamGroup:
+    """The FSDP parameters of one module with its mesh and mixed-precision settings."""
+
+    def __init__(self, params: list[FSDPParam], info: MeshInfo, param_dtype: torch.dtype | None,
+                 reduce_dtype: torch.dtype | None) -> None:
+        self.params = params
+        self.info = info
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
+        self.live: weakref.WeakSet[Unsharded] = weakref.WeakSet()
+
+    def compute_dtype(self, p: FSDPParam) -> torch.dtype:
+        if self.param_dtype is not None and p.orig_dtype.is_floating_point:
+            return self.param_dtype
+        return p.orig_dtype
+
+    # -- all-gather ------------------------------------------------------------------------
+    def unshard(self) -> Unsharded:
+        h = Unsharded(self)
+        h.gather()
+        self.live.add(h)
+        return h
+
+    def all_gather_into(self, outs: Sequence[torch.Tensor]) -> None:
+        items = [(p, o) for p, o in zip(self.params, outs) if p.padded_numel > 0]
+        if not items:
+            return
+        W = self.info.world
+        dtypes = {o.dtype for _, o in items}
+        with torch.no_grad():
+            for p, _ in items:
+                p.sync_padded()
+            if len(dtypes) == 1:
+                (dtype,) = dtypes
+                sizes = [p.padded_numel for p, _ in items]
+                flat = torch.empty(sum(sizes), dtype=dtype, device=items[0][1].device)
+                if all(p.padded.dtype == dtype for p, _ in items):
+                    chunk_cat([p.padded for p, _ in items], 0, 1, out=flat.view(1, -1))
+                else:
+                    torch._foreach_copy_(list(flat.split(sizes)), [p.padded.reshape(-1) for p, _ in items])
+                dst = [o.view(W, n) for (_, o), n in zip(items, sizes)]
+            else:  # mixed dtypes travel as bytes (spec/chunk_cat.md 3.3)
+                srcs = [p.padded.to(o.dtype).reshape(-1).view(torch.uint8) for p, o in items]
+                sizes = [s.numel() for s in srcs]
+                flat = torch.empty(sum(sizes), dtype=torch.uint8, device=items[0][1].device)
+                chunk_cat(srcs, 0, 1, out=flat.view(1, -1))
+                dst = [o.view(-1).view(torch.uint8).view(W, n) for (_, o), n in zip(items, sizes)]
+            stack = comm.all_gather(flat, self.info.mesh, self.info.dp_dim)
+            split_with_sizes_copy(stack, sizes, dim=1, out=dst)
+
+    # -- reduce-scatter --------------------------------------------------------------------
+    def reduce_grads(self, params: Sequence[FSDPParam], grads: Sequence[torch.Tensor | None]) -> list[DTensor | None]:
+        """Sharded gradients (average over dp) of the unsharded ``grads`` (``None`` stays ``None``)."""
+        out: list[DTensor | None] = [None] * len(params)
+        todo = []
+        for i, (p, g) in enumerate(zip(params, grads)):
+            if g is None:
+                continue
+            if p.padded_numel == 0:
+                out[i] = p.wrap_grad(torch.zeros((p.rows, *p.rest), dtype=p.orig_dtype, device=p.padded.device))
+                continue
+            todo.append((i, p, self._local_grad(p, g)))
+        if not todo:
+            return out
+        W = self.info.world
+        gdtypes = {g.dtype for _, _, g in todo}
+        rdtype = self.reduce_dtype or (gdtypes.pop() if len(gdtypes) == 1 else torch.float32)
+        grads_in = [g if g.dtype == rdtype or _widens(g.dtype, rdtype) else g.to(rdtype) for _, _, g in todo]
+        if len({g.dtype for g in grads_in}) > 1:
+            grads_in = [g.to(rdtype) for g in grads_in]
+        n_out = sum(p.padded_numel for _, p, _ in todo)
+        flat = torch.empty((W, n_out), dtype=rdtype, device=grads_in[0].device)
+        with torch.no_grad():
+            chunk_cat(grads_in, 0, W, out=flat)
+            if rdtype in (torch.float32, torch.bfloat16, torch.float64):
+                red = comm.reduce_scatter(flat, "avg", self.info.mesh, self.info.dp_dim)
+            else:
+                pre, post = _divide_factors(W)
+                flat.div_(pre)
+                red = comm.reduce_scatter(flat, "sum", self.info.mesh, self.info.dp_dim)
+                red.div_(post)
+        off = 0
+        for i, p, _ in todo:
+            piece = red.narrow(0, off, p.rows * p.row_numel).view(p.rows, *p.rest)
+            off += p.padded_numel
+            if piece.dtype != p.orig_dtype:
+                piece = piece.to(p.orig_dtype)
+            out[i] = p.wrap_grad(piece)
+        return out
+
+    @staticmethod
+    def _local_grad(p: FSDPParam, g: torch.Tensor) -> torch.Tensor:
+        """The gradient as the unsharded local tensor (on the tp mesh: moved to the param's TP placement)."""
+        if p.tp_spec is None:
+            if isinstance(g, DTensor):
+                raise TypeError(f"FSDP: the gradient of the plain parameter {p.fqn} is a DTensor "
+                                f"({g.placements}); the forward mixed it with DTensors")
+            return g
+        if not isinstance(g, DTensor):
+            raise TypeError(f"FSDP: the gradient of the TP parameter {p.fqn} is a plain tensor")
+        target = p.tp_spec.with_dtype(g.dtype)
+        if g._spec.placements == target.placements:
+            return g._local_tensor
+        from ..spec import DTensorSpec
+
+        target = DTensorSpec.build(g._spec.mesh, target.placements, g.shape, g.stride(), g.dtype)
+        return redistribute_local(g._local_tensor, g._spec, target)
+
+
+def _widens(src: torch.dtype, dst: torch.dtype) -> bool:
+    return src.is_floating_point and dst.is_floating_point and torch.finfo(dst).bits > torch.finfo(src).bits
+
+
+def _divide_factors(n: int) -> tuple[float, float]:
+    """Pre/post divide factors for sum-reductions in low precision (spec/chunk_cat.md 2.4)."""
+    f = 1
+    while n % f == 0 and n / f > f:
+        f *= 2
+    return float(f), n / f
+
+
+class _Unshard(torch.autograd.Function):
+    """Sharded parameters -> unsharded views; backward: chunk_cat + one reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, handle: Unsharded, idx: tuple[int, ...], *sharded: torch.Tensor):
+        ctx.handle = handle
+        ctx.idx = idx
+        ctx.set_materialize_grads(False)
+        return tuple(handle.group.params[i].unsharded_view(handle.buffers[i]) for i in idx)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        handle: Unsharded = ctx.handle
+        group = handle.group
+        if handle.freed and any(g is not None for g in grads):
+            raise RuntimeError("FSDP: the unsharded parameters were freed before their backward ran")
+        params = [group.params[i] for i in ctx.idx]
+        out = group.reduce_grads(params, grads)
+        handle.free()
+        group.live.discard(handle)
+        return (None, None, *out)
+
+
+def unsharded_with_grad(handle: Unsharded) -> list[torch.Tensor]:
+    """The tensors the forward uses: trainable ones through ``_Unshard`` (when grad is enabled)."""
+    params = handle.group.params
+    views = list(handle.views)
+    idx = tuple(i for i, p in enumerate(params) if p.requires_grad and p.sharded.requires_grad)
+    if idx and torch.is_grad_enabled():
+        outs = _Unshard.apply(handle, idx, *[params[i].sharded for i in idx])
+        for i, o in zip(idx, outs):
+            views[i] = o
+    return views

@@ -1,0 +1,127 @@
+"""``parallelize_module`` (apply a plan of styles) and ``distribute_module`` (the hook plumbing)."""
+from __future__ import annotations
+
+import inspect
+import warnings
+from fnmatch import fnmatch
+from typing import Any, Callable
+
+import torch.nn as nn
+
+from ..mesh import DeviceMesh
+from ..placement import Replicate
+from ..tensor import DTensor, distribute_tensor
+from .style import ParallelStyle
+
+__all__ = ["distribute_module", "parallelize_module"]
+
+
+def _check_mesh(device_mesh: Any, who: str) -> DeviceMesh:
+    if device_mesh is None:
+        raise ValueError(f"{who} needs device_mesh (shardtensor has no implicit current mesh)")
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"{who}: device_mesh must be a shardtensor DeviceMesh, got {type(device_mesh).__name__}")
+    return device_mesh
+
+
+def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
+                       parallelize_plan: ParallelStyle | dict[str, ParallelStyle] | None = None, *,
+                       src_data_rank: int | None = 0) -> nn.Module:
+    """Apply tensor-parallel styles to ``module`` (in place) and return it.
+
+    ``parallelize_plan`` is one style for ``module`` itself, or a dict from module paths to
+    styles.  Each dotted level of a path is an fnmatch pattern over child names
+    (``"layers.*.attention.wq"``); ``""`` is ``module`` itself.  A key that matches nothing
+    warns and is skipped.  ``device_mesh`` must be 1-D: slice a larger mesh first
+    (``mesh["tp"]``).  ``src_data_rank`` is the coordinate whose parameter values are
+    scattered (``None``: each rank keeps its own values, no communication).
+    """
+    device_mesh = _check_mesh(device_mesh, "parallelize_module")
+    if device_mesh.ndim != 1:
+        raise ValueError(f"parallelize_module needs a 1-D mesh, got shape {device_mesh.shape}; "
+                         "pass a sub-mesh such as mesh['tp']")
+    if parallelize_plan is None:
+        warnings.warn("parallelize_module got no parallelize_plan; the module is left unchanged", stacklevel=2)
+        return module
+    if isinstance(parallelize_plan, ParallelStyle):
+        parallelize_plan.src_data_rank = src_data_rank
+        return parallelize_plan._apply(module, device_mesh)
+    if not isinstance(parallelize_plan, dict):
+        raise TypeError(f"parallelize_plan must be a ParallelStyle or a dict of them, got "
+                        f"{type(parallelize_plan).__name__}")
+    for path, style in parallelize_plan.items():
+        if not isinstance(style, ParallelStyle):
+            raise TypeError(f"parallelize_plan[{path!r}] must be a ParallelStyle, got {type(style).__name__}")
+        for target in _resolve(module, path):
+            parallelize_module(target, device_mesh, style, src_data_rank=src_data_rank)
+    return module
+
+
+def _resolve(module: nn.Module, path: str) -> list[nn.Module]:
+    """Submodules whose path matches ``path`` level by level (fnmatch per dotted token)."""
+    if path == "":
+        return [module]
+    found = [module]
+    for token in path.split("."):
+        found = [c for m in found for name, c in m.named_children() if fnmatch(name, token)]
+        if not found:
+            warnings.warn(f"parallelize_plan key {path!r}: no submodule matches {token!r}; skipping it",
+                          stacklevel=3)
+            return []
+    return found
+
+
+def _replicate_rest(m: nn.Module, mesh: DeviceMesh) -> None:
+    """Replicate the parameters and buffers of ``m`` itself that are not DTensors yet."""
+    full = [Replicate()] * mesh.ndim
+    for key, p in list(m._parameters.items()):
+        if p is not None and not isinstance(p, DTensor):
+            m.register_parameter(key, nn.Parameter(distribute_tensor(p.data, mesh, full),
+                                                   requires_grad=p.requires_grad))
+    for key, b in list(m._buffers.items()):
+        if b is not None and not isinstance(b, DTensor):
+            m._buffers[key] = distribute_tensor(b, mesh, full)
+
+
+def _arity(fn: Callable, who: str) -> int:
+    n = len(inspect.signature(fn).parameters)
+    if n not in (2, 3):
+        raise ValueError(f"{who} must take (module, value, device_mesh) or (value, device_mesh); it takes {n} arguments")
+    return n
+
+
+def distribute_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
+                      partition_fn: Callable[[str, nn.Module, DeviceMesh], None] | None = None,
+                      input_fn: Callable[..., Any] | None = None,
+                      output_fn: Callable[..., Any] | None = None) -> nn.Module:
+    """Turn ``module``'s parameters into DTensors and hook its inputs and outputs.
+
+    ``partition_fn(name, submodule, mesh)`` runs for every submodule and may register
+    DTensor parameters; whatever it leaves as a plain tensor (all of them without a
+    partition_fn) is replicated.  ``input_fn(module, inputs, mesh)`` becomes a forward
+    pre-hook and ``output_fn(module, outputs, mesh)`` a forward hook (the two-argument forms
+    without ``module`` are accepted too).  A module can be distributed once.
+    """
+    device_mesh = _check_mesh(device_mesh, "distribute_module")
+    if getattr(module, "_distribute_module_applied", False):
+        raise RuntimeError(f"distribute_module was already applied to this {type(module).__name__}")
+    if partition_fn is None:
+        for sub in module.modules():
+            _replicate_rest(sub, device_mesh)
+    else:
+        for name, sub in module.named_modules():
+            partition_fn(name, sub, device_mesh)
+            _replicate_rest(sub, device_mesh)
+    if input_fn is not None:
+        if _arity(input_fn, "input_fn") == 3:
+            module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, device_mesh))
+        else:
+            module.register_forward_pre_hook(lambda mod, inputs: input_fn(inputs, device_mesh))
+    if output_fn is not None:
+        if _arity(output_fn, "output_fn") == 3:
+            module.register_forward_hook(lambda mod, inputs, outputs: output_fn(mod, outputs, device_mesh))
+        else:
+            module.register_forward_hook(lambda mod, inputs, outputs: output_fn(outputs, device_mesh))
+    module._distribute_module_applied = True  # type: ignore[assignment]
+    return module
+

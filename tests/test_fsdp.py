@@ -1,0 +1,456 @@
+"""fully_shard (FSDP2-style) against single-device training.
+
+Every rank builds the same model (deterministic generator init), wraps blocks then the root,
+and trains on its quarter of a fixed global batch with the per-rank mean loss; the reference
+trains one dense copy on the whole batch with the global mean loss.  Losses (mean over
+ranks) and parameters (``full_tensor()``) must agree to ~1e-5 in fp32.
+"""
+from __future__ import annotations
+
+import math
+import pathlib
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
+from shardtensor import DTensor, Replicate, Shard, comm, init_device_mesh, run_spmd  # noqa: E402
+from shardtensor.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # noqa: E402
+
+WORLD = 4
+STEPS = 5
+BATCH = 8        # global batch; each of the 4 ranks gets 2 rows
+VOCAB, DIM, SEQ = 11, 12, 7
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+# ---------------------------------------------------------------------------------------
+# models and data (top-level: the gloo test imports them in spawned processes)
+# ---------------------------------------------------------------------------------------
+
+class MLP(nn.Module):
+    """Linear layers with 7, 3 and 1 output rows: uneven over 4 ranks (2,2,2,1 / 1,1,1,0 / 1,0,0,0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(5, 7)
+        self.l2 = nn.Linear(7, 3)
+        self.l3 = nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l3(torch.tanh(self.l2(torch.tanh(self.l1(x)))))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        att = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-1)
+        x = x + self.proj(att @ v)
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class Tiny(nn.Module):
+    """Embedding + positional parameter (7 rows) + 2 blocks + final norm + head (11 rows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.pos = nn.Parameter(torch.zeros(SEQ, DIM))
+        self.blocks = nn.ModuleList([Block(DIM) for _ in range(2)])
+        self.ln_f = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens) + self.pos
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln_f(x))
+
+
+def build(kind: str) -> nn.Module:
+    """The model with deterministic values (a private generator, safe in rank threads)."""
+    m = MLP() if kind == "mlp" else Tiny()
+    g = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("weight") and ("ln" in name):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return m
+
+
+def batch(kind: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    if kind == "mlp":
+        return torch.randn(BATCH, 5, generator=g), torch.randn(BATCH, 1, generator=g)
+    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+
+
+def loss_fn(kind: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    if kind == "mlp":
+        return ((out.float() - y) ** 2).mean()
+    return F.cross_entropy(out.float().reshape(-1, VOCAB), y.reshape(-1))
+
+
+def make_opt(name: str, params) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=0.01)
+    if name == "adam_foreach":
+        return torch.optim.Adam(params, lr=0.01, foreach=True)
+    if name == "adam_fused":
+        return torch.optim.Adam(params, lr=0.01, fused=True)
+    if name == "adamw_foreach":
+        return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1, foreach=True)
+    if name == "sgd_foreach":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=True)
+    raise ValueError(name)
+
+
+def wrap(kind: str, model: nn.Module, mesh, **kw) -> nn.Module:
+    subs = [model.l1, model.l2, model.l3] if kind == "mlp" else list(model.blocks)
+    for s in subs:
+        fully_shard(s, mesh=mesh, **kw)
+    return fully_shard(model, mesh=mesh, **kw)
+
+
+def reference(kind: str, opt: str, steps: int = STEPS, param_dtype: torch.dtype | None = None):
+    """Single-device training on the global batch: per-step losses and final parameters."""
+    model = build(kind)
+    o = make_opt(opt, model.parameters())
+    losses = []
+    for s in range(steps):
+        x, y = batch(kind, s)
+        o.zero_grad()
+        loss = loss_fn(kind, model, x, y)
+        loss.backward()
+        o.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def rank_train(kind: str, opt: str, steps: int = STEPS, mesh_shape=(WORLD,), **kw):
+    """One rank: FSDP training on its slice; returns (its losses, full parameters)."""
+    mesh = init_device_mesh("cpu", mesh_shape)
+    r, W = mesh.get_local_rank(), mesh.size()
+    model = wrap(kind, build(kind), mesh, **kw)
+    o = make_opt(opt, model.parameters())
+    losses = []
+    for s in range(steps):
+        x, y = batch(kind, s)
+        n = BATCH // W
+        o.zero_grad()
+        loss = loss_fn(kind, model, x[r * n:(r + 1) * n], y[r * n:(r + 1) * n])
+        loss.backward()
+        o.step()
+        losses.append(loss.item())
+    return losses, {n: p.full_tensor() for n, p in model.named_parameters()}
+
+
+def assert_matches(results, ref, tol: float = 1e-5) -> None:
+    ref_losses, ref_params = ref
+    mean_losses = [sum(r[0][s] for r in results) / len(results) for s in range(len(ref_losses))]
+    torch.testing.assert_close(torch.tensor(mean_losses), torch.tensor(ref_losses), rtol=tol, atol=tol)
+    for _, params in results:
+        assert params.keys() == ref_params.keys()
+        for n, p in params.items():
+            torch.testing.assert_close(p, ref_params[n], rtol=tol, atol=tol, msg=lambda m: f"{n}: {m}")
+
+
+# ---------------------------------------------------------------------------------------
+# training equals single-device training
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["mlp", "tiny"])
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_training_matches_single_device(kind, opt):
+    results = run_spmd(rank_train, WORLD, kind, opt)
+    assert_matches(results, reference(kind, opt))
+
+
+@pytest.mark.parametrize("opt", ["sgd_foreach", "adam_foreach", "adam_fused", "adamw_foreach"])
+def test_foreach_and_fused_optimizers(opt):
+    results = run_spmd(rank_train, WORLD, "mlp", opt, 3)
+    assert_matches(results, reference("mlp", opt, 3))
+
+
+def test_reshard_after_forward_false_matches():
+    results = run_spmd(rank_train, WORLD, "tiny", "adam", 3, reshard_after_forward=False)
+    assert_matches(results, reference("tiny", "adam", 3))
+
+
+# ---------------------------------------------------------------------------------------
+# layout: DTensor parameters, uneven shards, sharded gradients
+# ---------------------------------------------------------------------------------------
+
+def _layout_body():
+    mesh = init_device_mesh("cpu", (WORLD,))
+    model = wrap("mlp", build("mlp"), mesh)
+    x, y = batch("mlp", 0)
+    loss_fn("mlp", model, x[:2], y[:2]).backward()
+    out = {}
+    for n, p in model.named_parameters():
+        assert isinstance(p, nn.Parameter) and isinstance(p, DTensor), n
+        assert p.placements == (Shard(0),) and p.device_mesh == mesh, n
+        assert isinstance(p.grad, DTensor) and p.grad.placements == (Shard(0),), n
+        assert p.grad.dtype == p.dtype and p.grad.shape == p.shape, n
+        out[n] = (tuple(p.to_local().shape), tuple(p.grad.to_local().shape))
+    assert all(isinstance(m, FSDPModule) for m in (model, model.l1, model.l2, model.l3))
+    assert type(model.l1).__name__ == "FSDPLinear" and isinstance(model.l1, nn.Linear)
+    return out
+
+
+def test_uneven_layout_and_sharded_grads():
+    res = run_spmd(_layout_body, WORLD)
+    rows = {"l1.weight": [2, 2, 2, 1], "l2.weight": [1, 1, 1, 0], "l3.weight": [1, 0, 0, 0],
+            "l1.bias": [2, 2, 2, 1], "l2.bias": [1, 1, 1, 0], "l3.bias": [1, 0, 0, 0]}
+    for name, want in rows.items():
+        got = [r[name][0][0] for r in res]
+        assert got == want, (name, got)
+        assert [r[name][1][0] for r in res] == want, name
+
+
+# ---------------------------------------------------------------------------------------
+# communication: one all-gather / reduce-scatter per module; freeing
+# ---------------------------------------------------------------------------------------
+
+def _count_body(reshard: bool):
+    mesh = init_device_mesh("cpu", (WORLD,))
+    model = wrap("tiny", build("tiny"), mesh, reshard_after_forward=reshard)
+    o = make_opt("sgd", model.parameters())
+    x, y = batch("tiny", 0)
+    rank = mesh.get_rank()
+    counts = []
+    for _ in range(2):
+        with comm.CommLog(rank=rank) as log:
+            o.zero_grad()
+            loss = loss_fn("tiny", model, x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2])
+            fwd = [e.kind for e in log.events]
+            loss.backward()
+            o.step()
+        kinds = [e.kind for e in log.events]
+        counts.append((fwd.count("all_gather"), kinds.count("all_gather"), kinds.count("reduce_scatter"),
+                       len(kinds)))
+    return counts
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_collective_counts(reshard):
+    # 3 modules (root + 2 blocks): one all-gather each in forward; with resharding the two
+    # blocks re-gather in backward (the root keeps its parameters); one reduce-scatter each
+    for counts in run_spmd(_count_body, WORLD, reshard):
+        for fwd_ag, ag, rs, total in counts:
+            assert fwd_ag == 3
+            assert ag == (5 if reshard else 3)
+            assert rs == 3
+            assert total == ag + rs
+
+
+def _free_body():
+    mesh = init_device_mesh("cpu", (WORLD,))
+    model = wrap("tiny", build("tiny"), mesh)
+    x, y = batch("tiny", 0)
+    loss = loss_fn("tiny", model, x[:2], y[:2])
+    blocks_after_fwd = [[t.untyped_storage().size() for t in b.unsharded_params()] for b in model.blocks]
+    root_after_fwd = [t.untyped_storage().size() for t in model.unsharded_params()]
+    assert all(not isinstance(p, torch.Tensor) or isinstance(p, DTensor) for p in model.parameters())
+    loss.backward()
+    all_after_bwd = [t.untyped_storage().size() for m in (model, *model.blocks) for t in m.unsharded_params()]
+    with torch.no_grad():
+        model(x[:2])
+    after_eval = [t.untyped_storage().size() for m in (model, *model.blocks) for t in m.unsharded_params()]
+    return blocks_after_fwd, root_after_fwd, all_after_bwd, after_eval
+
+
+def test_reshard_after_forward_frees_storage():
+    for blocks, root, after_bwd, after_eval in run_spmd(_free_body, WORLD):
+        assert blocks and all(n == 0 for b in blocks for n in b)
+        assert root and all(n > 0 for n in root)            # the root is not resharded after forward
+        assert after_bwd and all(n == 0 for n in after_bwd)  # every module reshards after backward
+        assert after_eval and all(n == 0 for n in after_eval)
+
+
+# ---------------------------------------------------------------------------------------
+# mixed precision
+# ---------------------------------------------------------------------------------------
+
+def _mp_body():
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    losses, params = rank_train("tiny", "sgd", 3, mp_policy=mp)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    model = wrap("tiny", build("tiny"), mesh, mp_policy=mp)
+    x, y = batch("tiny", 0)
+    with comm.CommLog(rank=mesh.get_rank()) as log:
+        loss_fn("tiny", model, x[:2], y[:2]).backward()
+    dtypes = {(e.kind, e.dtype) for e in log.events}
+    sharded = {(p.dtype, p.grad.dtype, p.to_local().dtype) for p in model.parameters()}
+    return losses, params, dtypes, sharded
+
+
+def test_mixed_precision_bf16_params_fp32_reduce():
+    out = run_spmd(_mp_body, WORLD)
+    ref = reference("tiny", "sgd", 3)
+    # bf16 compute: ~3 significant digits; 3 SGD steps stay within 3e-2 of fp32 training
+    assert_matches([(o[0], o[1]) for o in out], ref, tol=3e-2)
+    for _, _, dtypes, sharded in out:
+        assert dtypes == {("all_gather", torch.bfloat16), ("reduce_scatter", torch.float32)}
+        assert sharded == {(torch.float32, torch.float32, torch.float32)}
+
+
+# ---------------------------------------------------------------------------------------
+# misc behaviour
+# ---------------------------------------------------------------------------------------
+
+def _accum_body():
+    mesh = init_device_mesh("cpu", (WORLD,))
+    r = mesh.get_rank()
+    model = wrap("mlp", build("mlp"), mesh)
+    for s in range(2):  # two micro-batches accumulate into .grad
+        x, y = batch("mlp", s)
+        (loss_fn("mlp", model, x[2 * r:2 * r + 2], y[2 * r:2 * r + 2]) / 2).backward()
+    return {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+
+def test_gradient_accumulation():
+    model = build("mlp")
+    for s in range(2):
+        x, y = batch("mlp", s)
+        (loss_fn("mlp", model, x, y) / 2).backward()
+    for grads in run_spmd(_accum_body, WORLD):
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6)
+
+
+def _errors_body():
+    mesh = init_device_mesh("cpu", (WORLD,))
+    m = fully_shard(nn.Linear(3, 3), mesh=mesh)
+    errs = []
+    for fn in (lambda: fully_shard(m, mesh=mesh), lambda: fully_shard(object(), mesh=mesh),
+               lambda: fully_shard(nn.Linear(2, 2), mesh=mesh, mp_policy="bf16")):
+        try:
+            fn()
+        except (RuntimeError, TypeError) as e:
+            errs.append(type(e).__name__)
+    return errs
+
+
+def test_errors():
+    assert run_spmd(_errors_body, WORLD)[0] == ["RuntimeError", "TypeError", "TypeError"]
+
+
+# ---------------------------------------------------------------------------------------
+# FSDP x TP on a (2, 2) mesh
+# ---------------------------------------------------------------------------------------
+
+class TPMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(6, 14)     # colwise: S(0) on tp (7 rows each), FSDP nests 4+3 inside
+        self.down = nn.Linear(14, 6)   # rowwise: S(1) on tp, bias Replicate
+        self.norm = nn.LayerNorm(6)    # not TP: plain, (S(0), R) on the 2-D mesh
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.down(torch.relu(self.up(x))))
+
+
+def _tp_build() -> nn.Module:
+    m = TPMLP()
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(0.4 * torch.randn(p.shape, generator=g))
+    return m
+
+
+def _tp_batch(step: int):
+    g = torch.Generator().manual_seed(50 + step)
+    return torch.randn(BATCH, 6, generator=g), torch.randn(BATCH, 6, generator=g)
+
+
+def _tp_body(steps: int):
+    from shardtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh.get_local_rank("dp")
+    model = _tp_build()
+    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    fully_shard(model, mesh=mesh)
+    o = torch.optim.Adam(model.parameters(), lr=0.01)
+    losses = []
+    for s in range(steps):
+        x, y = _tp_batch(s)
+        n = BATCH // 2
+        o.zero_grad()
+        loss = ((model(x[dp * n:(dp + 1) * n]) - y[dp * n:(dp + 1) * n]) ** 2).mean()
+        loss.backward()
+        o.step()
+        losses.append(loss.item())
+    layout = {n: (p.placements, p.shard_order, tuple(p.to_local().shape)) for n, p in model.named_parameters()}
+    return losses, {n: p.full_tensor() for n, p in model.named_parameters()}, layout
+
+
+def test_fsdp_x_tp_2d():
+    pytest.importorskip("shardtensor.parallel")
+    steps = 3
+    out = run_spmd(_tp_body, WORLD, steps)
+    model = _tp_build()
+    o = torch.optim.Adam(model.parameters(), lr=0.01)
+    ref_losses = []
+    for s in range(steps):
+        x, y = _tp_batch(s)
+        o.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        o.step()
+        ref_losses.append(loss.item())
+    ref = (ref_losses, {n: p.detach() for n, p in model.named_parameters()})
+    # each dp rank's loss appears on its 2 tp ranks: the mean over all 4 is the dp mean
+    assert_matches([(r[0], r[1]) for r in out], ref, tol=1e-5)
+    layout = [r[2] for r in out]
+    assert layout[0]["up.weight"][0] == (Shard(0), Shard(0))
+    assert layout[0]["up.weight"][1] == ((0, (1, 0)),)          # tp splits first, dp nests inside
+    assert [lay["up.weight"][2][0] for lay in layout] == [4, 4, 3, 3]   # rank = 2*dp + tp
+    assert layout[0]["down.weight"][0] == (Shard(0), Shard(1))
+    assert layout[0]["norm.weight"][0] == (Shard(0), Replicate())
+
+
+# ---------------------------------------------------------------------------------------
+# real processes
+# ---------------------------------------------------------------------------------------
+
+def gloo_rank(rank: int, world_size: int):
+    return rank_train("mlp", "adam", 3)
+
+
+def test_gloo_four_processes():
+    try:
+        from distributed import gloo_available, run_multiprocess
+    except ImportError:  # pragma: no cover
+        from tests.distributed import gloo_available, run_multiprocess
+    if not gloo_available():
+        pytest.skip("gloo is not available")
+    results = run_multiprocess(gloo_rank, WORLD, timeout=90)
+    assert_matches(results, reference("mlp", "adam", 3))
