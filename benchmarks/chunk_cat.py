@@ -7,8 +7,9 @@ chosen (fixed seed) so that most of them need padding.  ``dim 0``: 2-D tensors `
 ``dim 1``: 2-D tensors ``(16, s_i)`` (16 leading rows, so every output row holds 16 runs per
 tensor).  Each case runs with 1 and 2 intra-op threads.
 
-Columns (GB/s = bytes of the output written per second, median over iterations, all methods
-interleaved within one process run):
+Columns (GB/s = bytes of the output written per second, best of ``--iters`` iterations, all
+methods interleaved round-robin within one process run; best-of because the shared machine's
+interference only ever slows a run down):
   memcpy      ``buf.copy_(src)`` of contiguous buffers with the output's byte count (the bar)
   torch       ``torch._chunk_cat(tensors, dim, k)`` (allocates the output)
   torch out=  ``torch._chunk_cat(..., out=buf)`` into a preallocated buffer
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import statistics
 import sys
 import time
 from typing import Callable, Dict, List
@@ -53,7 +53,7 @@ def make_inputs(total_mb: float, n: int, dim: int, k: int, seed: int = 0) -> Lis
 
 
 def bench(fns: Dict[str, Callable[[], object]], iters: int) -> Dict[str, float]:
-    """Median seconds per call of each function, calls interleaved round-robin."""
+    """Best (minimum) seconds per call of each function, calls interleaved round-robin."""
     times: Dict[str, List[float]] = {name: [] for name in fns}
     for fn in fns.values():                      # warm-up (page faults, caches)
         fn()
@@ -62,7 +62,7 @@ def bench(fns: Dict[str, Callable[[], object]], iters: int) -> Dict[str, float]:
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return {name: min(ts) for name, ts in times.items()}
 
 
 def run_case(dim: int, threads: int, args: argparse.Namespace) -> Dict[str, object]:
@@ -84,11 +84,11 @@ def run_case(dim: int, threads: int, args: argparse.Namespace) -> Dict[str, obje
         "ours": lambda: chunk_cat(tensors, dim, k),
         "ours out=": lambda: chunk_cat(tensors, dim, k, out=flat_out),
     }
-    med = bench(fns, args.iters)
+    best = bench(fns, args.iters)
     assert ours_out.data_ptr() == ptr and torch.equal(ours_out, ref) and torch.equal(torch_out, ref)
     nbytes = ref.numel() * ref.element_size()
     in_bytes = sum(t.numel() * t.element_size() for t in tensors)
-    gbs = {name: nbytes / med[name] / 1e9 for name in METHODS}
+    gbs = {name: nbytes / best[name] / 1e9 for name in METHODS}
     return {"dim": dim, "threads": threads, "in_mb": in_bytes / 1e6, "out_mb": nbytes / 1e6, "gbs": gbs}
 
 
@@ -118,7 +118,7 @@ def main() -> None:
     print("  ".join("-" * w for w in widths))
     for row in table:
         print("  ".join(c.rjust(w) if i >= 2 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
-    print(f"\n{args.tensors} float32 tensors, {args.chunks} chunks, median of {args.iters} interleaved iterations; "
+    print(f"\n{args.tensors} float32 tensors, {args.chunks} chunks, best of {args.iters} interleaved iterations; "
           f"GB/s = output bytes / time; torch {torch.__version__}.")
 
 

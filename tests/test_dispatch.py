@@ -762,8 +762,8 @@ def _same_object(fn, *args):
 
 
 @mesh_param
-def test_inplace_that_would_change_self_placements_raises(mesh_shape):
-    """x (Replicate) += y (Shard): the result cannot keep x's placements; an error, not silence."""
+def test_inplace_keeps_self_placements_and_moves_the_other_operand(mesh_shape):
+    """x (Replicate) += y (Shard) and x (Shard) += y (Partial): self keeps its placements."""
     x, y = _X, _Y
     nd = len(mesh_shape)
 
@@ -772,6 +772,26 @@ def test_inplace_that_would_change_self_placements_raises(mesh_shape):
         a = distribute_tensor(x, mesh, [R] * nd)
         b = distribute_tensor(y, mesh, [S0] * nd)
         a.add_(b)
+        c = distribute_tensor(x, mesh, [S0] * nd)
+        d = DTensor.from_local(y / mesh_shape_numel(mesh_shape), mesh, [Partial()] * nd, shape=y.shape)
+        c.mul_(2).add_(d)
+        return a.placements, a.full_tensor(), c.placements, c.full_tensor()
+
+    for pa, fa, pc, fc in run_spmd(body, mesh_shape_numel(mesh_shape), timeout=TIMEOUT):
+        assert pa == (R,) * nd and pc == (S0,) * nd
+        _close(fa, x + y, "R += S", None)
+        _close(fc, 2 * x + y, "S += P", None)
+
+
+@mesh_param
+def test_inplace_on_partial_self_that_would_be_wrong_raises(mesh_shape):
+    """P(sum) self: x.exp_() does not commute with the sum; an error, not silence."""
+    nd = len(mesh_shape)
+
+    def body():
+        mesh = init_device_mesh("cpu", mesh_shape)
+        a = DTensor.from_local(_X / mesh_shape_numel(mesh_shape), mesh, [Partial()] * nd, shape=_X.shape)
+        a.mul_(a)
 
     with pytest.raises((RuntimeError, NotImplementedError)):
         run_spmd(body, mesh_shape_numel(mesh_shape), timeout=TIMEOUT)

@@ -361,6 +361,66 @@ def test_errors():
     assert run_spmd(_errors_body, WORLD)[0] == ["RuntimeError", "TypeError", "TypeError"]
 
 
+class Mixed(nn.Module):
+    """fp32 and fp64 parameters plus a frozen int64 one: the all-gather travels as bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.w32 = nn.Parameter(torch.randn(7, 3, generator=g))
+        self.w64 = nn.Parameter(torch.randn(3, 2, generator=g, dtype=torch.float64))
+        self.idx = nn.Parameter(torch.tensor([1, 0, 1, 1, 0]), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = (x @ self.w32.T)[:, :3].double() @ self.w64
+        return h[self.idx].sum()
+
+
+def _mixed_body():
+    mesh = init_device_mesh("cpu", (WORLD,))
+    m = fully_shard(Mixed(), mesh=mesh)
+    seen = {}
+    m.register_forward_pre_hook(lambda mod, a: seen.update({n: t.detach().clone() for n, t in mod._parameters.items()}))
+    x = torch.arange(6.0).reshape(2, 3) / 7
+    with comm.CommLog(rank=mesh.get_rank()) as log:
+        m(x).backward()
+    return seen, {n: p.grad for n, p in m.named_parameters() if p.requires_grad and p.grad is not None}, \
+        {n: p.grad.full_tensor() for n, p in m.named_parameters() if p.grad is not None}, \
+        [(e.kind, e.dtype) for e in log.events]
+
+
+def test_mixed_dtypes_round_trip_bit_exact():
+    ref = Mixed()
+    x = torch.arange(6.0).reshape(2, 3) / 7
+    ref(x).backward()
+    for seen, _, grads, events in run_spmd(_mixed_body, WORLD):
+        for n, p in ref.named_parameters():
+            assert seen[n].dtype == p.dtype and torch.equal(seen[n], p.detach()), n
+        assert grads.keys() == {"w32", "w64"}
+        torch.testing.assert_close(grads["w32"], ref.w32.grad)
+        torch.testing.assert_close(grads["w64"], ref.w64.grad)
+        assert events == [("all_gather", torch.uint8), ("reduce_scatter", torch.float64)]
+
+
+def _fp16_body():
+    mesh = init_device_mesh("cpu", (WORLD,))
+    r = mesh.get_rank()
+    model = wrap("mlp", build("mlp"), mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))
+    x, y = batch("mlp", 0)
+    loss_fn("mlp", model, x[2 * r:2 * r + 2], y[2 * r:2 * r + 2]).backward()
+    return {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+
+def test_fp16_sum_reduction_with_divide_factors():
+    model = build("mlp")
+    x, y = batch("mlp", 0)
+    loss_fn("mlp", model, x, y).backward()
+    for grads in run_spmd(_fp16_body, WORLD):
+        for n, p in model.named_parameters():
+            assert grads[n].dtype == torch.float32
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-2, atol=2e-3)
+
+
 # ---------------------------------------------------------------------------------------
 # FSDP x TP on a (2, 2) mesh
 # ---------------------------------------------------------------------------------------
@@ -435,6 +495,54 @@ def test_fsdp_x_tp_2d():
     assert [lay["up.weight"][2][0] for lay in layout] == [4, 4, 3, 3]   # rank = 2*dp + tp
     assert layout[0]["down.weight"][0] == (Shard(0), Shard(1))
     assert layout[0]["norm.weight"][0] == (Shard(0), Replicate())
+
+
+def _tp_2d_param_body(steps: int):
+    """TP parameters given on the 2-D mesh (Replicate on dp); the forward computes on that mesh."""
+    from shardtensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh.get_local_rank("dp")
+    model = _tp_build()
+    with torch.no_grad():
+        model.up.weight = nn.Parameter(distribute_tensor(model.up.weight, mesh, [Replicate(), Shard(0)]))
+        model.up.bias = nn.Parameter(distribute_tensor(model.up.bias, mesh, [Replicate(), Shard(0)]))
+    fully_shard(model.up, mesh=mesh)
+    model.down.requires_grad_(False)
+    model.norm.requires_grad_(False)
+    o = torch.optim.SGD(model.up.parameters(), lr=0.1)
+    losses = []
+    for s in range(steps):
+        x, y = _tp_batch(s)
+        n = BATCH // 2
+        o.zero_grad()
+        xd = DTensor.from_local(x[dp * n:(dp + 1) * n], mesh, [Replicate(), Replicate()])
+        h = torch.relu(model.up(xd)).full_tensor()
+        loss = ((model.norm(model.down(h)) - y[dp * n:(dp + 1) * n]) ** 2).mean()
+        loss.backward()
+        o.step()
+        losses.append(loss.item())
+    full = {n: (p.full_tensor() if isinstance(p, DTensor) else p.detach()) for n, p in model.named_parameters()}
+    return losses, {n: v for n, v in full.items() if n.startswith("up.")}, model.up.weight.placements
+
+
+def test_tp_params_on_the_2d_mesh():
+    out = run_spmd(_tp_2d_param_body, WORLD, 2)
+    model = _tp_build()
+    model.down.requires_grad_(False)
+    model.norm.requires_grad_(False)
+    o = torch.optim.SGD(model.up.parameters(), lr=0.1)
+    losses = []
+    for s in range(2):
+        x, y = _tp_batch(s)
+        o.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        o.step()
+        losses.append(loss.item())
+    ref = (losses, {n: p.detach() for n, p in model.named_parameters() if n.startswith("up.")})
+    assert_matches([(r[0], r[1]) for r in out], ref)
+    assert out[0][2] == (Shard(0), Shard(0))
 
 
 # ---------------------------------------------------------------------------------------

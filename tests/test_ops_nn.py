@@ -176,7 +176,8 @@ def test_layer_norm(mesh, shape, norm):
     w = data("pos", norm, gen(18))
     b = data("any", norm, gen(19))
     axis = len(shape) - len(norm)
-    seen = check(lambda a, c, d: F.layer_norm(a, norm, c, d), [x, w, b], mesh, limit=10, grad_tol=dict(rtol=1e-4, atol=1e-4))
+    seen = check(lambda a, c, d: F.layer_norm(a, norm, c, d), [x, w, b], mesh, limit=10,
+                 grad_tol=dict(rtol=1e-4, atol=1e-4))
     for (xp, _, _), out in seen:
         assert out == tuple(p if isinstance(p, Shard) and p.dim < axis else R for p in xp)
 
@@ -381,6 +382,41 @@ def test_dropout_partial_input_reduced_first():
     keep = full != 0
     torch.testing.assert_close(full, torch.where(keep, x * 2, torch.zeros_like(x)))
     assert all(torch.equal(r[0], full) for r in res)
+
+
+def test_bernoulli_same_draw_for_every_placement():
+    probs = torch.rand(9, 6, generator=gen(35))
+    probs[0] = 0.0
+    probs[1] = 1.0
+    outs = []
+    for mesh_shape, pl in [((4,), (R,)), ((4,), (S0,)), ((2, 2), (S1, S0))]:
+        torch.manual_seed(7)
+
+        def body():
+            mesh = init_device_mesh("cpu", mesh_shape)
+            a = _dt(probs, mesh, pl)
+            return torch.bernoulli(a).full_tensor(), a.bernoulli(0.5).full_tensor()
+        res = run_spmd(body, 4)
+        assert all(torch.equal(r[0], res[0][0]) and torch.equal(r[1], res[0][1]) for r in res)
+        outs.append(res[0])
+    for b, h in outs:
+        assert torch.equal(b, outs[0][0]) and torch.equal(h, outs[0][1])
+        assert torch.equal(b[0], torch.zeros(6)) and torch.equal(b[1], torch.ones(6))
+        assert set(h.unique().tolist()) <= {0.0, 1.0}
+
+
+def test_non_default_shard_order_is_respected():
+    x = data("any", (9, 6), gen(36))
+
+    def body():
+        mesh = init_device_mesh("cpu", (2, 2))
+        a = _dt(x, mesh, (R, R)).redistribute(mesh, [S0, S0], shard_order={0: [1, 0]})
+        outs = [F.layer_norm(a, (6,)), F.log_softmax(a, 1), torch.topk(a, 2, 1)[0]]
+        return [o.full_tensor() for o in outs]
+    want = [F.layer_norm(x, (6,)), F.log_softmax(x, 1), torch.topk(x, 2, 1)[0]]
+    for got in run_spmd(body, 4):
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
 
 
 # -- gloo ---------------------------------------------------------------------------------------

@@ -397,7 +397,8 @@ def test_as_strided():
 
 def view_stack_gloo(t):
     """Top-level (picklable) function for the gloo run."""
-    return torch.stack([t.view(-1, 2, 3), t.view(-1, 2, 3) * 2], 1).permute(1, 0, 2, 3)[0, 1:]
+    v = t.view(-1, 2, 3)
+    return torch.stack([v, v * 2], 1).permute(1, 0, 2, 3)[0, 1:], v[5]
 
 
 def test_gloo_view_stack():
@@ -418,12 +419,16 @@ def _opinfo_cases():
     for op in op_db:
         if op.name not in OPINFO_NAMES:
             continue
+        taken = 0
         for i, s in enumerate(op.sample_inputs("cpu", torch.float32, requires_grad=False)):
+            if taken == 2:
+                break
             leaves = [s.input] if isinstance(s.input, torch.Tensor) else list(s.input)
             extra = [a for a in list(s.args) + list(s.kwargs.values()) if isinstance(a, torch.Tensor)]
             if any(t.numel() > 256 for t in leaves + extra) or any(t.ndim == 0 for t in extra):
                 continue
             cases.append(pytest.param(op, s, id=f"{op.name}.{op.variant_test_name}-{i}"))
+            taken += 1
     return cases
 
 
@@ -431,7 +436,6 @@ def _opinfo_cases():
 def test_opinfo_samples(op, sample):
     args, kwargs = list(sample.args), dict(sample.kwargs)
     tensor_args = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    n_in = 1
 
     def fn(x, *ts):
         a = list(args)
@@ -442,4 +446,5 @@ def test_opinfo_samples(op, sample):
     values = [sample.input] + [args[i] for i in tensor_args]
     inp = [v.detach().round() / 4 if isinstance(v, torch.Tensor) else [t.detach().round() / 4 for t in v]
            for v in values]
-    check(fn, inp, (4,), partial=("sum",), limit=4, seed=repr(sample)[:80] + str(n_in))
+    legacy_empty = any(t.shape == (0,) for v in inp for t in ([v] if isinstance(v, torch.Tensor) else v))
+    check(fn, inp, (4,), partial=("sum",), limit=4, seed=repr(sample)[:80], grad=not legacy_empty)

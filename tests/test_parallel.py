@@ -189,7 +189,7 @@ def train(model: nn.Module, batch: tuple, opt_name: str, steps: int = STEPS, for
 
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
 
 
 def make_case(kind: str, hidden: int, seq: int = 8, seed: int = 0) -> tuple[nn.Module, tuple]:
@@ -254,7 +254,7 @@ PARTIAL_GRAD_INPLACE = pytest.mark.xfail(
     strict=True, raises=RuntimeError,
     reason="rules/pointwise.py: an in-place op with a Replicate self and a Partial operand (the grad of a "
            "replicated LayerNorm/bias param under SequenceParallel) raises instead of reducing the operand; "
-           "torch's single-tensor optimizers hit it (foreach=True goes through the foreach rules and works)")
+           "single-tensor SGD (param.add_(grad)) hits it; Adam's lerp_ and foreach=True work")
 
 TRANSFORMER_CASES = [  # plan, mesh, ffn hidden, sequence length, optimizer, foreach
     ("sp", (4,), 16, 8, "sgd", True),
@@ -265,7 +265,8 @@ TRANSFORMER_CASES = [  # plan, mesh, ffn hidden, sequence length, optimizer, for
     ("tp", (4,), 16, 8, "sgd", None),
     ("tp", (4,), 14, 7, "adam", None),
     ("tp", (2, 2), 16, 8, "adam", None),
-    pytest.param("sp", (4,), 16, 8, "adam", None, marks=PARTIAL_GRAD_INPLACE, id="sp-default-optimizer"),
+    ("sp", (4,), 16, 8, "adam", None),
+    pytest.param("sp", (4,), 16, 8, "sgd", None, marks=PARTIAL_GRAD_INPLACE, id="sp-default-sgd"),
 ]
 
 
@@ -443,7 +444,8 @@ def test_styles_mirror_torch_defaults():
 # -- real processes -----------------------------------------------------------------------------
 
 def _gloo_worker(rank: int, world_size: int, cases: list) -> list:
-    """Each case on shardtensor over gloo, then (even shapes) the same plan code on torch's TP."""
+    """Each case on shardtensor over gloo and, where asked (even shapes: torch's from_local assumes even
+    shards), the same plan code on torch's TP."""
     import torch.distributed.tensor as tdt
     import torch.distributed.tensor.parallel as ttp
     from torch.distributed.device_mesh import init_device_mesh as torch_mesh
@@ -465,9 +467,8 @@ def _gloo_worker(rank: int, world_size: int, cases: list) -> list:
 
 @pytest.mark.skipif(not gloo_available(), reason="torch.distributed with gloo is not available")
 def test_gloo_and_torch_tp():
-    cases = [("mlp", "mlp", 14, 8, "adam", False), ("transformer", "sp", 16, 8, "adam", True),
-             ("transformer", "sp", 14, 7, "sgd", False)]
-    results = run_multiprocess(_gloo_worker, world_size=4, timeout=120, args=(cases,))
+    cases = [("transformer", "sp", 14, 7, "adam", False), ("transformer", "sp", 16, 8, "adam", True)]
+    results = run_multiprocess(_gloo_worker, world_size=4, timeout=240, args=(cases,))
     for i, (kind, _, hidden, seq, opt_name, with_torch) in enumerate(cases):
         model, batch = make_case(kind, hidden, seq)
         ref_losses, ref_params = reference(model, batch, opt_name, steps=3)

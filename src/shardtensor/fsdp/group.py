@@ -15,13 +15,16 @@ the sharded parameters' specs, so autograd accumulates them into ``param.grad``.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Sequence
 
 import torch
 
 from .. import comm
+from ..placement import Replicate, display
 from ..redistribute import redistribute_local
+from ..spec import DTensorSpec
 from ..tensor import DTensor
 from .param import FSDPParam, MeshInfo
 
@@ -134,8 +137,7 @@ class ParamGroup:
         if not todo:
             return out
         W = self.info.world
-        gdtypes = {g.dtype for _, _, g in todo}
-        rdtype = self.reduce_dtype or (gdtypes.pop() if len(gdtypes) == 1 else torch.float32)
+        rdtype = self.reduce_dtype or functools.reduce(torch.promote_types, [g.dtype for _, _, g in todo])
         grads_in = [g if g.dtype == rdtype or _widens(g.dtype, rdtype) else g.to(rdtype) for _, _, g in todo]
         if len({g.dtype for g in grads_in}) > 1:
             grads_in = [g.to(rdtype) for g in grads_in]
@@ -161,20 +163,21 @@ class ParamGroup:
 
     @staticmethod
     def _local_grad(p: FSDPParam, g: torch.Tensor) -> torch.Tensor:
-        """The gradient as the unsharded local tensor (on the tp mesh: moved to the param's TP placement)."""
+        """The gradient as the unsharded local tensor (TP: moved to the parameter's placements)."""
         if p.tp_spec is None:
             if isinstance(g, DTensor):
                 raise TypeError(f"FSDP: the gradient of the plain parameter {p.fqn} is a DTensor "
                                 f"({g.placements}); the forward mixed it with DTensors")
             return g
-        if not isinstance(g, DTensor):
-            raise TypeError(f"FSDP: the gradient of the TP parameter {p.fqn} is a plain tensor")
-        target = p.tp_spec.with_dtype(g.dtype)
-        if g._spec.placements == target.placements:
+        if not isinstance(g, DTensor) or g.device_mesh != p.tp_spec.mesh:
+            raise TypeError(f"FSDP: the gradient of the TP parameter {p.fqn} is not a DTensor on {p.tp_spec.mesh}")
+        if g._spec.placements == p.tp_spec.placements and g._spec.is_default_order:
             return g._local_tensor
-        from ..spec import DTensorSpec
-
-        target = DTensorSpec.build(g._spec.mesh, target.placements, g.shape, g.stride(), g.dtype)
+        if p.tp_spec.mesh.ndim == 2 and not isinstance(g.placements[p.info.dp_dim], Replicate):
+            raise NotImplementedError(
+                f"FSDP: the gradient of {p.fqn} is {display(g.placements)} on the 2-D mesh; the dp dim must be "
+                "Replicate (each dp rank's own gradient), FSDP averages over dp itself")
+        target = DTensorSpec.build(g._spec.mesh, p.tp_spec.placements, g.shape, g.stride(), g.dtype)
         return redistribute_local(g._local_tensor, g._spec, target)
 
 

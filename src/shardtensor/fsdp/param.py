@@ -111,7 +111,8 @@ class FSDPParam:
 
     @staticmethod
     def _tp_spec_of(param: DTensor, info: MeshInfo) -> tuple[DTensorSpec, Placement]:
-        """The 1-D tp spec of a TP parameter given on ``mesh['tp']`` or on the 2-D mesh."""
+        """The spec the forward sees (the parameter's own: on ``mesh['tp']`` or on the 2-D mesh
+        with Replicate on dp) and the TP placement."""
         if info.tp_dim is None:
             raise NotImplementedError(
                 f"fully_shard on the 1-D mesh {info.mesh} got a parameter that is already a DTensor on "
@@ -129,7 +130,7 @@ class FSDPParam:
                              f"nor on its tp sub-mesh {info.tp_mesh}")
         if isinstance(tp_pl, Partial):
             raise ValueError(f"fully_shard: a parameter cannot be {tp_pl!r} on the tp mesh dim")
-        spec = DTensorSpec.build(info.tp_mesh, [tp_pl], param.shape, param.stride(), param.dtype)
+        spec = DTensorSpec.build(param.device_mesh, pl, param.shape, None, param.dtype)
         return spec, tp_pl
 
     def sync_padded(self) -> None:

@@ -24,16 +24,28 @@ of chunk ``j`` with the rows laid out row-major.  So, with ``q_i = s_i // c_i`` 
   ``lead + [q_i, c_i] + rest`` (splitting a dim is always a view) goes into the destination
   ``as_strided`` view ``lead + [q_i, c_i] + rest`` of ``out`` with strides ``(k*T, ..., T, r_i, ...)``;
 * one ``copy_`` for the partial chunk ``q_i`` (``rem_i`` rows);
-* at most two ``zero_`` calls for the padding (the tail of chunk ``q_i`` and chunks
+* at most two zero fills for the padding (the tail of chunk ``q_i`` and chunks
   ``q_i+1 .. k-1`` of the band).  Only padding is zeroed; ``out`` is usually uninitialised.
 
 Why it is fast: there is no intermediate tensor (no ``pad``, no ``cat``), each input byte is
-read once and each output byte written once, and each ``copy_`` moves a whole tensor.
-TensorIterator coalesces the destination view into ``q_i`` (or ``L * q_i``) runs of
-``c_i * r_i`` contiguous elements, so the copy runs at memcpy speed and is parallelised over the
-intra-op threads like a plain ``copy_``.  Per-tensor Python work is a handful of integer
-computations and ``as_strided`` calls (a few microseconds), negligible for FSDP-sized inputs.
-Dtype widening (bf16 -> fp32, spec 1.4) happens inside ``copy_``.
+read once and each output byte written once, and each ``copy_`` moves a whole tensor (all its
+full chunks at once).  TensorIterator coalesces the destination view into ``q_i`` (or
+``L * q_i``) runs of ``c_i * r_i`` contiguous elements, so the copy runs at memcpy speed and is
+parallelised over the intra-op threads like a plain ``copy_``.  The reference CPU path composes
+``pad`` and ``cat`` and so moves every byte twice (plus an allocation).  Dtype widening
+(bf16 -> fp32, spec 1.4) happens inside ``copy_``.
+
+Per-call Python overhead is kept small: the integer layout (all view sizes, strides and
+offsets) is computed once per input signature (shapes, strides, dtypes, devices, ``dim``,
+``num_chunks``) and cached, and a cache hit also means the spec 1.2 checks already passed for
+that signature.  A call then only builds the views with ``as_strided`` and issues one
+``torch._foreach_copy_`` and one ``torch._foreach_zero_``.  That is a few microseconds per
+tensor, negligible next to FSDP-sized copies (``benchmarks/chunk_cat.py`` measures it).
+
+The spec lets shardtensor call the installed ``torch._chunk_cat`` when a self-test shows it
+conforms; this module does not, because on CPU the reference's ``out=`` path is about half
+memcpy speed and its ``out=`` rules differ from spec 1.4 (it resizes a mis-shaped ``out`` and
+accepts narrowing casts).
 
 ``split_with_sizes_copy`` is the inverse pattern: one ``copy_`` per piece from a ``narrow`` view
 of the input into the caller's buffer.

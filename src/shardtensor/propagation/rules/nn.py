@@ -4,26 +4,39 @@ Notation as in ops.md: ``unpartial`` turns every Partial into Replicate, ``gathe
 also replicates shards of the dims in ``E``, ``gather_from(π, a)`` those of every dim ``>= a``,
 ``drop``/``insert`` renumber shards when a dim disappears/appears.
 
-| op | required | outputs |
-|---|---|---|
-| ``_softmax``, ``_log_softmax``, ``_safe_softmax`` | ``gather(π, [dim])`` | same |
-| ``_softmax_backward_data``, ``_log_softmax_backward_data`` | both at ``gather(src, [dim])``, ``src`` = the more sharded of grad/output (ties: grad) | same |
-| ``nll_loss_forward``, ``nll_loss2d_forward`` | self ``I = gather(π_self, [c])`` (or ``insert(unpartial(π_target), c)``: both offered, cheapest wins), target ``drop(I, c)``, weight ``R`` | none: loss ``T``, total_weight ``R``; sum: both ``P(sum)`` on target-sharding mesh dims; mean: custom step, loss ``P(sum)`` there, total_weight ``R`` (all-reduced) |
-| ``nll_loss_backward``, ``nll_loss2d_backward`` | as forward; grad_output ``T`` (none) or ``R``; total_weight ``R`` for mean | grad_input ``I`` |
-| ``native_layer_norm``, ``_fused_rms_norm`` | input ``gather_from(π, axis)``, weight/bias ``R`` | all outputs ``A`` |
-| ``native_layer_norm_backward``, ``_fused_rms_norm_backward`` | grad_out, input, mean/rstd at ``A`` (from input, or from grad_out: cheapest) | d_input ``A``; d_weight/d_bias ``P(sum)`` on mesh dims where ``A`` shards a batch dim, ``R`` elsewhere |
-| ``topk``, ``sort`` | per mesh dim ``R`` or ``S(d != dim)`` (full-mesh expansion, cheapest) | values and indices alike |
-| ``native_dropout`` | train: ``unpartial(π)``; eval: ``π`` | output ``π'``, mask ``unpartial(π')`` |
-| ``bernoulli_.float`` (CPU ``F.dropout``), ``bernoulli.p``, ``bernoulli.default`` | self's placements | see RNG rule |
+Rule table (required input placements -> output placements):
+
+- ``_softmax``, ``_log_softmax``, ``_safe_softmax``: ``gather(π, [dim])`` -> the same.
+- ``_softmax_backward_data``, ``_log_softmax_backward_data``: grad and output both at
+  ``gather(src, [dim])``, ``src`` the more sharded of the two (ties: grad) -> the same.
+- ``nll_loss_forward``, ``nll_loss2d_forward`` (class dim ``c``): self ``I = gather(π_self, [c])``
+  or ``insert(unpartial(π_target), c)`` (both offered, the cheapest wins: a replicated self
+  with a batch-sharded target is sliced, not gathered), target ``T = drop(I, c)``, weight ``R``.
+  none -> loss ``T``, total_weight ``R``; sum -> both ``P(sum)`` on target-sharding mesh dims;
+  mean -> custom step (local sum / all-reduced total weight): loss ``P(sum)`` there, total
+  weight ``R``.  Exact for uneven batches, class weights and ignored targets.
+- ``nll_loss_backward``, ``nll_loss2d_backward``: as the forward; grad_output ``T`` (none) or
+  ``R``; total_weight ``R`` for mean -> grad_input ``I``.
+- ``native_layer_norm``, ``_fused_rms_norm``: input ``A = gather_from(π, axis)``, weight/bias
+  ``R`` -> every output ``A``.
+- ``native_layer_norm_backward``, ``_fused_rms_norm_backward``: grad_out, input, mean/rstd at
+  ``A`` (from the input's or grad_out's placements, cheapest) -> d_input ``A``; d_weight/d_bias
+  ``P(sum)`` on mesh dims where ``A`` shards a batch dim, ``R`` elsewhere (never ``k`` times).
+- ``topk``, ``sort``: per mesh dim ``R`` or ``S(d != dim)``, full-mesh expansion, cheapest
+  (``gather(π, [dim])`` listed first) -> values and indices alike.
+- ``native_dropout``: train ``unpartial(π)`` -> output and mask alike; eval ``π`` -> output
+  ``π``, mask ``unpartial(π)``.
+- ``bernoulli_.float`` (what CPU ``F.dropout`` emits), ``bernoulli.p``, ``bernoulli.default``:
+  self's layout (see the RNG rule).
 
 Partial ``self`` of nll_loss: reduced first, except that ``P(sum)``/``P(avg)`` may stay on a mesh
 dim where the target is replicated (the loss is linear in ``self``; the output keeps that kind).
 
-Shapes: ``F.cross_entropy`` arrives as ``_log_softmax`` + ``nll_loss_forward`` (2-D, 1-D) or
-``nll_loss2d_forward`` (4-D); other ranks are reshaped by view ops first.  On CPU ``F.rms_norm``
-(and ``aten._fused_rms_norm``, which is CompositeImplicitAutograd there) arrives decomposed
-(``pow``, ``mean.dim``, ``add_``, ``rsqrt``, ``mul`` and their backward), so it is ruled by the
-pointwise/reduction rules; the ``_fused_rms_norm`` rules serve devices with a fused kernel.
+Shapes: ``F.cross_entropy`` arrives as ``_log_softmax`` + ``nll_loss_forward`` (1-D, 2-D) or
+``nll_loss2d_forward`` (4-D); inputs of other dimensionality are reshaped by view ops first.
+On CPU ``F.rms_norm`` (and ``aten._fused_rms_norm``, CompositeImplicitAutograd there) arrives
+decomposed (``pow``, ``mean.dim``, ``add_``, ``rsqrt``, ``mul`` and their backward), so the
+pointwise/reduction rules rule it; the ``_fused_rms_norm`` rules serve devices with a fused kernel.
 
 RNG rule (dropout, bernoulli).  Every random op draws one 62-bit seed per call: the rank at
 mesh coordinate 0 draws it from the op's generator (the default one unless given) and
@@ -38,7 +51,6 @@ state.  It does not reproduce dense torch's own stream.  Cost: one 16-byte broad
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import replace
 from typing import Any, Sequence
 
@@ -156,13 +168,14 @@ def _nll_layouts(call: Call, backward: bool = False) -> list[tuple[Pl, Pl, Pl]]:
     """(self, target, self-shaped output) placements: follow self, or follow the target.
 
     ``P(sum)``/``P(avg)`` of ``self`` stays on a mesh dim where the target is replicated (the
-    loss is linear in ``self``).  The backward reads ``self`` only for its shape, so there such
-    a dim stays as it is and ``grad_input`` is ``R``.
+    loss is linear in ``self``).  The backward reads ``self`` only for its shape, so there any
+    partial ``self`` stays as it is and ``grad_input`` is ``R``.
     """
     x, t = call.specs[call.pos("self")], call.specs[call.pos("target")]
     c = 1 if x.ndim >= 2 else 0
     m = x.mesh.ndim
-    keep = [type(p) is Partial and p.reduce_op in ("sum", "avg") and t.placements[j] == Replicate()
+    keep = [p.is_partial() and t.placements[j] == Replicate()
+            and (backward or (type(p) is Partial and p.reduce_op in ("sum", "avg")))
             for j, p in enumerate(x.placements)]
 
     def layout(i_pl: Pl, t_pl: Pl) -> tuple[Pl, Pl, Pl]:

@@ -61,8 +61,50 @@ def _keeps_partial(call: Call, kinds: set[str], partial_args: list[int]) -> bool
     return False
 
 
+def _inplace_rule(call: Call) -> Decision:
+    """In-place ops keep self's placements; every other operand is brought to them.
+
+    Where self is Partial, the op must commute with the partial's reduction: additive ops take
+    the other operands as the same Partial (a Replicate operand is split locally), multiplicative
+    ones need them Replicate (self is the one Partial factor); anything else raises.
+    """
+    me = call.specs[0]
+    nd = me.ndim
+    mesh = me.mesh
+    inputs = list(call.specs)
+    for i, s in enumerate(call.specs):
+        if s is None or i == 0:
+            continue
+        need: list[Placement] = []
+        for j, p in enumerate(me.placements):
+            if isinstance(p, Shard):
+                d = p.dim - (nd - s.ndim)
+                need.append(Shard(d) if d >= 0 and s.shape[d] == me.shape[p.dim] else Replicate())
+            elif isinstance(p, Partial):
+                kind = p.reduce_op
+                if call.op in ADDITIVE and type(p) is Partial and kind in LINEAR_KINDS and i == 1:
+                    need.append(p)
+                elif call.op in MULTIPLICATIVE and type(p) is Partial and kind in LINEAR_KINDS:
+                    need.append(Replicate())
+                else:
+                    raise RuntimeError(
+                        f"{call.op}: in-place op on self with placements {me.placements} cannot keep {p} on mesh dim "
+                        f"{j} (the op does not commute with its reduction); redistribute self first")
+            else:
+                need.append(Replicate())
+        if tuple(need) != s.placements:
+            inputs[i] = s.with_placements(need)
+    changed = any(r is not None and r != s for r, s in zip(inputs, call.specs))
+    return Decision(tuple(inputs), me, changed)
+
+
 def pointwise_rule(call: Call) -> Decision:
     """Per-mesh-dim rule for every op tagged pointwise (and the identity/like ops)."""
+    if call.specs and call.specs[0] is not None and _is_inplace(call.op) and call.op not in IDENTITY_INPLACE:
+        me = call.specs[0]
+        out0 = call.out_meta
+        if isinstance(out0, torch.Tensor) and tuple(out0.shape) == tuple(me.shape):
+            return _inplace_rule(call)
     out = call.out_meta
     out_list = isinstance(out, (tuple, list))
     out0 = out[0] if out_list else out
