@@ -785,13 +785,17 @@ def test_inplace_keeps_self_placements_and_moves_the_other_operand(mesh_shape):
 
 @mesh_param
 def test_inplace_on_partial_self_that_would_be_wrong_raises(mesh_shape):
-    """P(sum) self: x.exp_() does not commute with the sum; an error, not silence."""
+    """P(sum) self: exp_ and add_(scalar) do not commute with the sum; an error, not silence."""
     nd = len(mesh_shape)
 
     def body():
         mesh = init_device_mesh("cpu", mesh_shape)
         a = DTensor.from_local(_X / mesh_shape_numel(mesh_shape), mesh, [Partial()] * nd, shape=_X.shape)
-        a.mul_(a)
+        a.mul_(a)  # fine: P(sum) * R
+        for bad in (lambda: a.exp_(), lambda: a.add_(1.0)):
+            with pytest.raises(RuntimeError, match="in-place"):
+                bad()
+        raise RuntimeError("checked")
 
     with pytest.raises((RuntimeError, NotImplementedError)):
         run_spmd(body, mesh_shape_numel(mesh_shape), timeout=TIMEOUT)

@@ -421,6 +421,52 @@ def test_fp16_sum_reduction_with_divide_factors():
             torch.testing.assert_close(grads[n], p.grad, rtol=1e-2, atol=2e-3)
 
 
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.mid = nn.Linear(DIM, DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(self.emb(t))))
+
+
+def _tied_body():
+    mesh = init_device_mesh("cpu", (WORLD,))
+    r = mesh.get_rank()
+    m = Tied()
+    fully_shard(m.mid, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    assert m.head.weight is m.emb.weight
+    x, y = batch("tiny", 0)
+    F.cross_entropy(m(x[2 * r:2 * r + 2]).reshape(-1, VOCAB), y[2 * r:2 * r + 2].reshape(-1)).backward()
+    bad = Tied()
+    fully_shard(bad.head, mesh=mesh)
+    try:
+        fully_shard(bad, mesh=mesh)
+        err = None
+    except NotImplementedError as e:
+        err = str(e)
+    return {n: p.grad.full_tensor() for n, p in m.named_parameters()}, err
+
+
+def test_tied_weights_in_one_group_and_error_across_groups():
+    ref = Tied()
+    x, y = batch("tiny", 0)
+    F.cross_entropy(ref(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
+    for grads, err in run_spmd(_tied_body, WORLD):
+        assert grads.keys() == {"emb.weight", "mid.weight", "mid.bias"}
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6)
+        assert err is not None and "shared with the child fully_shard" in err
+
+
 # ---------------------------------------------------------------------------------------
 # FSDP x TP on a (2, 2) mesh
 # ---------------------------------------------------------------------------------------

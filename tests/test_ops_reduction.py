@@ -319,19 +319,19 @@ def test_opinfo_samples():
         taken = 0
         for sample in info.sample_inputs("cpu", dtype, requires_grad=False):
             t = sample.input
-            if not isinstance(t, torch.Tensor) or t.ndim == 0 or t.numel() == 0 or taken >= 3:
+            if not isinstance(t, torch.Tensor) or t.ndim == 0 or t.numel() == 0 or taken >= 2:
                 continue
             args, kwargs = sample.args, sample.kwargs
             if any(isinstance(a, torch.Tensor) for a in args) or "out" in kwargs:
                 continue
             fn = (lambda op, a, k: lambda v: op(v, *a, **k))(info.op, args, kwargs)
-            check(fn, [t.detach().clone()], (2, 2), combos=one_kind_combos([t], (2, 2), ("sum", "max"), limit=3,
+            check(fn, [t.detach().clone()], (2, 2), combos=one_kind_combos([t], (2, 2), ("sum", "max"), limit=2,
                                                                         seed=info.name),
                   grad=info.name in GRAD_OK and dtype.is_floating_point, tol=dict(rtol=1e-4, atol=1e-4),
                   grad_tol=dict(rtol=1e-4, atol=1e-4))
             taken += 1
             ran += 1
-    assert ran >= 30
+    assert ran >= 25
 
 
 def gloo_mean(t):

@@ -7,6 +7,7 @@ from .tensor import DTensor, distribute_tensor
 from . import debug
 from .debug import CommTrace, visualize_sharding
 from .redistribute import explain_redistribute
+from .fsdp import MixedPrecisionPolicy, fully_shard
 from . import parallel
 from .parallel import distribute_module
 
@@ -15,4 +16,5 @@ __all__ = [
     "distribute_tensor", "explain_redistribute", "init_device_mesh", "run_spmd", "visualize_sharding",
 ]
 __all__ += ["distribute_module"]
+__all__ += ["MixedPrecisionPolicy", "fully_shard"]
 __version__ = "0.1.0"

@@ -151,8 +151,8 @@ def _fsdp_class(cls: type) -> type:
     return new
 
 
-def _managed_params(module: nn.Module) -> dict[nn.Parameter, list[tuple[nn.Module, str]]]:
-    """Parameters of ``module`` not under a child ``fully_shard``, with every (owner, name)."""
+def _managed_params(module: nn.Module) -> list[tuple[nn.Parameter, list[tuple[nn.Module, str]]]]:
+    """Parameters of ``module`` not under a child ``fully_shard``, each with every (owner, name)."""
     found: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str]]]] = {}
 
     def visit(m: nn.Module) -> None:
@@ -164,9 +164,15 @@ def _managed_params(module: nn.Module) -> dict[nn.Parameter, list[tuple[nn.Modul
                 visit(child)
 
     visit(module)
-    managed = {id(p) for m in module.modules() if isinstance(m, FSDPModule) and m is not module
-               for q in m._fsdp_state.group.params for p in [q.sharded]}
-    return {p: owners for k, (p, owners) in found.items() if k not in managed}
+    children = {q.orig_id: q for m in module.modules() if isinstance(m, FSDPModule) and m is not module
+                for q in m._fsdp_state.group.params}
+    for k, (_, owners) in found.items():
+        if k in children:
+            mod, name = owners[0]
+            raise NotImplementedError(
+                f"fully_shard: parameter {type(mod).__name__}.{name} is shared with the child fully_shard module "
+                f"that manages {children[k].fqn}; apply fully_shard to a module containing every user of it")
+    return list(found.values())
 
 
 def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_after_forward: bool = True,
@@ -193,7 +199,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_af
         raise TypeError(f"mesh must be a shardtensor DeviceMesh, got {type(mesh).__name__}")
     info = MeshInfo.of(mesh)
     params = []
-    for p, owners in _managed_params(module).items():
+    for p, owners in _managed_params(module):
         fp = FSDPParam(p, owners, info)
         for mod, name in owners:
             mod._parameters[name] = fp.sharded

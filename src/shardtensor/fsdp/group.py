@@ -28,15 +28,7 @@ from ..spec import DTensorSpec
 from ..tensor import DTensor
 from .param import FSDPParam, MeshInfo
 
-try:
-    from ..kernels import chunk_cat, split_with_sizes_copy
-except ImportError:  # pragma: no cover - the kernels package ships with shardtensor
-    def chunk_cat(tensors, dim, num_chunks, out=None):  # type: ignore[no-redef]
-        return torch._chunk_cat(tensors, dim, num_chunks, out=out) if out is not None else \
-            torch._chunk_cat(tensors, dim, num_chunks)
-
-    def split_with_sizes_copy(tensor, split_sizes, dim=0, out=None):  # type: ignore[no-redef]
-        return torch.split_with_sizes_copy(tensor, split_sizes, dim, out=out)
+from ..kernels import chunk_cat, split_with_sizes_copy
 
 __all__ = ["ParamGroup", "Unsharded"]
 
@@ -207,8 +199,6 @@ class _Unshard(torch.autograd.Function):
     def backward(ctx, *grads):
         handle: Unsharded = ctx.handle
         group = handle.group
-        if handle.freed and any(g is not None for g in grads):
-            raise RuntimeError("FSDP: the unsharded parameters were freed before their backward ran")
         params = [group.params[i] for i in ctx.idx]
         out = group.reduce_grads(params, grads)
         handle.free()

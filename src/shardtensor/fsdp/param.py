@@ -65,6 +65,7 @@ class FSDPParam:
     def __init__(self, param: nn.Parameter, owners: list[tuple[nn.Module, str]], info: MeshInfo) -> None:
         self.owners = owners
         self.info = info
+        self.orig_id = id(param)
         self.orig_dtype = param.dtype
         self.requires_grad = param.requires_grad
         self.tp_spec: DTensorSpec | None = None

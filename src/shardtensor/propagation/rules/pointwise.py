@@ -70,8 +70,18 @@ def _inplace_rule(call: Call) -> Decision:
     """
     me = call.specs[0]
     nd = me.ndim
-    mesh = me.mesh
     inputs = list(call.specs)
+    others = [i for i, s in enumerate(call.specs) if s is not None and i != 0]
+    for j, p in enumerate(me.placements):
+        if not isinstance(p, Partial):
+            continue
+        linear = type(p) is Partial and p.reduce_op in LINEAR_KINDS
+        ok = linear and ((call.op in MULTIPLICATIVE and call.op not in ADDITIVE)
+                         or (call.op in ADDITIVE and others == [1]))
+        if not ok:
+            raise RuntimeError(
+                f"{call.op}: in-place op on self with placements {me.placements} cannot keep {p} on mesh dim {j} "
+                "(the op does not commute with its reduction); redistribute self first")
     for i, s in enumerate(call.specs):
         if s is None or i == 0:
             continue
@@ -81,15 +91,7 @@ def _inplace_rule(call: Call) -> Decision:
                 d = p.dim - (nd - s.ndim)
                 need.append(Shard(d) if d >= 0 and s.shape[d] == me.shape[p.dim] else Replicate())
             elif isinstance(p, Partial):
-                kind = p.reduce_op
-                if call.op in ADDITIVE and type(p) is Partial and kind in LINEAR_KINDS and i == 1:
-                    need.append(p)
-                elif call.op in MULTIPLICATIVE and type(p) is Partial and kind in LINEAR_KINDS:
-                    need.append(Replicate())
-                else:
-                    raise RuntimeError(
-                        f"{call.op}: in-place op on self with placements {me.placements} cannot keep {p} on mesh dim "
-                        f"{j} (the op does not commute with its reduction); redistribute self first")
+                need.append(p if call.op in ADDITIVE else Replicate())
             else:
                 need.append(Replicate())
         if tuple(need) != s.placements:
