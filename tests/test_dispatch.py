@@ -784,21 +784,26 @@ def test_inplace_keeps_self_placements_and_moves_the_other_operand(mesh_shape):
 
 
 @mesh_param
-def test_inplace_on_partial_self_that_would_be_wrong_raises(mesh_shape):
-    """P(sum) self: exp_ and add_(scalar) do not commute with the sum; an error, not silence."""
+def test_inplace_on_partial_self_that_does_not_commute_reduces_self(mesh_shape):
+    """P(sum) self: mul_ by a tensor keeps P(sum); add_(scalar) and exp_ reduce self first (value right)."""
     nd = len(mesh_shape)
+    k = mesh_shape_numel(mesh_shape)
 
     def body():
         mesh = init_device_mesh("cpu", mesh_shape)
-        a = DTensor.from_local(_X / mesh_shape_numel(mesh_shape), mesh, [Partial()] * nd, shape=_X.shape)
-        a.mul_(a)  # fine: P(sum) * R
-        for bad in (lambda: a.exp_(), lambda: a.add_(1.0)):
-            with pytest.raises(RuntimeError, match="in-place"):
-                bad()
-        raise RuntimeError("checked")
+        a = DTensor.from_local(_X / k, mesh, [Partial()] * nd, shape=_X.shape)
+        b = distribute_tensor(_Y, mesh, [R] * nd)
+        r1 = a.mul_(b)
+        p1 = a.placements
+        a.add_(1.0)
+        p2 = a.placements
+        a.exp_()
+        return r1 is a, p1, p2, a.placements, a.full_tensor()
 
-    with pytest.raises((RuntimeError, NotImplementedError)):
-        run_spmd(body, mesh_shape_numel(mesh_shape), timeout=TIMEOUT)
+    for same, p1, p2, p3, full in run_spmd(body, k, timeout=TIMEOUT):
+        assert same
+        assert p1 == (Partial(),) * nd and p2 == (R,) * nd and p3 == (R,) * nd
+        _close(full, torch.exp(_X * _Y + 1.0), "value", None)
 
 
 def test_inplace_in_autograd_graph():
@@ -883,17 +888,25 @@ def _unpartial(a):
 
 
 @mesh_param
-def test_inplace_fill_on_partial_raises(mesh_shape):
+def test_inplace_fill_on_partial_becomes_replicate(mesh_shape):
+    """fill_ / masked_fill_ on a Partial tensor: self turns Replicate and holds the right value."""
+    nd = len(mesh_shape)
+
     def body():
         mesh = init_device_mesh("cpu", mesh_shape)
-        p = DTensor.from_local(torch.ones(7, 5), mesh, [Partial()] * len(mesh_shape))
-        with pytest.raises(RuntimeError, match="Partial"):
-            p.clone().fill_(1.5)
-        with pytest.raises(RuntimeError, match="in-place"):
-            p.clone().masked_fill_(p > 0, 0.5)
-        return True
+        p = DTensor.from_local(torch.ones(7, 5), mesh, [Partial()] * nd, shape=(7, 5))
+        a = p.clone().fill_(1.5)
+        m = torch.zeros(7, 5, dtype=torch.bool)
+        m[::2] = True
+        b = p.clone().masked_fill_(distribute_tensor(m, mesh, [R] * nd), 0.5)
+        return a.placements, a.full_tensor(), b.placements, b.full_tensor()
 
-    assert all(run_spmd(body, 4, timeout=TIMEOUT))
+    for pa, fa, pb, fb in run_spmd(body, 4, timeout=TIMEOUT):
+        assert pa == (R,) * nd and pb == (R,) * nd
+        assert torch.equal(fa, torch.full((7, 5), 1.5))
+        expect = torch.full((7, 5), 4.0)
+        expect[::2] = 0.5
+        assert torch.equal(fb, expect)
 
 
 @pytest.mark.parametrize("op", list(MORE))

@@ -184,7 +184,13 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     largs, lkwargs = unflatten_call(local, treedef)
     out = (decision.kernel or func)(*largs, **lkwargs)
     if _returns_self(func):
-        return flat[0]
+        me = flat[0]
+        if isinstance(me, DTensor):
+            if local[0] is not me._local_tensor:
+                me._local_tensor = local[0]
+            if isinstance(decision.output, DTensorSpec) and decision.output != me._spec:
+                me._spec = decision.output
+        return me
     return _wrap(out, decision.output)
 
 

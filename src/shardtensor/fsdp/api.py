@@ -194,7 +194,9 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_af
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if mesh is None:
-        mesh = init_device_mesh("cpu", (current_transport().world_size,))
+        first = next(module.parameters(), None)
+        device_type = first.device.type if first is not None else "cpu"
+        mesh = init_device_mesh(device_type, (current_transport().world_size,))
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a shardtensor DeviceMesh, got {type(mesh).__name__}")
     info = MeshInfo.of(mesh)

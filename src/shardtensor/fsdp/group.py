@@ -22,13 +22,12 @@ from typing import Sequence
 import torch
 
 from .. import comm
+from ..kernels import chunk_cat, split_with_sizes_copy
 from ..placement import Replicate, display
 from ..redistribute import redistribute_local
 from ..spec import DTensorSpec
 from ..tensor import DTensor
 from .param import FSDPParam, MeshInfo
-
-from ..kernels import chunk_cat, split_with_sizes_copy
 
 __all__ = ["ParamGroup", "Unsharded"]
 

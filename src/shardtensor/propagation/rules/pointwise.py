@@ -65,28 +65,30 @@ def _inplace_rule(call: Call) -> Decision:
     """In-place ops keep self's placements; every other operand is brought to them.
 
     Where self is Partial, the op must commute with the partial's reduction: additive ops take
-    the other operands as the same Partial (a Replicate operand is split locally), multiplicative
-    ones need them Replicate (self is the one Partial factor); anything else raises.
+    the other operand as the same Partial (a Replicate operand is split locally), multiplicative
+    ones need the others Replicate (self is the one Partial factor).  Otherwise self itself is
+    reduced to Replicate on that mesh dim first (its value is kept; its placements change), so
+    in-place updates inside composite ops (``mean(...).add_(eps)``) stay right.
     """
     me = call.specs[0]
     nd = me.ndim
     inputs = list(call.specs)
     others = [i for i, s in enumerate(call.specs) if s is not None and i != 0]
+    self_pl = list(me.placements)
     for j, p in enumerate(me.placements):
         if not isinstance(p, Partial):
             continue
         linear = type(p) is Partial and p.reduce_op in LINEAR_KINDS
-        ok = linear and ((call.op in MULTIPLICATIVE and call.op not in ADDITIVE)
-                         or (call.op in ADDITIVE and others == [1]))
-        if not ok:
-            raise RuntimeError(
-                f"{call.op}: in-place op on self with placements {me.placements} cannot keep {p} on mesh dim {j} "
-                "(the op does not commute with its reduction); redistribute self first")
-    for i, s in enumerate(call.specs):
-        if s is None or i == 0:
-            continue
+        if not (linear and ((call.op in MULTIPLICATIVE and call.op not in ADDITIVE)
+                            or (call.op in ADDITIVE and others == [1]))):
+            self_pl[j] = Replicate()
+    if tuple(self_pl) != me.placements:
+        inputs[0] = me.with_placements(self_pl)
+    target = inputs[0]
+    for i in others:
+        s = call.specs[i]
         need: list[Placement] = []
-        for j, p in enumerate(me.placements):
+        for p in target.placements:
             if isinstance(p, Shard):
                 d = p.dim - (nd - s.ndim)
                 need.append(Shard(d) if d >= 0 and s.shape[d] == me.shape[p.dim] else Replicate())
@@ -97,7 +99,7 @@ def _inplace_rule(call: Call) -> Decision:
         if tuple(need) != s.placements:
             inputs[i] = s.with_placements(need)
     changed = any(r is not None and r != s for r, s in zip(inputs, call.specs))
-    return Decision(tuple(inputs), me, changed)
+    return Decision(tuple(inputs), target, changed)
 
 
 def pointwise_rule(call: Call) -> Decision:
@@ -208,12 +210,13 @@ def _map_order_back(out_order, pl: list[Placement], shift: int):
 
 
 def inplace_fill_rule(call: Call) -> Decision:
-    """``zero_`` keeps any placement; ``fill_`` cannot write a constant into Partial terms."""
+    """``zero_`` keeps any placement; ``fill_`` of a Partial tensor makes it Replicate (no communication:
+    every rank writes the constant)."""
     s = call.specs[0]
+    out = s
     if call.op in FILL_INPLACE and any(p.is_partial() for p in s.placements):
-        raise RuntimeError(f"{call.op} on a Partial tensor {s.placements} would change its value; "
-                           "redistribute it to Replicate first")
-    return Decision(tuple(call.specs), s, False)
+        out = s.with_placements([Replicate() if p.is_partial() else p for p in s.placements], s.shard_order)
+    return Decision(tuple(call.specs), out, False)
 
 
 def like_rule(call: Call) -> Decision:
