@@ -313,8 +313,9 @@ def _mp_body():
 def test_mixed_precision_bf16_params_fp32_reduce():
     out = run_spmd(_mp_body, WORLD)
     ref = reference("tiny", "sgd", 3)
-    # bf16 compute: ~3 significant digits; 3 SGD steps stay within 3e-2 of fp32 training
-    assert_matches([(o[0], o[1]) for o in out], ref, tol=3e-2)
+    # bf16 compute (8-bit mantissa): after 3 SGD steps losses differ by ~2e-3 and parameters by
+    # ~1e-3 from fp32 training; allow 1e-2
+    assert_matches([(o[0], o[1]) for o in out], ref, tol=1e-2)
     for _, _, dtypes, sharded in out:
         assert dtypes == {("all_gather", torch.bfloat16), ("reduce_scatter", torch.float32)}
         assert sharded == {(torch.float32, torch.float32, torch.float32)}

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import copy
 import math
-import sys
 import pathlib
-import warnings
+import sys
 
 import pytest
 import torch
@@ -23,10 +22,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 import shardtensor
-from shardtensor import DTensor, Partial, Replicate, Shard, comm, init_device_mesh, run_spmd
+from shardtensor import DTensor, Replicate, Shard, comm, init_device_mesh, run_spmd
 from shardtensor import parallel as st_parallel
-from shardtensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
-                                  SequenceParallel, distribute_module, parallelize_module)
+from shardtensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, SequenceParallel,
+                                  distribute_module, parallelize_module)
 
 try:
     from distributed import gloo_available, run_multiprocess
@@ -306,7 +305,7 @@ def test_mlp_communication(hidden):
         assert grads == ["DTensor"] * 4
 
 
-def _sp_input_sizes(local_len: int, seq: int):
+def _sp_input_sizes(seq: int):
     mesh = init_device_mesh("cpu", (4,))
     norm = parallelize_module(nn.LayerNorm(4), mesh, SequenceParallel())
     r = mesh.get_local_rank()
@@ -319,7 +318,7 @@ def _sp_input_sizes(local_len: int, seq: int):
 def test_sequence_parallel_uneven_plain_input():
     """A plain tensor fed to SequenceParallel is this rank's sequence shard; uneven lengths
     (7 over 4 ranks) give the right global shape."""
-    res = run_spmd(_sp_input_sizes, 4, 0, 7)
+    res = run_spmd(_sp_input_sizes, 4, 7)
     assert [r[1] for r in res] == [(2, 7, 4)] * 4
     assert {r[2] for r in res} == {(Shard(1),)}
     assert [r[3][1] for r in res] == [2, 2, 2, 1]
@@ -402,10 +401,6 @@ def _errors():
             msgs.append(None)
         except (ValueError, TypeError, NotImplementedError) as e:
             msgs.append(type(e).__name__ + ": " + str(e))
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        parallelize_module(MLP(), mesh2["tp"], {"nope": ColwiseParallel()})
-    msgs.append(str(w[0].message) if w else None)
     return msgs
 
 
@@ -414,12 +409,33 @@ def test_errors():
     assert msgs[0].startswith("ValueError") and "mesh['tp']" in msgs[0]
     assert msgs[1].startswith("NotImplementedError") and "LayerNorm" in msgs[1]
     assert msgs[2].startswith("TypeError")
-    assert msgs[3] and "'nope'" in msgs[3]
+    one = init_device_mesh("cpu", (1,))  # a world of one rank, outside run_spmd
+    with pytest.warns(UserWarning, match="'nope'"):
+        parallelize_module(MLP(), one, {"nope": ColwiseParallel(), "fc*": ColwiseParallel()})
+    with pytest.warns(UserWarning, match="no parallelize_plan"):
+        parallelize_module(MLP(), one)
+
+
+def _src_data_rank(src):
+    mesh = init_device_mesh("cpu", (4,))
+    r = mesh.get_local_rank()
+    lin = nn.Linear(2, 4, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.arange(8.).view(4, 2) + 100 * r)
+    parallelize_module(lin, mesh, ColwiseParallel(), src_data_rank=src)
+    return lin.weight.to_local().tolist()
+
+
+def test_src_data_rank():
+    """Default: rank 0's values are scattered; None: every rank keeps its own slice."""
+    for r, w in enumerate(run_spmd(_src_data_rank, 4, 0)):
+        assert w == [[2. * r, 2. * r + 1]]
+    for r, w in enumerate(run_spmd(_src_data_rank, 4, None)):
+        assert w == [[2. * r + 100 * r, 2. * r + 1 + 100 * r]]
 
 
 def test_styles_mirror_torch_defaults():
     tp = pytest.importorskip("torch.distributed.tensor.parallel")
-    from torch.distributed import tensor as tdt
 
     def norm(x):
         return repr(x).replace("dim=", "")
@@ -431,7 +447,6 @@ def test_styles_mirror_torch_defaults():
         assert ours.use_local_output is theirs.use_local_output is True
     assert SequenceParallel().sequence_sharding == (Shard(1),)
     assert tp.SequenceParallel().use_local_output is SequenceParallel().use_local_output is False
-    assert isinstance(tdt.Shard(1), object)
 
 
 # -- real processes -----------------------------------------------------------------------------
