@@ -7,6 +7,7 @@ propagation.md section 11 rows 6-8 (local sizes and strides per rank).
 """
 from __future__ import annotations
 
+import functools
 import pathlib
 import sys
 
@@ -417,39 +418,41 @@ OPINFO_NAMES = ("view", "reshape", "permute", "transpose", "t", "squeeze", "unsq
                 "split_with_sizes", "hstack", "vstack", "squeeze_copy")
 
 
-def _opinfo_cases():
+@functools.lru_cache(maxsize=1)
+def _opinfo_samples() -> dict:
+    """Up to two small samples per OpInfo of the family (op_db is imported lazily: it is slow)."""
     from torch.testing._internal.common_methods_invocations import op_db
 
-    cases = []
+    out: dict = {}
     for op in op_db:
         if op.name not in OPINFO_NAMES:
             continue
-        taken = 0
-        for i, s in enumerate(op.sample_inputs("cpu", torch.float32, requires_grad=False)):
-            if taken == 2:
+        taken = out.setdefault(op.name, [])
+        for s in op.sample_inputs("cpu", torch.float32, requires_grad=False):
+            if len(taken) == 2 * (1 + bool(op.variant_test_name)):
                 break
             leaves = [s.input] if isinstance(s.input, torch.Tensor) else list(s.input)
             extra = [a for a in list(s.args) + list(s.kwargs.values()) if isinstance(a, torch.Tensor)]
             if any(t.numel() > 256 for t in leaves + extra) or any(t.ndim == 0 for t in extra):
                 continue
-            cases.append(pytest.param(op, s, id=f"{op.name}.{op.variant_test_name}-{i}"))
-            taken += 1
-    return cases
+            taken.append((op, s))
+    return out
 
 
-@pytest.mark.parametrize("op,sample", _opinfo_cases())
-def test_opinfo_samples(op, sample):
-    args, kwargs = list(sample.args), dict(sample.kwargs)
-    tensor_args = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+@pytest.mark.parametrize("name", OPINFO_NAMES)
+def test_opinfo_samples(name):
+    for op, sample in _opinfo_samples()[name]:
+        args, kwargs = list(sample.args), dict(sample.kwargs)
+        tensor_args = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
 
-    def fn(x, *ts):
-        a = list(args)
-        for i, t in zip(tensor_args, ts):
-            a[i] = t
-        return op.op(x, *a, **kwargs)
+        def fn(x, *ts, op=op, args=args, kwargs=kwargs, tensor_args=tensor_args):
+            a = list(args)
+            for i, t in zip(tensor_args, ts):
+                a[i] = t
+            return op.op(x, *a, **kwargs)
 
-    values = [sample.input] + [args[i] for i in tensor_args]
-    inp = [v.detach().round() / 4 if isinstance(v, torch.Tensor) else [t.detach().round() / 4 for t in v]
-           for v in values]
-    legacy_empty = any(t.shape == (0,) for v in inp for t in ([v] if isinstance(v, torch.Tensor) else v))
-    check(fn, inp, (4,), partial=("sum",), limit=4, seed=repr(sample)[:80], grad=not legacy_empty)
+        values = [sample.input] + [args[i] for i in tensor_args]
+        inp = [v.detach().round() / 4 if isinstance(v, torch.Tensor) else [t.detach().round() / 4 for t in v]
+               for v in values]
+        legacy_empty = any(t.shape == (0,) for v in inp for t in ([v] if isinstance(v, torch.Tensor) else v))
+        check(fn, inp, (4,), partial=("sum",), limit=4, seed=repr(sample)[:80], grad=not legacy_empty)

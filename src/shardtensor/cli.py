@@ -59,13 +59,22 @@ def _plan(args, parser: argparse.ArgumentParser) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardtensor", description="SPMD sharded tensors for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="tour of placements, redistribution and elementwise ops on a (2, 2) mesh")
+    demo = sub.add_parser("demo", help="train a tiny transformer with FSDP x TP on a (2, 2) mesh; losses vs one device")
+    demo.add_argument("--backend", choices=("sim", "gloo"), default="sim",
+                      help="sim: 4 ranks as threads in this process (default); gloo: 4 real processes")
+    demo.add_argument("--steps", type=int, default=6, help="training steps (default 6)")
+    demo.add_argument("--png", metavar="FILE", help="also plot the parameter pieces per rank to this PNG")
+    sub.add_parser("tour", help="tour of placements, redistribution and elementwise ops on a (2, 2) mesh")
     plan_parser = _add_plan_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from .demo import main as demo_main
+        from .train import main as train_main
 
-        return demo_main()
+        return train_main(backend=args.backend, steps=args.steps, png=args.png)
+    if args.command == "tour":
+        from .demo import main as tour_main
+
+        return tour_main()
     if args.command == "plan":
         return _plan(args, plan_parser)
     parser.error(f"unknown command {args.command}")
