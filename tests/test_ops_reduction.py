@@ -348,3 +348,25 @@ def test_gloo_uneven_mean_amax_var():
     x = data("any", (7, 5), gen("gloo"))
     seen = check(gloo_mean, [x], (4,), combos=[((Shard(0),),)], world="gloo", grad=False)
     assert seen[0][1] == ((Partial("sum"),), (Partial("max"),), (Partial("sum"),), (Replicate(),))
+
+
+def test_non_default_shard_order():
+    """Nested shards in a non-default order keep that order through the reduction."""
+    x = data("distinct", (8, 7), gen("order"))
+    fns = [lambda t: t.sum(1), lambda t: t.amax(1, keepdim=True), lambda t: t.var(1), lambda t: t.mean(1),
+           lambda t: t.argmax(1), lambda t: t.cumsum(1), lambda t: torch.linalg.vector_norm(t, 3, 1)]
+
+    def body(mesh, i):
+        d = distribute_tensor(x, mesh, [Shard(0), Shard(0)]).redistribute(mesh, [Shard(0), Shard(0)],
+                                                                             shard_order={0: [1, 0]})
+        out = fns[i](d)
+        return out.shard_order, out.to_local(), out.full_tensor(), mesh.get_coordinate()
+
+    for i, f in enumerate(fns):
+        res = run_spmd(lambda: body(init_device_mesh("cpu", (2, 2)), i), 4, timeout=60)
+        want = f(x)
+        for order, local, full, coord in res:
+            assert order == ((0, (1, 0)),)
+            torch.testing.assert_close(full, want, rtol=1e-5, atol=1e-5)
+            # mesh dim 1 splits first: rank (a, b) holds rows block 2b + a of four
+            torch.testing.assert_close(local, want.chunk(4, 0)[2 * coord[1] + coord[0]], rtol=1e-5, atol=1e-5)

@@ -1,0 +1,117 @@
+"""Time per training step of the demo model: shardtensor FSDP x TP vs PyTorch FSDP2 + TP, same run.
+
+    python benchmarks/train_step.py              # 4 gloo processes, 3 warm-up + 10 timed steps each
+    python benchmarks/train_step.py --quick      # 1 warm-up + 3 timed steps
+
+Four gloo processes on localhost (``OMP_NUM_THREADS=1``), mesh (2, 2) = ("dp", "tp").  Both
+libraries get the same model (``shardtensor.train.TinyLM``, same initial values), the same TP
+plan (q/k/v and MLP up column-wise, attention out and MLP down row-wise, head column-wise with a
+replicated output), FSDP on dp (each block, then the root), Adam, and the same batches (each dp
+rank takes its half).  Per step the time is the slowest rank's (all-reduce MAX), after a barrier;
+the table shows the median and the ratio ours / PyTorch (lower is better).  The losses of both
+libraries are printed side by side as a correctness check.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+
+def _rank(rank: int, world: int, warmup: int, iters: int):
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+    torch.set_num_threads(1)
+    from shardtensor.train import BATCH, build_model, batch, loss_of, tp_plan
+
+    def step_loop(model, mesh_dp_rank, to_full):
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        half = BATCH // 2
+        times, losses = [], []
+        for s in range(warmup + iters):
+            x, y = batch(s, 0)
+            x, y = x[mesh_dp_rank * half:(mesh_dp_rank + 1) * half], y[mesh_dp_rank * half:(mesh_dp_rank + 1) * half]
+            dist.barrier()
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            logits = model(x)
+            logits = to_full(logits)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+            loss.backward()
+            opt.step()
+            dt = torch.tensor([time.perf_counter() - t0])
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            if s >= warmup:
+                times.append(dt.item())
+            losses.append(loss.item())
+        return times, losses
+
+    # ours
+    from shardtensor import fully_shard, init_device_mesh
+    from shardtensor.parallel import ColwiseParallel, parallelize_module
+    from shardtensor.placement import Replicate
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    m = build_model(0)
+    for blk in m.blocks:
+        parallelize_module(blk, mesh["tp"], tp_plan())
+    parallelize_module(m, mesh["tp"], {"head": ColwiseParallel(output_layouts=Replicate())})
+    for blk in m.blocks:
+        fully_shard(blk, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    ours = step_loop(m, mesh.get_local_rank("dp"), lambda t: t)
+
+    # PyTorch FSDP2 + TP
+    from torch.distributed.device_mesh import init_device_mesh as t_mesh
+    from torch.distributed.fsdp import fully_shard as t_fully_shard
+    from torch.distributed.tensor import Replicate as TR
+    from torch.distributed.tensor.parallel import ColwiseParallel as TC, RowwiseParallel as TRW
+    from torch.distributed.tensor.parallel import parallelize_module as t_par
+
+    tmesh = t_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tm = build_model(0)
+    plan = {"attn.q": TC(), "attn.k": TC(), "attn.v": TC(), "attn.o": TRW(), "mlp.up": TC(), "mlp.down": TRW()}
+    for blk in tm.blocks:
+        t_par(blk, tmesh["tp"], plan)
+    t_par(tm, tmesh["tp"], {"head": TC(output_layouts=TR())})
+    for blk in tm.blocks:
+        t_fully_shard(blk, mesh=tmesh["dp"])
+    t_fully_shard(tm, mesh=tmesh["dp"])
+    theirs = step_loop(tm, tmesh.get_local_rank("dp"), lambda t: t)
+    return ours, theirs
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--iters", type=int, default=None)
+    args = ap.parse_args()
+    warmup, iters = (1, 3) if args.quick else (3, args.iters or 10)
+    from distributed import run_multiprocess
+
+    res = run_multiprocess(_rank, 4, timeout=600, args=(warmup, iters), env={"OMP_NUM_THREADS": "1"})
+    (t_ours, l_ours), (t_theirs, l_theirs) = res[0]
+    mo, mt = statistics.median(t_ours), statistics.median(t_theirs)
+    print(f"demo model (TinyLM), mesh (2, 2) dp x tp, 4 gloo processes, {warmup} warm-up + {iters} timed steps")
+    print(f"{'':24} {'median step':>12}")
+    print(f"{'shardtensor':24} {mo * 1e3:10.1f} ms")
+    print(f"{'PyTorch FSDP2 + TP':24} {mt * 1e3:10.1f} ms")
+    print(f"{'ratio ours / PyTorch':24} {mo / mt:10.2f}")
+    print("losses (ours | PyTorch):", " ".join(f"{a:.4f}|{b:.4f}" for a, b in zip(l_ours, l_theirs)))
+    worst = max(abs(a - b) for a, b in zip(l_ours, l_theirs))
+    print(f"max |loss difference| {worst:.1e}")
+    return 0 if worst < 1e-3 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
