@@ -6,7 +6,6 @@ and backward, plus explicit assertions on the placements and collectives the rul
 """
 from __future__ import annotations
 
-import itertools
 import math
 import pathlib
 import random
@@ -17,7 +16,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from opcheck import MESHES, check, data, gen, placement_combos  # noqa: E402
+from opcheck import check, data, gen, placement_combos  # noqa: E402
 
 from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor, init_device_mesh, run_spmd  # noqa: E402
 
