@@ -155,7 +155,8 @@ def placement_combos(tensors: Sequence[torch.Tensor], mesh_shape, limit: int | N
         per = list(partial)
     else:
         per = [tuple(partial or ())] * len(tensors)
-    per_input = [list(itertools.product(_options(t, kinds or ()), repeat=len(mesh_shape)))
+    per_input = [[c for c in itertools.product(_options(t, kinds or ()), repeat=len(mesh_shape))
+                  if len({p.reduce_op for p in c if isinstance(p, Partial)}) <= 1]
                  for t, kinds in zip(tensors, per)]
     everything = list(itertools.product(*per_input))
     if limit is None or len(everything) <= limit:

@@ -18,7 +18,8 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from opcheck import MESHES, check, data, gen, placement_combos  # noqa: E402
 
-from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor, init_device_mesh, run_spmd  # noqa: E402
+from shardtensor import (DTensor, Partial, Replicate, Shard, comm, distribute_tensor,  # noqa: E402
+                         init_device_mesh, run_spmd)
 from shardtensor.placement import NormPartial  # noqa: E402
 from shardtensor.redistribute.execute import redistribute_local  # noqa: E402
 
@@ -64,7 +65,8 @@ def norms(ords, dim=None, keepdim=False):
 
 
 GROUPS = {
-    "finite_positive": lambda t: (*norms((2, 1, 3, 0.5))(t), *norms((2, 1, 3, 0.5), 0)(t), *norms((2, 1, 0.5), 1, True)(t)),
+    "finite_positive": lambda t: (*norms((2, 1, 3, 0.5))(t), *norms((2, 1, 3, 0.5), 0)(t),
+                                  *norms((2, 1, 0.5), 1, True)(t)),
     "inf_zero_negative": lambda t: (*norms((INF, -INF, 0, -1))(t), *norms((INF, -INF, 0, -1), 0)(t),
                                     *norms((INF, -INF, -1), (0, 1), True)(t)),
 }

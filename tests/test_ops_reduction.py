@@ -18,7 +18,8 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from opcheck import check, data, gen, placement_combos  # noqa: E402
 
-from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor, init_device_mesh, run_spmd  # noqa: E402
+from shardtensor import (DTensor, Partial, Replicate, Shard, comm, distribute_tensor,  # noqa: E402
+                         init_device_mesh, run_spmd)
 
 aten = torch.ops.aten
 SHAPES = [(8, 6), (7, 5), (3, 5)]
@@ -57,19 +58,26 @@ def run(mesh_shape, body, *args):
 GROUPS = {
     # name: (fn returning several reductions of one input, data kind, backward)
     "sum": (lambda t: (t.sum(0), t.sum((0, 1)), t.sum(1, keepdim=True), aten.sum.dim_IntList(t, []), t.sum(),
-                       t.sum(0, dtype=torch.float64), aten.nansum.default(t, [1])), "any", True),
+                       t.sum(0, dtype=torch.float64), aten.nansum.default(t, [1])),
+            "any", True),
     "mean": (lambda t: (t.mean(0), t.mean(), t.mean(-1, keepdim=True), t.mean((0, 1), keepdim=True)), "any", True),
     "prod": (lambda t: (t.prod(0), t.prod(), t.prod(1, keepdim=True)), "coarse", False),
     "amax": (lambda t: (t.amax(0), t.amin((0, 1), keepdim=True), t.max(), t.min(), t.amax()), "distinct", True),
     "max_dim": (lambda t: (*t.max(0), *t.min(1, keepdim=True)), "distinct", False),
     "argmax": (lambda t: (t.argmax(0), t.argmin(1, keepdim=True), t.argmax()), "distinct", False),
     "var": (lambda t: (t.var(0), t.var(correction=0), t.std(1, keepdim=True), t.std()), "any", True),
-    "var_mean": (lambda t: (*torch.var_mean(t, 0), *torch.std_mean(t, (0, 1), keepdim=True, correction=0)), "any", True),
+    "var_mean": (lambda t: (*torch.var_mean(t, 0), *torch.std_mean(t, (0, 1), keepdim=True, correction=0)),
+                 "any", True),
     "scan": (lambda t: (t.cumsum(0), t.cumsum(1), torch.logcumsumexp(t, 1), *torch.cummax(t, 0),
                         *torch.cummin(t, 1)), "distinct", False),
     "cumprod": (lambda t: (t.cumprod(0), t.cumprod(1)), "coarse", False),
 }
-BOOL = lambda t: (t.any(0), t.any(), aten.any.dims(t, [0, 1], True), t.all(1), t.all(), aten.all.dims(t, [0]))  # noqa: E731
+
+
+def any_all(t):
+    return t.any(0), t.any(), aten.any.dims(t, [0, 1], True), t.all(1), t.all(), aten.all.dims(t, [0])
+
+
 CASES = [((8, 6), (4,)), ((7, 5), (4,)), ((7, 5), (2, 2)), ((3, 5), (4,))]
 """Lengths 8, 7 (2,2,2,1 on four ranks, 4,3 on a mesh dim of two) and 3 (1,1,1,0: an empty shard);
 nested shardings of 7 and 3 over (2, 2) are in the explicit tests below."""
@@ -87,9 +95,9 @@ def test_float_reductions(name, shape, mesh):
 @pytest.mark.parametrize("shape,mesh", CASES)
 def test_bool_and_int_any_all(shape, mesh):
     x = data("bool", shape, gen(("bool", shape)))
-    check(BOOL, [x], mesh, combos=one_kind_combos([x], mesh, ("max", "min"), limit=6, seed="bool"), grad=False)
+    check(any_all, [x], mesh, combos=one_kind_combos([x], mesh, ("max", "min"), limit=6, seed="bool"), grad=False)
     i = data("int", shape, gen(("int", shape)))
-    check(BOOL, [i], mesh, combos=one_kind_combos([i], mesh, ("sum", "max", "min"), limit=3, seed="int"),
+    check(any_all, [i], mesh, combos=one_kind_combos([i], mesh, ("sum", "max", "min"), limit=3, seed="int"),
           grad=False)
 
 
