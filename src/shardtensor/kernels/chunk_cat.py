@@ -43,8 +43,8 @@ that signature.  A call then only builds the views with ``as_strided`` and issue
 tensor, negligible next to FSDP-sized copies (``benchmarks/chunk_cat.py`` measures it).
 
 The spec lets shardtensor call the installed ``torch._chunk_cat`` when a self-test shows it
-conforms; this module does not, because on CPU the reference's ``out=`` path is about half
-memcpy speed and its ``out=`` rules differ from spec 1.4 (it resizes a mis-shaped ``out`` and
+conforms; this module does not, because on CPU the reference's ``out=`` path reaches half
+memcpy speed at best and its ``out=`` rules differ from spec 1.4 (it resizes a mis-shaped ``out`` and
 accepts narrowing casts).
 
 ``split_with_sizes_copy`` is the inverse pattern: one ``copy_`` per piece from a ``narrow`` view
