@@ -382,5 +382,5 @@ def _placements(specs) -> str:
 
 
 from .strategy import Candidate, decide  # noqa: E402
-from .rules import (embedding, factory, foreach, matrix, misc, nn, norm, pointwise, reduction,  # noqa: E402,F401
-                    view)  # (importing registers the rules)
+from .rules import (embedding, factory, foreach, indexing, matrix, misc, nn, norm, pointwise,  # noqa: E402,F401
+                    reduction, view)  # (importing registers the rules)

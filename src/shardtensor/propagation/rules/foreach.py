@@ -149,8 +149,16 @@ def _element_calls(call: Call, elem_op) -> list[tuple[list[int], Call]]:
     return out
 
 
+class _Conflict(Exception):
+    pass
+
+
 def foreach_rule(call: Call) -> Decision:
-    """Decision of a foreach op from its element op's rule at every list index."""
+    """Decision of a foreach op from its element op's rule at every list index.
+
+    A tensor shared by all elements (``other`` of ``.Tensor``) whose elements disagree is
+    retried as Replicate, then (out-of-place only) with every Partial list element reduced.
+    """
     from .. import route
 
     elem_op = _element_op(call.op)
@@ -159,12 +167,43 @@ def foreach_rule(call: Call) -> Decision:
     rule = route(elem_op)
     if rule is None or isinstance(rule, tuple):
         raise unsupported(call.op, call.specs, f"(element op {elem_op} has no sharding rule)")
+    elements = _element_calls(call, elem_op)
+    seen: set[int] = set()
+    shared: set[int] = set()
+    for leaves, _ in elements:
+        for pos in set(leaves):
+            if call.specs[pos] is not None:
+                (shared if pos in seen else seen).add(pos)
+    last = None
+    for attempt in range(3 if shared else 1):
+        try:
+            return _foreach_decision(call, elem_op, rule, elements, shared, attempt)
+        except _Conflict as e:
+            last = e
+    raise unsupported(call.op, call.specs, str(last))
+
+
+def _unpartial(s: DTensorSpec) -> DTensorSpec:
+    if not any(p.is_partial() for p in s.placements):
+        return s
+    return s.with_placements([Replicate() if p.is_partial() else p for p in s.placements], s.shard_order)
+
+
+def _foreach_decision(call: Call, elem_op, rule, elements, shared: set[int], attempt: int) -> Decision:
     inplace = _is_void(call.op) or call.op._schema.name.endswith("_")
     required: dict[int, DTensorSpec] = {}
     outputs: list[DTensorSpec | None] = []
     local_fns: list[tuple[list[int], Callable]] = []
-    for k, (leaves, ecall) in enumerate(_element_calls(call, elem_op)):
-        self_spec = ecall.specs[0] if ecall.specs else None
+    for k, (leaves, ecall0) in enumerate(elements):
+        specs = list(ecall0.specs)
+        for e, pos in enumerate(leaves):
+            s = specs[e]
+            if s is None:
+                continue
+            if (attempt >= 1 and pos in shared) or (attempt >= 2 and not inplace):
+                specs[e] = _unpartial(s)
+        ecall = Call(elem_op, ecall0.flat, specs, ecall0.treedef)
+        self_spec = call.specs[leaves[0]] if leaves else None
         if inplace and self_spec is None:
             raise unsupported(call.op, call.specs, f"writes into a plain tensor at index {k}")
         if inplace and elem_op not in NATIVE_INPLACE:
@@ -190,13 +229,15 @@ def foreach_rule(call: Call) -> Decision:
             want = d.inputs[e]
             if call.specs[pos] is None or want is None:
                 continue
-            if inplace and e > 0:
-                want, moved_parts = _partition_locally(call.specs[pos], want)
-                parts += [(e, j, q) for j, q in moved_parts]
+            want, moved_parts = _partition_locally(call.specs[pos], want)
+            if moved_parts and pos in shared:
+                raise _Conflict(f"(the shared tensor argument would have to become {want.placements} "
+                                "for one element only)")
+            parts += [(e, j, q) for j, q in moved_parts]
             have = required.get(pos)
             if have is not None and have != want:
-                raise unsupported(call.op, call.specs, f"(a shared tensor argument needs {have.placements} for one "
-                                  f"element and {want.placements} for another)")
+                raise _Conflict(f"(a shared tensor argument needs {have.placements} for one element and "
+                                f"{want.placements} for another)")
             required[pos] = want
         if d.local_args is not None:
             local_fns.append((leaves, d.local_args))

@@ -1,0 +1,555 @@
+"""Indexing ops: flips, rolls, gathers, scatters, advanced indexing (spec ops.md 9 for roll).
+
+These ops move values around; every Partial kind passes a pure selection, and a pair of
+operands that are combined (``self`` and ``src``) may stay Partial together where the op is
+linear in them or takes each output element from exactly one of them.  Per mesh dim the
+options below are offered; a candidate picks one option per mesh dim (partial kinds of one
+tensor must commute, ops.md 1.4) and the engine keeps the cheapest.
+
+| op | options per mesh dim (inputs -> output) |
+|---|---|
+| ``flip`` | ``S`` on a flipped dim gathered, other ``S`` and every Partial kept |
+| ``roll`` | ``S`` on a rolled dim gathered (all dims when ``dims`` is empty: flattened roll), others and every Partial kept |
+| ``gather`` | self ``S(d)`` + index ``S(d)`` -> ``S(d)`` for ``d != dim`` of equal size; self R + index ``S(dim)`` -> ``S(dim)``; self P + index R -> P (any kind); R |
+| ``scatter.src``, ``scatter_reduce.two``, ``scatter_add`` | self, index, src all ``S(d)``, ``d != dim``, sizes equal -> ``S(d)``; self + src jointly P of a kind the reduce keeps (src: every kind; sum/mean: sum, avg; prod: product; amax: max; amin: min), index R -> P; scatter_add / scatter_reduce sum with include_self only: self P(sum) + index ``S(dim)`` + src ``S(dim)`` (equal sizes) -> P(sum); R |
+| ``scatter.value`` | self + index ``S(d)``, ``d != dim``, equal sizes -> ``S(d)``; self P (plain kinds; the local value becomes the kind's identity off the first rank for sum/product) -> P; R |
+| ``index_add`` | self + source ``S(d)``, ``d != dim`` -> ``S(d)`` (index R); self + source jointly P(sum/avg) -> P; self P(sum) + index ``S(0)`` + source ``S(dim)`` -> P(sum); R |
+| ``index.Tensor`` (integer indices) | self ``S(d)`` on a non-indexed dim -> ``S`` of its output dim (indices R); self R + the only index ``S(k)`` -> ``S`` of the broadcast block's dim ``k``; self P (indices R) -> P; R.  Bool masks: data-dependent shape, raises |
+| ``index_put_``, ``_index_put_impl_`` (``index_put`` decomposes into a clone and the latter), integer indices | self ``S(d)`` non-indexed + values ``S`` of the matching dim (R where values broadcast) -> ``S(d)``; self + values jointly P (accumulate: sum/avg; else any plain kind; a plain 0-d values tensor becomes the kind's identity off the first rank) -> P; accumulate with one index: self P(sum) + index ``S(k)`` + values ``S`` -> P(sum); R |
+| ``index_put`` with one bool mask and a one-element values | the mask's dims shard self and mask alike; other dims of self kept; partials as above |
+| ``nonzero``, ``masked_select`` | data-dependent output shape: raise, asking for ``.full_tensor()`` first |
+
+In-place variants (``scatter_``, ``scatter_add_``, ``scatter_reduce_``, ``index_add_``,
+``index_put_``) share the rules.  ``scatter_add.default`` is a decomposition into
+``scatter_reduce.two(..., "sum", include_self=True)`` so that a plain all-zeros ``self``
+(what the backward of ``cummax``/``cummin`` builds with ``at::zeros``) is accepted as
+Replicate; any other plain ``self`` raises.  ``index_put.default`` likewise accepts a plain
+all-zeros ``values`` (the backward of ``index_put`` builds one).
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ...placement import NormPartial, Partial, Placement, Replicate, Shard
+from ...spec import DTensorSpec
+from .. import Call, Decision, register, unsupported
+from ..decompose import decomposition
+from ..strategy import Candidate, out_specs, select
+
+aten = torch.ops.aten
+
+__all__ = ["flip_rule", "roll_rule", "gather_rule", "scatter_rule", "scatter_value_rule", "index_add_rule",
+           "index_rule", "index_put_rule", "data_dependent_rule"]
+
+R = Replicate()
+Opt = tuple[tuple[Placement, ...], Placement]
+"""One per-mesh-dim option: placements of each tensor slot, then the output placement."""
+
+_INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+# -- shared machinery ------------------------------------------------------------------------
+
+def _norm(dim: int, n: int) -> int:
+    n = max(n, 1)
+    if not -n <= dim < n:
+        raise IndexError(f"Dimension out of range (expected to be in range of [{-n}, {n - 1}], but got {dim})")
+    return dim % n
+
+
+def _commuting(pls: Sequence[Placement]) -> bool:
+    """Partial kinds on one tensor must commute (ops.md 1.4)."""
+    parts = [p for p in pls if isinstance(p, Partial)]
+    if not parts:
+        return True
+    if any(isinstance(p, NormPartial) for p in parts):
+        return all(p == parts[0] for p in parts)
+    kinds = {p.reduce_op for p in parts}
+    return len(kinds) == 1 or kinds <= {"sum", "avg"}
+
+
+def _plain(p: Placement) -> bool:
+    return isinstance(p, Partial) and not isinstance(p, NormPartial)
+
+
+Pair = tuple[int, int, int, int]
+"""``(slot a, dim of a, slot b, dim of b)``: where ``a`` shards that dim, ``b`` must shard its dim
+over exactly the same mesh dims (so both are cut into the same nested chunks)."""
+
+
+def _mesh_dims(pl: Sequence[Placement], d: int) -> tuple[int, ...]:
+    return tuple(j for j, p in enumerate(pl) if p == Shard(d))
+
+
+def _aligned(slot_pls: Sequence[Sequence[Placement]], pairs: Sequence[Pair]) -> bool:
+    for a, da, b, db in pairs:
+        ja = _mesh_dims(slot_pls[a], da)
+        if ja and ja != _mesh_dims(slot_pls[b], db):
+            return False
+    return True
+
+
+def _candidates(slots: Sequence[int | None], per_dim: Sequence[Sequence[Opt]],
+                pairs: Sequence[Pair] = ()) -> list[Candidate]:
+    """One candidate per choice of an option on every mesh dim (non-commuting partials and
+    misaligned ``pairs`` dropped)."""
+    out: list[Candidate] = []
+    seen = set()
+    for combo in itertools.product(*per_dim):
+        output = tuple(o for _, o in combo)
+        slot_pls = [tuple(c[0][i] for c in combo) for i in range(len(slots))]
+        if pairs and not _aligned(slot_pls, pairs):
+            continue
+        ins = {pos: slot_pls[i] for i, pos in enumerate(slots) if pos is not None}
+        if not _commuting(output) or not all(_commuting(pl) for pl in ins.values()):
+            continue
+        key = (tuple(sorted(ins.items())), output)
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(Candidate(ins, output))
+    return out
+
+
+def _dedupe(opts: list[Opt]) -> list[Opt]:
+    res: list[Opt] = []
+    for o in opts:
+        if o not in res:
+            res.append(o)
+    return res
+
+
+def _finish(call: Call, cands: Sequence[Candidate],
+            kernel_for: Callable[[Candidate], Callable | None] | None = None) -> Decision:
+    """Cheapest candidate; inputs get the default shard order (so chunks of paired tensors align)."""
+    best = select(call, cands)
+    inputs = list(call.specs)
+    moved = False
+    for pos, pl in best.inputs.items():
+        s = call.specs[pos]
+        pl = tuple(pl)
+        if s.placements != pl or not s.is_default_order:
+            inputs[pos] = s.with_placements(pl)
+            moved = True
+    output = out_specs(call.mesh, call.out_meta, best.output)
+    kernel = kernel_for(best) if kernel_for is not None else None
+    return Decision(tuple(inputs), output, moved, None, kernel)
+
+
+def _partial_kinds(*specs: DTensorSpec | None) -> list[Partial]:
+    """Partial placements present on any of ``specs`` (each once, in mesh order)."""
+    out: list[Partial] = []
+    for s in specs:
+        if s is None:
+            continue
+        for p in s.placements:
+            if isinstance(p, Partial) and p not in out:
+                out.append(p)
+    return out
+
+
+def _constant_term(value: Any, output: Sequence[Placement], mesh) -> Any:
+    """This rank's term of a replicated constant under the output's partial kinds.
+
+    sum: the value on the first rank of each sum mesh dim, 0 elsewhere; product: likewise with
+    1; avg/max/min: the value everywhere.
+    """
+    coord = mesh.get_coordinate()
+    for j, p in enumerate(output):
+        if isinstance(p, Partial) and coord[j] != 0:
+            if p.reduce_op == "sum":
+                return _like(value, 0)
+            if p.reduce_op == "product":
+                return _like(value, 1)
+    return value
+
+
+def _term_kernel(op: Any, name: str, index: int, output: Sequence[Placement], mesh) -> Callable:
+    """``op`` with its constant argument ``name`` (at ``index`` when positional) replaced by
+    this rank's term under the output's partial kinds."""
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        if name in kwargs:
+            kwargs[name] = _constant_term(kwargs[name], output, mesh)
+        else:
+            args = args[:index] + (_constant_term(args[index], output, mesh),) + args[index + 1:]
+        return op(*args, **kwargs)
+
+    return kernel
+
+
+def _like(value: Any, c: int) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.full_like(value, c)
+    return type(value)(c) if isinstance(value, (bool, int, float, complex)) else c
+
+
+def _gather_dims(call: Call, pos: int, gather: set[int]) -> Decision:
+    """Single-input data movement: ``S`` on ``gather`` dims -> R, everything else (partials too) kept."""
+    s = call.specs[pos]
+    meta = call.out_meta
+    pl = tuple(R if isinstance(p, Shard) and p.dim in gather else p for p in s.placements)
+    order = tuple((d, js) for d, js in s.shard_order if d not in gather)
+    req = s.with_placements(pl, order)
+    out = DTensorSpec.build(s.mesh, pl, meta.shape, meta.stride(), meta.dtype, order)
+    inputs = list(call.specs)
+    inputs[pos] = req
+    return Decision(tuple(inputs), out, req != s)
+
+
+def _inplace(op: Any) -> bool:
+    """User-facing in-place ops: no option turns their Replicate self Partial.  ``_index_put_impl_``
+    is internal (the ``index_put`` decomposition runs it on a fresh clone), so it may."""
+    return op._schema.name.endswith("_") and op is not aten._index_put_impl_.default
+
+
+def _self(call: Call) -> tuple[int, DTensorSpec]:
+    pos = call.pos("self")
+    if pos is None:
+        raise unsupported(call.op, call.specs, "needs a DTensor self")
+    return pos, call.specs[pos]
+
+
+def _int_list(v: Any) -> list[int]:
+    if v is None:
+        return []
+    return [v] if isinstance(v, int) else list(v)
+
+
+# -- flip / roll -----------------------------------------------------------------------------
+
+@register(aten.flip.default)
+def flip_rule(call: Call) -> Decision:
+    """Flipped dims gathered (a shard would have to move to the mirror rank), the rest kept."""
+    pos, s = _self(call)
+    return _gather_dims(call, pos, {_norm(d, s.ndim) for d in _int_list(call.arg("dims"))})
+
+
+@register(aten.roll.default)
+def roll_rule(call: Call) -> Decision:
+    """Rolled dims gathered; ``dims=[]`` rolls the flattened tensor, so everything is gathered."""
+    pos, s = _self(call)
+    dims = _int_list(call.arg("dims", None))
+    gather = {_norm(d, s.ndim) for d in dims} if dims else set(range(s.ndim))
+    return _gather_dims(call, pos, gather)
+
+
+# -- gather ----------------------------------------------------------------------------------
+
+@register(aten.gather.default)
+def gather_rule(call: Call) -> Decision:
+    """``out[p] = self[p with dim := index[p]]``: index-shaped, so the output follows the index."""
+    sp, s = _self(call)
+    ip = call.pos("index")
+    if ip is None:
+        raise unsupported(call.op, call.specs, "needs a DTensor index")
+    ix = call.specs[ip]
+    dim = _norm(call.arg("dim"), s.ndim)
+    opts: list[Opt] = [((R, R), R)]
+    for d in range(ix.ndim):
+        if d != dim and d < s.ndim and s.shape[d] == ix.shape[d]:
+            opts.append(((Shard(d), Shard(d)), Shard(d)))
+    if ix.ndim:
+        opts.append(((R, Shard(dim)), Shard(dim)))
+    for p in _partial_kinds(s):
+        opts.append(((p, R), p))
+    per_dim = [_dedupe(_first(opts, (s.placements[j], ix.placements[j]))) for j in range(s.mesh.ndim)]
+    pairs = [(0, d, 1, d) for d in range(s.ndim)]
+    return _finish(call, _candidates([sp, ip], per_dim, pairs))
+
+
+def _first(opts: list[Opt], current: tuple[Placement, ...]) -> list[Opt]:
+    """The option matching the current placements first (ties prefer following the inputs)."""
+    return sorted(opts, key=lambda o: o[0] != current)
+
+
+# -- scatter family --------------------------------------------------------------------------
+
+_SCATTER_SRC = (aten.scatter.src, aten.scatter_.src, aten.scatter_reduce.two, aten.scatter_reduce_.two,
+                aten.scatter_add_.default)
+_REDUCE_KINDS = {"sum": ("sum", "avg"), "mean": ("sum", "avg"), "prod": ("product",), "amax": ("max",),
+                 "amin": ("min",)}
+
+
+def _reduce_of(call: Call) -> str | None:
+    if call.op in (aten.scatter_reduce.two, aten.scatter_reduce_.two):
+        return call.arg("reduce")
+    if call.op is aten.scatter_add_.default:
+        return "sum"
+    return None
+
+
+@register(*_SCATTER_SRC)
+def scatter_rule(call: Call) -> Decision:
+    """Scatter dim gathered on self/index/src; other dims sharded alike where all three sizes agree."""
+    sp, s = _self(call)
+    ip, rp = call.pos("index"), call.pos("src")
+    if ip is None or rp is None:
+        raise unsupported(call.op, call.specs, "needs DTensors for index and src")
+    ix, src = call.specs[ip], call.specs[rp]
+    dim = _norm(call.arg("dim"), s.ndim)
+    reduce = _reduce_of(call)
+    opts: list[Opt] = [((R, R, R), R)]
+    for d in range(ix.ndim):
+        if d != dim and d < s.ndim and s.shape[d] == ix.shape[d] == src.shape[d]:
+            opts.append(((Shard(d), Shard(d), Shard(d)), Shard(d)))
+    kinds = _REDUCE_KINDS.get(reduce, ()) if reduce is not None else ("sum", "avg", "max", "min", "product")
+    if reduce == "mean" and not s.dtype.is_floating_point:
+        kinds = ()
+    for p in _partial_kinds(s, src):
+        if _plain(p) and p.reduce_op in kinds:
+            opts.append(((p, R, p), p))
+    if reduce == "sum" and call.arg("include_self", True) and not _inplace(call.op):
+        ps = Partial("sum")
+        if ix.ndim and ix.shape[dim] == src.shape[dim]:
+            opts.append(((ps, Shard(dim), Shard(dim)), ps))
+    per_dim = [_dedupe(_first(opts, (s.placements[j], ix.placements[j], src.placements[j])))
+               for j in range(s.mesh.ndim)]
+    pairs = [(0, d, 1, d) for d in range(s.ndim)] + [(1, d, 2, d) for d in range(ix.ndim)] + \
+        [(2, d, 1, d) for d in range(ix.ndim)]
+    return _finish(call, _candidates([sp, ip, rp], per_dim, pairs))
+
+
+@register(aten.scatter.value, aten.scatter_.value)
+def scatter_value_rule(call: Call) -> Decision:
+    """Scatter a scalar: self and index sharded alike off ``dim``; a Partial self keeps its kind."""
+    sp, s = _self(call)
+    ip = call.pos("index")
+    if ip is None:
+        raise unsupported(call.op, call.specs, "needs a DTensor index")
+    ix = call.specs[ip]
+    dim = _norm(call.arg("dim"), s.ndim)
+    opts: list[Opt] = [((R, R), R)]
+    for d in range(ix.ndim):
+        if d != dim and d < s.ndim and s.shape[d] == ix.shape[d]:
+            opts.append(((Shard(d), Shard(d)), Shard(d)))
+    for p in _partial_kinds(s):
+        if _plain(p):
+            opts.append(((p, R), p))
+    per_dim = [_dedupe(_first(opts, (s.placements[j], ix.placements[j]))) for j in range(s.mesh.ndim)]
+    op, mesh = call.op, call.mesh
+
+    def kernel_for(best: Candidate) -> Callable | None:
+        if not any(isinstance(p, Partial) for p in best.output):
+            return None
+        return _term_kernel(op, "value", 3, best.output, mesh)
+
+    pairs = [(0, d, 1, d) for d in range(s.ndim)]
+    return _finish(call, _candidates([sp, ip], per_dim, pairs), kernel_for)
+
+
+@decomposition(aten.scatter_add.default)
+def _scatter_add(self: Any, dim: int, index: Any, src: Any) -> Any:
+    """``scatter_reduce(..., "sum", include_self=True)``; a plain all-zeros ``self`` counts as Replicate."""
+    from ...tensor import DTensor
+
+    if isinstance(self, torch.Tensor) and not isinstance(self, DTensor):
+        self = _replicated(aten.scatter_add.default, self, index if isinstance(index, DTensor) else src)
+    return aten.scatter_reduce.two(self, dim, index, src, "sum", include_self=True)
+
+
+# -- index_add -------------------------------------------------------------------------------
+
+@register(aten.index_add.default, aten.index_add_.default)
+def index_add_rule(call: Call) -> Decision:
+    """``dim`` gathered on self/source, index R; self + source jointly P(sum|avg); sharded index -> P(sum)."""
+    sp, s = _self(call)
+    ip, rp = call.pos("index"), call.pos("source")
+    if ip is None or rp is None:
+        raise unsupported(call.op, call.specs, "needs DTensors for index and source")
+    ix, src = call.specs[ip], call.specs[rp]
+    dim = _norm(call.arg("dim"), s.ndim)
+    opts: list[Opt] = [((R, R, R), R)]
+    if src.ndim == s.ndim:
+        for d in range(s.ndim):
+            if d != dim:
+                opts.append(((Shard(d), R, Shard(d)), Shard(d)))
+    for p in _partial_kinds(s, src):
+        if _plain(p) and p.reduce_op in ("sum", "avg"):
+            opts.append(((p, R, p), p))
+    if ix.ndim == 1 and src.ndim == s.ndim and s.ndim > 0 and not _inplace(call.op):
+        ps = Partial("sum")
+        opts.append(((ps, Shard(0), Shard(dim)), ps))
+    per_dim = [_dedupe(_first(opts, (s.placements[j], ix.placements[j], src.placements[j])))
+               for j in range(s.mesh.ndim)]
+    pairs = [(0, d, 2, d) for d in range(s.ndim)]
+    return _finish(call, _candidates([sp, ip, rp], per_dim, pairs))
+
+
+# -- advanced indexing -----------------------------------------------------------------------
+
+def _index_slots(call: Call) -> list[tuple[int, int | None, Any]]:
+    """``(self dim, flat position, leaf)`` of every non-None index (position None for a plain tensor)."""
+    positions = call.positions("indices")
+    args, kwargs = call.args_kwargs()
+    raw = kwargs.get("indices", args[1] if len(args) > 1 else [])
+    out = []
+    for d, (leaf, pos) in enumerate(zip(raw, positions)):
+        if leaf is not None:
+            out.append((d, pos, leaf))
+    return out
+
+
+def _layout(ndim: int, dims: list[int], bnd: int) -> tuple[dict[int, int], int]:
+    """Result dims of ``self[indices]``: ``{non-indexed self dim: result dim}`` and where the block of
+    ``bnd`` broadcast index dims starts (in place when the indexed dims are adjacent, else first)."""
+    rest = [d for d in range(ndim) if d not in dims]
+    if dims == list(range(dims[0], dims[-1] + 1)):
+        a = dims[0]
+        return {d: (d if d < a else d - len(dims) + bnd) for d in rest}, a
+    return {d: bnd + i for i, d in enumerate(rest)}, 0
+
+
+def _index_info(call: Call, s: DTensorSpec) -> tuple[list[tuple[int, int | None, Any]], bool]:
+    slots = _index_slots(call)
+    if not slots:
+        raise unsupported(call.op, call.specs, "with no index tensor")
+    masks = False
+    for _, pos, leaf in slots:
+        dt = call.specs[pos].dtype if pos is not None else getattr(leaf, "dtype", None)
+        if dt in (torch.bool, torch.uint8):
+            masks = True
+        elif dt not in _INDEX_DTYPES:
+            raise unsupported(call.op, call.specs, f"with an index of dtype {dt}")
+    return slots, masks
+
+
+def _bshape(call: Call, slots: list[tuple[int, int | None, Any]]) -> tuple[int, ...]:
+    shapes = [tuple(call.specs[pos].shape) if pos is not None else tuple(leaf.shape) for _, pos, leaf in slots]
+    return tuple(torch.broadcast_shapes(*shapes))
+
+
+@register(aten.index.Tensor)
+def index_rule(call: Call) -> Decision:
+    """``self[indices]``: non-indexed shards kept (renumbered), a single index may be sharded instead."""
+    sp, s = _self(call)
+    slots, masks = _index_info(call, s)
+    if masks:
+        raise unsupported(call.op, call.specs, "with a boolean mask has a data-dependent output shape; "
+                                               "call .full_tensor() first and index the plain tensor")
+    dims = [d for d, _, _ in slots]
+    bshape = _bshape(call, slots)
+    dmap, start = _layout(s.ndim, dims, len(bshape))
+    ipos = [pos for _, pos, _ in slots]
+    n = 1 + len(ipos)
+    rr = (R,) * (n - 1)
+    opts: list[Opt] = [((R,) + rr, R)]
+    for d, od in dmap.items():
+        opts.append(((Shard(d),) + rr, Shard(od)))
+    if len(ipos) == 1 and ipos[0] is not None:
+        for k in range(len(bshape)):
+            opts.append(((R, Shard(k)), Shard(start + k)))
+    for p in _partial_kinds(s):
+        opts.append(((p,) + rr, p))
+    cur = lambda j: (s.placements[j],) + tuple(call.specs[p].placements[j] if p is not None else R for p in ipos)
+    per_dim = [_dedupe(_first(opts, cur(j))) for j in range(s.mesh.ndim)]
+    return _finish(call, _candidates([sp] + ipos, per_dim))
+
+
+@register(aten.index_put_.default, aten._index_put_impl_.default)
+def index_put_rule(call: Call) -> Decision:
+    """``self[indices] = values`` (``+=`` with accumulate): non-indexed shards kept with values alike."""
+    sp, s = _self(call)
+    slots, masks = _index_info(call, s)
+    vp = call.pos("values")
+    args, kwargs = call.args_kwargs()
+    vleaf = kwargs.get("values", args[2] if len(args) > 2 else None)
+    if vp is None and isinstance(vleaf, torch.Tensor) and vleaf.ndim > 0:
+        raise unsupported(call.op, call.specs, "with a plain (non-DTensor) values tensor")
+    v = call.specs[vp] if vp is not None else None
+    vshape = tuple(v.shape) if v is not None else tuple(getattr(vleaf, "shape", ()))
+    accumulate = bool(call.arg("accumulate", False))
+    dims = [d for d, _, _ in slots]
+    ipos = [pos for _, pos, _ in slots]
+    rr = (R,) * len(ipos)
+    opts: list[Opt] = [((R,) + rr + (R,), R)]
+
+    if masks:
+        numel = 1
+        for x in vshape:
+            numel *= x
+        if len(slots) != 1 or numel != 1 or ipos[0] is None:
+            return _finish(call, _candidates([sp] + ipos + [vp], [opts] * s.mesh.ndim), _values_kernel(call, vp))
+        a = dims[0]
+        m = call.specs[ipos[0]]
+        for d in range(s.ndim):
+            if a <= d < a + m.ndim:
+                opts.append(((Shard(d), Shard(d - a), R), Shard(d)))
+            else:
+                opts.append(((Shard(d), R, R), Shard(d)))
+    else:
+        bshape = _bshape(call, slots)
+        dmap, start = _layout(s.ndim, dims, len(bshape))
+        rnd = s.ndim - len(dims) + len(bshape)
+        for d, rd in dmap.items():
+            opts.append(((Shard(d),) + rr + (_values_pl(vshape, rnd, rd, s.shape[d]),), Shard(d)))
+        if accumulate and len(ipos) == 1 and ipos[0] is not None and not _inplace(call.op):
+            ps = Partial("sum")
+            for k in range(len(bshape)):
+                opts.append(((ps, Shard(k), _values_pl(vshape, rnd, start + k, bshape[k])), ps))
+    kinds = ("sum", "avg") if accumulate else ("sum", "avg", "max", "min", "product")
+    for p in _partial_kinds(s, v):
+        if _plain(p) and p.reduce_op in kinds:
+            opts.append(((p,) + rr + (p,), p))
+    if vp is None:
+        opts = [(o[0][:-1] + (R,), o[1]) for o in opts]
+    cur = lambda j: ((s.placements[j],) + tuple(call.specs[p].placements[j] if p is not None else R for p in ipos)
+                     + ((v.placements[j],) if v is not None else (R,)))
+    per_dim = [_dedupe(_first(opts, cur(j))) for j in range(s.mesh.ndim)]
+    return _finish(call, _candidates([sp] + ipos + [vp], per_dim), _values_kernel(call, vp))
+
+
+@decomposition(aten.index_put.default)
+def _index_put(self: Any, indices: Any, values: Any, accumulate: bool = False) -> Any:
+    """``_index_put_impl_`` on a clone; a plain all-zeros ``values`` (what the backward of
+    ``index_put`` builds with ``at::zeros``) counts as Replicate."""
+    values = _replicated(aten.index_put.default, values, self)
+    out = aten.clone.default(self)
+    aten._index_put_impl_.default(out, indices, values, accumulate, False)
+    return out
+
+
+def _replicated(op: Any, t: Any, ref: Any) -> Any:
+    """A plain tensor among DTensors as a Replicate DTensor: only 0-d or all-zeros ones (their
+    value cannot differ between ranks in a way the caller meant), anything else raises."""
+    from ...tensor import DTensor
+
+    if not isinstance(t, torch.Tensor) or isinstance(t, DTensor) or t.ndim == 0:
+        return t
+    if not isinstance(ref, DTensor) or bool(t.any()):
+        raise TypeError(f"{op}: got a plain torch.Tensor of shape {tuple(t.shape)} mixed with DTensors; "
+                        "convert it with distribute_tensor or DTensor.from_local")
+    mesh = ref.device_mesh
+    return DTensor.from_local(t, mesh, [R] * mesh.ndim, run_check=False)
+
+
+def _values_pl(vshape: tuple[int, ...], rnd: int, rd: int, length: int) -> Placement:
+    """Values' placement matching result dim ``rd`` sharded: ``S`` of its aligned dim, R where it broadcasts."""
+    vd = rd - (rnd - len(vshape))
+    if vd >= 0 and vshape[vd] == length and length != 1:
+        return Shard(vd)
+    return R
+
+
+def _values_kernel(call: Call, vp: int | None) -> Callable[[Candidate], Callable | None]:
+    """A plain 0-d ``values`` under a Partial output becomes this rank's term of the constant."""
+    op, mesh = call.op, call.mesh
+
+    def kernel_for(best: Candidate) -> Callable | None:
+        if vp is not None or not any(isinstance(p, Partial) for p in best.output):
+            return None
+        return _term_kernel(op, "values", 2, best.output, mesh)
+
+    return kernel_for
+
+
+# -- data-dependent shapes -------------------------------------------------------------------
+
+@register(aten.nonzero.default, aten.masked_select.default)
+def data_dependent_rule(call: Call) -> Decision:
+    """The output length depends on the values: no sharding rule can state it ahead of the kernel."""
+    raise unsupported(call.op, call.specs, "has a data-dependent output shape; call .full_tensor() on the "
+                                           "inputs first and run it on plain tensors")
