@@ -38,6 +38,7 @@ class FlatCall(tuple):
 
 
 _SEQ = (list, tuple)
+_NODES = (list, tuple, dict)
 
 
 def _shape_of(a: Any, flat: list) -> Any:
@@ -57,8 +58,21 @@ class _Nested(Exception):
     pass
 
 
+_PLAIN: dict[int, FlatCall] = {}
+
+
 def flatten_call(args: tuple, kwargs: dict) -> tuple[list, Any]:
     """``(flat leaves, treedef)`` like ``tree_flatten((args, kwargs))``, fast for shallow calls."""
+    if not kwargs:
+        for a in args:
+            if isinstance(a, _NODES):
+                break
+        else:
+            n = len(args)
+            tdef = _PLAIN.get(n)
+            if tdef is None:
+                tdef = _PLAIN[n] = FlatCall(((None,) * n, (), ()))
+            return list(args), tdef
     flat: list = []
     try:
         shapes = tuple(_shape_of(a, flat) for a in args)

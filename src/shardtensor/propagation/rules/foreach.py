@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import functools
+
 import torch
 from torch.utils._pytree import tree_flatten
 
@@ -341,8 +343,9 @@ def fused_optimizer_rule(call: Call) -> Decision:
                 s = call.specs[pos]
                 required[pos] = s.with_placements([Replicate()] * s.mesh.ndim)
     moved = any(r != s for r, s in zip(required, call.specs))
+    kernel = functools.partial(contiguous_fused, call.op)
     if inplace:
-        return Decision(tuple(required), None, moved)
+        return Decision(tuple(required), None, moved, None, kernel)
     meta = call.out_meta
     outs = []
     for lname, metas in zip(lists, meta):
@@ -350,7 +353,30 @@ def fused_optimizer_rule(call: Call) -> Decision:
         outs.append([DTensorSpec.build(call.mesh, call.specs[pp].placements, m.shape, m.stride(), m.dtype,
                                        call.specs[pp].shard_order) for pp, m in zip(params, metas)]
                     if pos_list else [])
-    return Decision(tuple(required), tuple(outs), moved)
+    return Decision(tuple(required), tuple(outs), moved, None, kernel)
+
+
+def contiguous_fused(op, *args: Any, **kwargs: Any) -> Any:
+    """Run a fused optimizer kernel on contiguous tensors (the CPU kernels index raw memory).
+
+    A redistributed grad may be a strided view; tensors the kernel updates in place are
+    copied back when they had to be made contiguous.
+    """
+    back: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def fix(v: Any) -> Any:
+        if isinstance(v, (list, tuple)):
+            return type(v)(fix(t) for t in v)
+        if isinstance(v, torch.Tensor) and not v.is_contiguous():
+            c = v.contiguous()
+            back.append((v, c))
+            return c
+        return v
+
+    out = op(*[fix(a) for a in args], **{k: fix(v) for k, v in kwargs.items()})
+    for orig, c in back:
+        orig.copy_(c)
+    return out
 
 
 # -- registration --------------------------------------------------------------------------
@@ -413,7 +439,8 @@ def _fused_sgd(op) -> Callable[..., None]:
                                       "unscales grads in place)")
                 local_g.append(g._local_tensor if want == g._spec else redistribute_local(g._local_tensor, g._spec, want))
             extra = {k: (_replicated_local(v) if isinstance(v, DTensor) else v) for k, v in kw.items()}
-            op([p._local_tensor for p in params], local_g, [b._local_tensor for b in bufs][:n] if bufs else [], **extra)
+            contiguous_fused(op, [p._local_tensor for p in params], local_g,
+                             [b._local_tensor for b in bufs][:n] if bufs else [], **extra)
             return None
         if grad_scale is not None or found_inf is not None:
             raise unsupported(op, [t._spec for t in [*params, *grads, *bufs] if isinstance(t, DTensor)],
