@@ -158,11 +158,22 @@ def placement_combos(tensors: Sequence[torch.Tensor], mesh_shape, limit: int | N
     per_input = [[c for c in itertools.product(_options(t, kinds or ()), repeat=len(mesh_shape))
                   if len({p.reduce_op for p in c if isinstance(p, Partial)}) <= 1]
                  for t, kinds in zip(tensors, per)]
-    everything = list(itertools.product(*per_input))
-    if limit is None or len(everything) <= limit:
-        return everything
+    total = 1
+    for opts in per_input:
+        total *= len(opts)
     rng = random.Random(_seed(seed, mesh_shape))
-    picked = rng.sample(everything, limit)
+    if limit is None or total <= limit:
+        return list(itertools.product(*per_input))
+    if total > 100_000:  # never materialise a huge product: draw each input independently
+        picked = []
+        seen = set()
+        while len(picked) < limit:
+            c = tuple(rng.choice(opts) for opts in per_input)
+            if c not in seen:
+                seen.add(c)
+                picked.append(c)
+    else:
+        picked = rng.sample(list(itertools.product(*per_input)), limit)
     allr = tuple(tuple(Replicate() for _ in mesh_shape) for _ in tensors)
     if allr not in picked:
         picked[-1] = allr

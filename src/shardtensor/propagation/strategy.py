@@ -141,7 +141,8 @@ def decide(call, cands: Sequence[Candidate] | Candidate, *, kernel: Callable | N
     for pos, pl in cand.inputs.items():
         s = call.specs[pos]
         pl = tuple(pl)
-        if s.placements != pl:
+        if s.placements != pl or not s.is_default_order:
+            # outputs are labelled with the default shard order, so inputs must have it too
             inputs[pos] = s.with_placements(pl)
             redistribute = True
     output = out_specs(call.mesh, call.out_meta if meta is None else meta, cand.output)

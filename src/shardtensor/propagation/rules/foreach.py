@@ -219,7 +219,8 @@ def _foreach_decision(call: Call, elem_op, rule, elements, shared: set[int], att
         if inplace:
             out = d.output
             want = d.inputs[0] if d.inputs[0] is not None else self_spec
-            if want != self_spec or (out is not None and (out.placements != self_spec.placements)):
+            if want != self_spec or (out is not None and (out.placements != self_spec.placements
+                                                           or out.shard_order != self_spec.shard_order)):
                 got = out.placements if out is not None else want.placements
                 raise RuntimeError(
                     f"shardtensor: {call.op}: in-place on element {k} with placements {self_spec.placements} would "

@@ -96,8 +96,14 @@ def _inplace_rule(call: Call) -> Decision:
                 need.append(p if call.op in ADDITIVE else Replicate())
             else:
                 need.append(Replicate())
-        if tuple(need) != s.placements:
-            inputs[i] = s.with_placements(need)
+        order = []
+        for d, js in target.shard_order:
+            keep = tuple(j for j in js if need[j] == Shard(d - (nd - s.ndim)))
+            if keep:
+                order.append((d - (nd - s.ndim), keep))
+        want = s.with_placements(need, tuple(sorted(order)))
+        if want != s:
+            inputs[i] = want
     changed = any(r is not None and r != s for r, s in zip(inputs, call.specs))
     return Decision(tuple(inputs), target, changed)
 
