@@ -194,19 +194,19 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     return _wrap(out, decision.output)
 
 
-_SELF_RETURN: dict[Any, bool] = {}
+_SELF_RETURN: dict[int, bool] = {}
 
 
 def _returns_self(func) -> bool:
     """In-place ops that return their (DTensor) self argument."""
-    r = _SELF_RETURN.get(func)
+    r = _SELF_RETURN.get(id(func))
     if r is None:
         sch = func._schema
         rets = sch.returns
         r = bool(len(rets) == 1 and rets[0].alias_info is not None and rets[0].alias_info.is_write
                  and sch.arguments and sch.arguments[0].alias_info is not None
                  and sch.arguments[0].alias_info.is_write and not sch.arguments[0].kwarg_only)
-        _SELF_RETURN[func] = r
+        _SELF_RETURN[id(func)] = r
     return r
 
 

@@ -205,6 +205,7 @@ Rule = Callable[[Call], "Decision | list"]
 RULES: dict[Any, Rule] = {}
 TAG_RULES: list[tuple[torch.Tag, Rule]] = []
 SCALARS_BY_SIGN: set[Any] = set()
+_BY_SIGN: set[int] = set()  # ids of SCALARS_BY_SIGN (OpOverload hashes in Python; ids are cheap)
 """Ops whose decision depends on a Python scalar only through its type and sign: their cache
 key holds ``(type, sign)`` so ``x * 2.0`` and ``x * 3.0`` share an entry."""
 
@@ -221,7 +222,8 @@ def register(*ops: Any, scalars_by_sign: bool = False) -> Callable[[Rule], Rule]
             RULES[op] = fn
             if scalars_by_sign:
                 SCALARS_BY_SIGN.add(op)
-            _route.pop(op, None)
+                _BY_SIGN.add(id(op))
+            _route.pop(id(op), None)
         return fn
 
     return deco
@@ -328,17 +330,18 @@ def _find_rule(op) -> Rule | None:
             if tag in tags:
                 if tag is torch.Tag.pointwise:
                     SCALARS_BY_SIGN.add(op)
+                    _BY_SIGN.add(id(op))
                 return fn
     return rule
 
 
-_route: dict[Any, Any] = {}
-"""op -> its rule, or ``("decompose", fn)``, or None: resolved once per op."""
+_route: dict[int, Any] = {}
+"""id(op) -> its rule, or ``("decompose", fn)``, or None: resolved once per op (ops live forever)."""
 
 
 def route(op) -> Any:
     """How ``op`` is handled: a rule (callable), ``("decompose", fn)``, or ``None`` (unsupported)."""
-    r = _route.get(op, _MISSING)
+    r = _route.get(id(op), _MISSING)
     if r is _MISSING:
         r = _find_rule(op)
         if r is None:
@@ -346,7 +349,7 @@ def route(op) -> Any:
 
             fn = find_decomposition(op)
             r = ("decompose", fn) if fn is not None else None
-        _route[op] = r
+        _route[id(op)] = r
     return r
 
 
@@ -355,8 +358,8 @@ _MISSING = object()
 
 def propagate(op, flat: list[Any], specs: list[DTensorSpec | None], treedef) -> Decision:
     """The decision for one call, from the cache when the same signature was seen before."""
-    fr = _sign if op in SCALARS_BY_SIGN else _freeze
-    key = (op, treedef, tuple(s if s is not None else fr(a) for a, s in zip(flat, specs)))
+    fr = _sign if id(op) in _BY_SIGN else _freeze
+    key = (id(op), treedef, tuple(s if s is not None else fr(a) for a, s in zip(flat, specs)))
     d = _cache.get(key)
     if d is not None:
         return d
