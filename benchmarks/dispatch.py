@@ -27,6 +27,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+import warnings
 import torch.nn.functional as F
 
 
@@ -62,10 +63,12 @@ def _cases(two_d: bool):
     bias = torch.randn(64, generator=g)
     if not two_d:
         S0, S1, R = ("S0",), ("S1",), ("R",)
+        rows = S0
         mm = [(a, S1), (b, S0)]
         view_pl = S0
     else:
         S0, S1, R = ("S0", "S1"), ("S1", "S0"), ("R", "R")
+        rows = ("S0", "R")  # softmax / layer_norm over the last dim: keep it whole
         mm = [(a, ("S0", "S1")), (b, ("R", "S0"))]
         view_pl = ("S0", "S1")
     return [
@@ -74,8 +77,8 @@ def _cases(two_d: bool):
         ("mul tensor", lambda x, y: x * y, [(a, S0), (b, S0)]),
         ("sum(0)->P", lambda x: x.sum(0), [(a, S0)]),
         ("matmul ->P", lambda x, y: x @ y, mm),
-        ("softmax(-1)", lambda x: torch.softmax(x, -1), [(a, S0)]),
-        ("layer_norm", lambda x, w_, b_: F.layer_norm(x, (64,), w_, b_), [(a, S0), (w, R), (bias, R)]),
+        ("softmax(-1)", lambda x: torch.softmax(x, -1), [(a, rows)]),
+        ("layer_norm", lambda x, w_, b_: F.layer_norm(x, (64,), w_, b_), [(a, rows), (w, R), (bias, R)]),
         ("view", lambda x: x.view(-1, 8, 8), [(a, view_pl)]),
         ("reshape", lambda x: x.reshape(-1, 8, 64), [(a, view_pl)]),
     ]
@@ -100,6 +103,7 @@ def main() -> int:
     miss_iters = max(10, iters // 8)
 
     torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=FutureWarning)
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
