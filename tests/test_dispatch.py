@@ -24,6 +24,11 @@ import torch.nn.functional as F
 
 from shardtensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh, run_spmd
 
+try:
+    from opcheck import data, dyadic, local_piece, partial_terms
+except ImportError:  # tests/ imported as a package
+    from tests.opcheck import data, dyadic, local_piece, partial_terms
+
 @pytest.fixture(autouse=True, scope="module")
 def _one_intra_op_thread():
     """Simulated ranks are threads; torch's intra-op pool in each of them makes every op ~30x
@@ -46,86 +51,6 @@ RES = 64.0  # data resolution: multiples of 1/RES
 # ---------------------------------------------------------------------------------------
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
-
-
-def dyadic(shape, g: torch.Generator, scale: float = 1.0, res: float = RES) -> torch.Tensor:
-    # "+ 0.0" turns -0.0 into +0.0: a sum of terms never yields -0.0, and atan2 etc. see the sign of zero
-    return torch.round(torch.randn(shape, generator=g) * scale * res) / res + 0.0
-
-
-def data(kind: str, shape, g: torch.Generator) -> torch.Tensor:
-    """Global input tensors of a few kinds (all exact in float32)."""
-    if kind == "any":
-        return dyadic(shape, g)
-    if kind == "nonzero":  # away from zero: denominators, sqrt(abs(.)) with finite grads
-        x = dyadic(shape, g)
-        return torch.where(x >= 0, x + 0.25, x - 0.25)
-    if kind == "pos":  # positive bases of pow
-        return dyadic(shape, g).abs() + 0.5
-    if kind == "coarse":  # multiples of 1/2 in [-2, 2]: ties for comparisons, exact in bf16
-        return torch.randint(-4, 5, shape, generator=g).float() / 2
-    if kind == "bool":
-        return torch.rand(shape, generator=g) > 0.5
-    if kind == "int":
-        return torch.randint(-5, 6, shape, generator=g)
-    raise ValueError(kind)
-
-
-def _chunk(n: int, k: int, r: int) -> tuple[int, int]:
-    """(offset, size) of piece r of n split into k by the chunk rule (ceil; trailing pieces short/empty)."""
-    c = -(-n // k) if n else 0
-    off = min(c * r, n)
-    return off, min(c, n - off)
-
-
-def local_piece(t: torch.Tensor, mesh_shape, coord, placements, order=None) -> torch.Tensor:
-    """This rank's piece of ``t`` under the Shard placements.
-
-    ``order`` (a DTensor's ``shard_order``: ``((tensor_dim, (mesh dims, first-applied first)), ...)``)
-    says in which order several mesh dims split one tensor dim; default: mesh dims left to right.
-    """
-    if order is None:
-        steps = [j for j, p in enumerate(placements) if isinstance(p, Shard)]
-    else:
-        steps = [j for _, js in order for j in js]
-        assert sorted(steps) == [j for j, p in enumerate(placements) if isinstance(p, Shard)], (placements, order)
-    for j in steps:
-        p = placements[j]
-        off, size = _chunk(t.shape[p.dim], mesh_shape[j], coord[j])
-        t = t.narrow(p.dim, off, size)
-    return t.clone()
-
-
-def partial_terms(x: torch.Tensor, mesh_shape, placements, g: torch.Generator) -> dict[tuple, torch.Tensor] | None:
-    """Random per-rank terms whose reduction (over every Partial mesh dim) is ``x``.
-
-    Keys are the coordinates along the Partial mesh dims.  Terms have the same resolution
-    as ``x`` so every reduction order is exact.
-    """
-    pdims = [j for j, p in enumerate(placements) if isinstance(p, Partial)]
-    if not pdims:
-        return None
-    kinds = {placements[j].reduce_op for j in pdims}
-    assert len(kinds) == 1, "tests use one Partial kind per tensor"
-    kind = kinds.pop()
-    combos = list(itertools.product(*[range(mesh_shape[j]) for j in pdims]))
-    n = len(combos)
-    if kind in ("sum", "avg"):
-        total = x * n if kind == "avg" else x
-        if x.is_floating_point():
-            # same resolution as x: coarse data keep coarse terms (exact in bf16 too)
-            fine = bool(((x * 2) != torch.round(x * 2)).any())
-            terms = [dyadic(x.shape, g, 2.0, RES if fine else 2.0) for _ in range(n - 1)]
-        else:
-            terms = [torch.randint(-3, 4, x.shape, generator=g).to(x.dtype) for _ in range(n - 1)]
-        terms.append(total - sum(terms) if terms else total.clone())
-    elif kind == "max":
-        terms = [x - dyadic(x.shape, g).abs() - 1.0 / RES for _ in range(n)]
-        who = torch.randint(0, n, x.shape, generator=g)
-        terms = [torch.where(who == i, x, t) for i, t in enumerate(terms)]
-    else:
-        raise ValueError(kind)
-    return dict(zip(combos, (t.to(x.dtype) for t in terms)))
 
 
 def placement_options(t: torch.Tensor, partial: bool = True) -> list:
