@@ -176,26 +176,26 @@ class Call:
                 return default
         raise KeyError(f"{self.op} has no argument {name!r}")
 
+    def slots(self, name: str) -> Any:
+        """Flat position(s) of argument ``name``: an int, a list of ints for a list arg, or None."""
+        args, kwargs = unflatten_call(list(range(len(self.flat))), self.treedef)
+        if name in kwargs:
+            return kwargs[name]
+        for i, a in enumerate(self.op._schema.arguments):
+            if a.name == name:
+                return args[i] if i < len(args) else None
+        return None
+
     def pos(self, name: str) -> int | None:
         """Flat position of the top-level tensor argument ``name`` (None when absent or not a DTensor)."""
-        args, kwargs = unflatten_call(list(range(len(self.flat))), self.treedef)
-        where = kwargs.get(name)
-        if where is None:
-            for i, a in enumerate(self.op._schema.arguments):
-                if a.name == name and i < len(args):
-                    where = args[i]
+        where = self.slots(name)
         if isinstance(where, int) and self.specs[where] is not None:
             return where
         return None
 
     def positions(self, name: str) -> list[int | None]:
         """Flat positions of the elements of the tensor-list argument ``name`` (None for non-DTensors)."""
-        args, kwargs = unflatten_call(list(range(len(self.flat))), self.treedef)
-        where = kwargs.get(name)
-        if where is None:
-            for i, a in enumerate(self.op._schema.arguments):
-                if a.name == name and i < len(args):
-                    where = args[i]
+        where = self.slots(name)
         if not isinstance(where, (list, tuple)):
             return []
         return [w if isinstance(w, int) and self.specs[w] is not None else None for w in where]

@@ -10,7 +10,7 @@ decision stays rank independent.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -20,12 +20,7 @@ from .. import Call, Decision, register
 
 aten = torch.ops.aten
 
-try:
-    from .. import unflatten_call as _unflatten
-except ImportError:  # engines that keep pytree specs
-    from torch.utils._pytree import tree_unflatten as _unflatten
-
-__all__ = ["new_factory_rule", "dense_stride_like"]
+__all__ = ["new_factory_rule", "dense_stride_like", "put_sizes"]
 
 KEEPS_PARTIAL = (aten.new_empty_strided.default, aten.new_empty.default, aten.new_zeros.default)
 
@@ -41,22 +36,15 @@ def dense_stride_like(shape: Sequence[int], stride: Sequence[int]) -> tuple[int,
     return tuple(out)
 
 
-def _slots(call: Call, name: str):
-    args, kwargs = _unflatten(list(range(len(call.flat))), call.treedef)
-    if name in kwargs:
-        return kwargs[name]
-    for i, a in enumerate(call.op._schema.arguments):
-        if a.name == name:
-            return args[i] if i < len(args) else None
-    return None
-
-
-def _put(flat: list, slots, values: Sequence[int]) -> None:
+def put_sizes(flat: list, slots: Any, values: Sequence[int]) -> list:
+    """A copy of the flat local args with the size argument at ``slots`` (see ``Call.slots``) set to ``values``."""
+    flat = list(flat)
     if isinstance(slots, (list, tuple)):
         for s, v in zip(slots, values):
             flat[s] = v
     elif slots is not None:
         flat[slots] = list(values)
+    return flat
 
 
 @register(aten.new_empty_strided.default, aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default,
@@ -74,16 +62,15 @@ def new_factory_rule(call: Call) -> Decision:
     out = DTensorSpec.build(s.mesh, pl, s.shape, meta.stride(), meta.dtype, s.shard_order)
     if not any(isinstance(p, Shard) for p in pl):
         return Decision(inputs, out, False)
-    size_slots = _slots(call, "size")
-    stride_slots = _slots(call, "stride") if call.op is aten.new_empty_strided.default else None
+    size_slots = call.slots("size")
+    stride_slots = call.slots("stride") if call.op is aten.new_empty_strided.default else None
     global_stride = tuple(meta.stride())
 
     def local_args(flat: list) -> list:
         shape = out.local_shape
-        flat = list(flat)
-        _put(flat, size_slots, shape)
+        flat = put_sizes(flat, size_slots, shape)
         if stride_slots is not None:
-            _put(flat, stride_slots, dense_stride_like(shape, global_stride))
+            flat = put_sizes(flat, stride_slots, dense_stride_like(shape, global_stride))
         return flat
 
     return Decision(inputs, out, False, local_args)

@@ -37,7 +37,7 @@ from ...placement import NormPartial, Partial, Placement, Replicate, Shard
 from ...spec import DTensorSpec
 from .. import Call, Decision, register, unsupported
 from ..decompose import decomposition
-from ..strategy import Candidate, out_specs, select
+from ..strategy import Candidate, decide, select
 
 aten = torch.ops.aten
 
@@ -126,17 +126,7 @@ def _finish(call: Call, cands: Sequence[Candidate],
             kernel_for: Callable[[Candidate], Callable | None] | None = None) -> Decision:
     """Cheapest candidate; inputs get the default shard order (so chunks of paired tensors align)."""
     best = select(call, cands)
-    inputs = list(call.specs)
-    moved = False
-    for pos, pl in best.inputs.items():
-        s = call.specs[pos]
-        pl = tuple(pl)
-        if s.placements != pl or not s.is_default_order:
-            inputs[pos] = s.with_placements(pl)
-            moved = True
-    output = out_specs(call.mesh, call.out_meta, best.output)
-    kernel = kernel_for(best) if kernel_for is not None else None
-    return Decision(tuple(inputs), output, moved, None, kernel)
+    return decide(call, best, kernel=kernel_for(best) if kernel_for is not None else None)
 
 
 def _partial_kinds(*specs: DTensorSpec | None) -> list[Partial]:

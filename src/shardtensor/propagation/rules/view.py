@@ -34,13 +34,9 @@ from ...placement import NormPartial, Partial, Placement, Replicate, Shard, Shar
 from ...spec import DTensorSpec
 from .. import Call, Decision, register, unsupported
 from ..strategy import Candidate, select
+from .factory import put_sizes
 
 aten = torch.ops.aten
-
-try:
-    from .. import unflatten_call as _unflatten
-except ImportError:  # engines that keep pytree specs
-    from torch.utils._pytree import tree_unflatten as _unflatten
 
 __all__ = ["view_rule", "view_groups", "exact_prefix"]
 
@@ -48,27 +44,6 @@ R = Replicate()
 
 
 # -- shared helpers --------------------------------------------------------------------------
-
-def _slots(call: Call, name: str) -> Any:
-    """Flat position(s) of argument ``name``: an int, a list of ints for a list arg, or None."""
-    args, kwargs = _unflatten(list(range(len(call.flat))), call.treedef)
-    if name in kwargs:
-        return kwargs[name]
-    for i, a in enumerate(call.op._schema.arguments):
-        if a.name == name:
-            return args[i] if i < len(args) else None
-    return None
-
-
-def _put_sizes(flat: list, slots: Any, values: Sequence[int]) -> list:
-    flat = list(flat)
-    if isinstance(slots, (list, tuple)):
-        for s, v in zip(slots, values):
-            flat[s] = v
-    elif slots is not None:
-        flat[slots] = list(values)
-    return flat
-
 
 def _norm(dim: int, n: int) -> int:
     n = max(n, 1)
@@ -131,12 +106,12 @@ def follow(call: Call, pos: int, dim_map: dict[int, int], metas: Any, *, gather:
 
 def _local_sizes(call: Call, name: str, out_spec: DTensorSpec) -> Callable[[list], list] | None:
     """Per-rank rewrite of the size argument ``name`` to the output's local shape."""
-    slots = _slots(call, name)
+    slots = call.slots(name)
     if slots is None or not any(isinstance(p, Shard) for p in out_spec.placements):
         return None
 
     def local_args(flat: list) -> list:
-        return _put_sizes(flat, slots, out_spec.local_shape)
+        return put_sizes(flat, slots, out_spec.local_shape)
 
     return local_args
 
