@@ -25,15 +25,40 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import pytest
 import torch
 
-from shardtensor import DTensor, Partial, Replicate, Shard, init_device_mesh, run_spmd
+from shardtensor import DTensor, Partial, Replicate, Shard, comm, init_device_mesh, run_spmd
 
-__all__ = ["check", "dyadic", "data", "local_piece", "partial_terms", "placement_combos", "MESHES", "gen", "Prepared"]
+__all__ = ["check", "one_thread", "run_recorded", "dyadic", "data", "local_piece", "partial_terms", "placement_combos", "MESHES", "gen", "Prepared"]
 
 MESHES = [(4,), (2, 2)]
 TIMEOUT = 60.0
 RES = 64.0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread while a test module runs: simulated ranks are threads, and torch's pool
+    in each of them oversubscribes the cores (every op ~30x slower).  Import it to enable it."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def run_recorded(mesh_shape, body: Callable, *args) -> tuple[list, list]:
+    """Run ``body(mesh, *args)`` on every simulated rank; (per-rank results, comm events but barriers)."""
+    n = 1
+    for k in mesh_shape:
+        n *= k
+
+    def rank_fn():
+        return body(init_device_mesh("cpu", mesh_shape), *args)
+
+    with comm.recording() as log:
+        out = run_spmd(rank_fn, n, timeout=30)
+    return out, [e for e in log.events if e.kind != "barrier"]
 
 
 def gen(seed: Any) -> torch.Generator:

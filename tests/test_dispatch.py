@@ -25,20 +25,9 @@ import torch.nn.functional as F
 from shardtensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh, run_spmd
 
 try:
-    from opcheck import data, dyadic, local_piece, partial_terms
+    from opcheck import data, dyadic, local_piece, one_thread, partial_terms  # noqa: F401 (one_thread: autouse)
 except ImportError:  # tests/ imported as a package
-    from tests.opcheck import data, dyadic, local_piece, partial_terms
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    """Simulated ranks are threads; torch's intra-op pool in each of them makes every op ~30x
-    slower on a small machine (spinning workers fight the rank threads).  One thread per op
-    keeps this file fast; the numbers do not change."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
+    from tests.opcheck import data, dyadic, local_piece, one_thread, partial_terms  # noqa: F401
 
 MESHES = [(4,), (2, 2)]
 SHAPES = [(8, 4), (7, 5), (3, 5)]

@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from opcheck import one_thread  # noqa: E402,F401  (autouse fixture: one intra-op thread)
 
 from shardtensor import DTensor, Replicate, Shard, comm, init_device_mesh, run_spmd  # noqa: E402
 from shardtensor.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # noqa: E402
@@ -25,14 +26,6 @@ WORLD = 4
 STEPS = 5
 BATCH = 8        # global batch; each of the 4 ranks gets 2 rows
 VOCAB, DIM, SEQ = 11, 12, 7
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 # ---------------------------------------------------------------------------------------

@@ -9,20 +9,12 @@ import pytest
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from opcheck import MESHES, check, data, gen  # noqa: E402
+from opcheck import MESHES, check, data, gen, one_thread, run_recorded  # noqa: E402
 
 from shardtensor import (DTensor, Partial, Replicate, Shard, comm, distribute_tensor, init_device_mesh,  # noqa: E402
                          run_spmd)
 
 S0, S1, R = Shard(0), Shard(1), Replicate()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def _perm_index(n: int, shape: tuple[int, ...], dim: int, g: torch.Generator) -> torch.Tensor:
@@ -40,17 +32,6 @@ def _rand_index(n: int, shape, g: torch.Generator) -> torch.Tensor:
     return torch.randint(0, n, shape, generator=g)
 
 
-def _run(mesh_shape, body, *args):
-    n = 1
-    for k in mesh_shape:
-        n *= k
-
-    def rank_fn():
-        return body(init_device_mesh("cpu", mesh_shape), *args)
-
-    with comm.recording() as log:
-        out = run_spmd(rank_fn, n, timeout=30)
-    return out, [e for e in log.events if e.kind != "barrier"]
 
 
 # -- flip / roll --------------------------------------------------------------------------------
@@ -105,7 +86,7 @@ def test_gather_follows_index_without_comm():
     x = data("any", (7, 3), gen("gnc"))
     idx = _rand_index(3, (7, 2), gen("gnc2"))
     for pls, want in [(([S0], [S0]), (S0,)), (([R], [S1]), (S1,)), (([Partial("max")], [R]), (Partial("max"),))]:
-        out, events = _run((4,), lambda mesh: (lambda t, i: (torch.gather(t, 1, i).placements,
+        out, events = run_recorded((4,), lambda mesh: (lambda t, i: (torch.gather(t, 1, i).placements,
                                                              torch.gather(t, 1, i).full_tensor()))(
             *_placed(mesh, zip((x, idx), pls))))
         assert out[0][0] == want
@@ -130,7 +111,7 @@ def test_scatter_keeps_shards_and_partials():
     src = data("any", (7, 2), gen("sk2"))
     idx = _perm_index(3, (7, 2), 1, gen("sk3"))
     for pls, want in [(([S0], [S0], [S0]), (S0,)), (([Partial()], [R], [Partial()]), (Partial(),))]:
-        out, events = _run((4,), lambda mesh: torch.scatter(*_placed(mesh, [(x, pls[0])]), 1,
+        out, events = run_recorded((4,), lambda mesh: torch.scatter(*_placed(mesh, [(x, pls[0])]), 1,
                                                             *_placed(mesh, [(idx, pls[1]), (src, pls[2])])).placements)
         assert out[0] == want and events == [], (pls, out[0], events)
 
@@ -223,11 +204,11 @@ def test_index(mesh, case):
 def test_index_keeps_other_shards_without_comm():
     x = data("any", (7, 6), gen("ik"))
     idx = _rand_index(7, (4,), gen("ik2"))
-    out, events = _run((4,), lambda mesh: torch.ops.aten.index.Tensor(
+    out, events = run_recorded((4,), lambda mesh: torch.ops.aten.index.Tensor(
         distribute_tensor(x, mesh, [S1], src_data_rank=None),
         [distribute_tensor(idx, mesh, [R], src_data_rank=None)]).placements)
     assert out[0] == (S1,) and events == []
-    out, events = _run((4,), lambda mesh: torch.ops.aten.index.Tensor(
+    out, events = run_recorded((4,), lambda mesh: torch.ops.aten.index.Tensor(
         distribute_tensor(x, mesh, [R], src_data_rank=None),
         [distribute_tensor(idx, mesh, [S0], src_data_rank=None)]).placements)
     assert out[0] == (S0,) and events == []
@@ -298,7 +279,7 @@ def test_data_dependent_ops_raise():
                 msgs.append(str(e))
         return msgs
 
-    out, _ = _run((4,), body)
+    out, _ = run_recorded((4,), body)
     assert len(out[0]) == 3
     for msg in out[0]:
         assert "full_tensor" in msg and "data-dependent" in msg, msg
@@ -340,7 +321,7 @@ def test_max_dim_backward_direct():
         t.max(dim=1).values.sum().backward()
         return t.grad.full_tensor()
 
-    out, _ = _run((4,), body)
+    out, _ = run_recorded((4,), body)
     torch.testing.assert_close(out[0], want.grad)
 
 

@@ -10,17 +10,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from opcheck import MESHES, check, data, gen, local_piece  # noqa: E402
+from opcheck import MESHES, check, data, gen, local_piece, one_thread  # noqa: E402
 
 from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor, init_device_mesh, run_spmd  # noqa: E402
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def _same_placements(seen) -> None:

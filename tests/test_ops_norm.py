@@ -16,7 +16,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from opcheck import MESHES, check, data, gen, placement_combos  # noqa: E402
+from opcheck import MESHES, check, data, gen, placement_combos, one_thread  # noqa: E402
 
 from shardtensor import (DTensor, Partial, Replicate, Shard, comm, distribute_tensor,  # noqa: E402
                          init_device_mesh, run_spmd)
@@ -28,14 +28,6 @@ INF = math.inf
 CASES = [((8, 6), (4,)), ((7, 5), (4,)), ((7, 5), (2, 2)), ((3, 5), (4,)), ((3, 5), (2, 2))]
 """Lengths 8, 7 (2,2,2,1 on four ranks) and 3 (1,1,1,0: an empty shard) on both meshes."""
 TOL = dict(rtol=1e-4, atol=1e-4)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def one_kind_combos(tensors, mesh, kinds, limit, seed) -> list:

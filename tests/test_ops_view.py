@@ -15,7 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from opcheck import MESHES, data, gen, local_piece, placement_combos  # noqa: E402
+from opcheck import MESHES, data, gen, local_piece, placement_combos, one_thread, run_recorded  # noqa: E402
 from opcheck import check as _check  # noqa: E402
 
 from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor, init_device_mesh, run_spmd  # noqa: E402
@@ -25,23 +25,13 @@ from shardtensor.propagation.rules.view import exact_prefix, view_groups  # noqa
 P2 = ("sum", "max")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def check(fn, values, mesh, *, partial=("sum",), limit=12, seed=0, **kw):
-    """``opcheck.check`` over combos without mixed Partial kinds on one tensor (undefined, ops.md 1.4)."""
+    """``opcheck.check`` over ``limit`` combos that always include all-Replicate."""
     tensors = [v for v in values if isinstance(v, torch.Tensor)] + [
         x for v in values if isinstance(v, (list, tuple)) for x in v if isinstance(x, torch.Tensor)]
     if kw.get("combos") is not None:
         return _check(fn, values, mesh, seed=seed, **kw)
-    combos = placement_combos(tensors, mesh, None, seed, partial)
-    combos = [c for c in combos
-              if all(len({p.reduce_op for p in pl if isinstance(p, Partial)}) <= 1 for pl in c)]
+    combos = placement_combos(tensors, mesh, None, seed, partial)  # never mixes Partial kinds on one tensor
     if len(combos) > limit:
         import random
         allr = tuple(tuple(Replicate() for _ in mesh) for _ in tensors)
@@ -166,18 +156,6 @@ def test_select_scatter(mesh):
 
 # -- explicit placements and communication ------------------------------------------------------
 
-def _run(mesh_shape, body, *args):
-    """Run ``body(mesh, *args)`` on every simulated rank; return (per-rank results, comm events)."""
-    n = 1
-    for k in mesh_shape:
-        n *= k
-
-    def rank_fn():
-        return body(init_device_mesh("cpu", mesh_shape), *args)
-
-    with comm.recording() as log:
-        out = run_spmd(rank_fn, n, timeout=30)
-    return out, [e for e in log.events if e.kind != "barrier"]
 
 
 def _local(x, mesh, placements):
@@ -193,7 +171,7 @@ def test_view_keeps_shard_without_comm():
         z = _local(x, mesh, [Shard(0)]).view(-1, 2, 6)
         return y.placements, tuple(y.to_local().shape), z.placements, y.to_local().clone()
 
-    res, events = _run((4,), body)
+    res, events = run_recorded((4,), body)
     assert not events
     for r, (pl, shape, pl2, local) in enumerate(res):
         assert pl == (Shard(0),) and pl2 == (Shard(0),) and shape == (1, 2, 6)
@@ -205,17 +183,17 @@ def test_view_nested_and_uneven_exact():
         y = _local(x, mesh, pl).view(shape)
         return y.placements, tuple(y.to_local().shape)
 
-    res, events = _run((2, 2), body, _x((8, 6)), [Shard(0), Shard(0)], (48,))
+    res, events = run_recorded((2, 2), body, _x((8, 6)), [Shard(0), Shard(0)], (48,))
     assert not events and res[0][0] == (Shard(0), Shard(0)) and res[3][1] == (12,)
-    res, events = _run((4,), body, _x((7, 2)), [Shard(0)], (14,))
+    res, events = run_recorded((4,), body, _x((7, 2)), [Shard(0)], (14,))
     assert not events and res[0][0] == (Shard(0),) and [r[1] for r in res] == [(4,), (4,), (4,), (2,)]
-    res, events = _run((4,), body, _x((3, 2)), [Shard(0)], (6,))
+    res, events = run_recorded((4,), body, _x((3, 2)), [Shard(0)], (6,))
     assert not events and [r[1] for r in res] == [(2,), (2,), (2,), (0,)]
-    res, _ = _run((4,), body, _x((5, 2)), [Shard(0)], (10,))
+    res, _ = run_recorded((4,), body, _x((5, 2)), [Shard(0)], (10,))
     assert res[0][0] == (Replicate(),)
-    res, _ = _run((4,), body, _x((8,)), [Shard(0)], (2, 4))
+    res, _ = run_recorded((4,), body, _x((8,)), [Shard(0)], (2, 4))
     assert res[0][0] == (Replicate(),)
-    res, _ = _run((2, 2), body, _x((12,)), [Shard(0), Shard(0)], (6, 2))  # only the outer level is exact
+    res, _ = run_recorded((2, 2), body, _x((12,)), [Shard(0), Shard(0)], (6, 2))  # only the outer level is exact
     assert res[0][0] == (Shard(0), Replicate()) and all(r[1] == (3, 2) for r in res)
     check(lambda t: t.view(6, 2), [_x((12,))], (2, 2), combos=[((Shard(0), Shard(0)),), ((Shard(0), Partial()),)])
 
@@ -231,7 +209,7 @@ def test_transpose_stack_select_placements():
                 torch.stack([a, a], 0).placements, c.select(-2, -1).placements, torch.cat([a, a], 1).placements,
                 c.permute(2, 0, 1).placements, c.unsqueeze(0).placements)
 
-    res, events = _run((4,), body)
+    res, events = run_recorded((4,), body)
     assert not events
     assert res[0] == ((Shard(1),), (Shard(1),), (Shard(2),), (Shard(1),), (Shard(1),), (Shard(0),), (Shard(0),),
                       (Shard(3),))
@@ -251,7 +229,7 @@ def test_select_broadcasts_one_row():
 
     for mesh, pl, order in [((4,), [Shard(0)], None), ((2, 2), [Shard(0), Shard(0)], {0: [1, 0]}),
                             ((2, 2), [Shard(0), Shard(1)], None)]:
-        res, _ = _run(mesh, body, pl, order)
+        res, _ = run_recorded(mesh, body, pl, order)
         for rows, kinds in res:
             assert kinds == {"broadcast"}
             for (placements, full), expect in zip(rows, [x[0], x[3], x[-1], x[6, 2]]):
@@ -287,7 +265,7 @@ def test_non_default_shard_order():
                 out[name] = (y.placements, y.shard_order, y.to_local().clone(), y.full_tensor())
         return tuple(mesh.get_coordinate()), out
 
-    res, _ = _run((2, 2), body)
+    res, _ = run_recorded((2, 2), body)
     for coord, out in res:
         for name, (pl, order, local, full) in out.items():
             expect = NESTED_OPS[name](x)
@@ -303,7 +281,7 @@ def test_squeeze_global_length_only():
         z = _local(_x((1, 5)), mesh, [Shard(0)]).squeeze(0)
         return y.placements, tuple(y.to_local().shape), z.placements, tuple(z.to_local().shape)
 
-    res, _ = _run((4,), body)
+    res, _ = run_recorded((4,), body)
     assert [r[1] for r in res] == [(2,), (2,), (2,), (1,)]
     assert all(r[0] == (Shard(0),) for r in res)
     assert all(r[2] == (Replicate(),) and r[3] == (5,) for r in res)
@@ -314,7 +292,7 @@ def test_split_outputs_and_partials():
         x = DTensor.from_local(torch.ones(7, 4), mesh, [Partial("max")])
         return [p.placements for p in torch.split(x, [3, 1], dim=1)]
 
-    res, events = _run((4,), body)
+    res, events = run_recorded((4,), body)
     assert not events and res[0] == [(Partial("max"),), (Partial("max"),)]
 
 
@@ -329,7 +307,7 @@ def test_new_zeros_local_shapes():
         return (y.placements, tuple(y.to_local().shape), z.placements, tuple(z.to_local().shape),
                 w.placements, tuple(w.to_local().shape), y.full_tensor(), z.full_tensor())
 
-    res, _ = _run((4,), body)
+    res, _ = run_recorded((4,), body)
     assert [r[1] for r in res] == [(2, 5), (2, 5), (2, 5), (1, 5)]
     for r in res:
         assert r[0] == (Shard(0),) and r[2] == (Replicate(),) and r[3] == (3, 4) and r[4] == (Shard(0),)
@@ -346,7 +324,7 @@ def test_view_minus1_concrete_local_sizes():
         z = x.reshape(7, -1, 2)
         return y.placements, tuple(y.to_local().shape), tuple(z.to_local().shape)
 
-    res, events = _run((4,), body)
+    res, events = run_recorded((4,), body)
     assert not events
     assert [r[1] for r in res] == [(2, 3, 2)] * 3 + [(1, 3, 2)]
     assert [r[2] for r in res] == [(2, 3, 2)] * 3 + [(1, 3, 2)]
@@ -361,7 +339,7 @@ def test_new_empty_strided_uneven():
                 return (y.placements, tuple(y.stride()), tuple(y.to_local().shape), tuple(y.to_local().stride()),
                     tuple(z.to_local().stride()))
 
-    res, _ = _run((4,), body)
+    res, _ = run_recorded((4,), body)
     for r, (pl, gstride, shape, stride, zstride) in enumerate(res):
         assert pl == (Shard(0),) and gstride == (1, 7)
         assert shape == ((2, 5) if r < 3 else (1, 5))
@@ -397,7 +375,7 @@ def test_as_strided():
             torch.as_strided(x, (4, 6), (6, 1))
         return y.placements
 
-    res, _ = _run((4,), body)
+    res, _ = run_recorded((4,), body)
     assert res[0] == (Shard(0),)
 
 

@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from opcheck import one_thread  # noqa: E402,F401  (autouse fixture: one intra-op thread)
 
 import shardtensor
 from shardtensor import DTensor, Replicate, Shard, comm, init_device_mesh, run_spmd
@@ -228,14 +229,6 @@ def assert_matches(results: list, ref_losses: list[float], ref_params: dict) -> 
 
 
 # -- tests ------------------------------------------------------------------------------------
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
 
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
 @pytest.mark.parametrize("hidden", [16, 14])
