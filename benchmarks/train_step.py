@@ -32,7 +32,7 @@ def _rank(rank: int, world: int, warmup: int, iters: int):
 
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     torch.set_num_threads(1)
-    from shardtensor.train import BATCH, build_model, batch, loss_of, tp_plan
+    from shardtensor.train import BATCH, build_model, batch
 
     def step_loop(model, mesh_dp_rank, to_full):
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -57,18 +57,11 @@ def _rank(rank: int, world: int, warmup: int, iters: int):
         return times, losses
 
     # ours
-    from shardtensor import fully_shard, init_device_mesh
-    from shardtensor.parallel import ColwiseParallel, parallelize_module
-    from shardtensor.placement import Replicate
+    from shardtensor import init_device_mesh
+    from shardtensor.train import parallelize
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    m = build_model(0)
-    for blk in m.blocks:
-        parallelize_module(blk, mesh["tp"], tp_plan())
-    parallelize_module(m, mesh["tp"], {"head": ColwiseParallel(output_layouts=Replicate())})
-    for blk in m.blocks:
-        fully_shard(blk, mesh=mesh)
-    fully_shard(m, mesh=mesh)
+    m = parallelize(build_model(0), mesh)
     ours = step_loop(m, mesh.get_local_rank("dp"), lambda t: t)
 
     # PyTorch FSDP2 + TP

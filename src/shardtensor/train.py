@@ -146,25 +146,33 @@ class RankResult:
     seconds: float = 0.0
 
 
-def train_rank(cfg: Config, ref: list[float], show: bool) -> RankResult:
-    """One rank's part: parallelize, shard, train ``cfg.steps`` Adam steps."""
-    from . import comm
+def parallelize(model: TinyLM, mesh) -> TinyLM:
+    """TP on ``mesh["tp"]`` (the blocks' plan, the head column-wise with a replicated output), then
+    FSDP on the whole (dp, tp) mesh: every block, then the root."""
     from .fsdp import fully_shard
-    from .mesh import init_device_mesh
     from .parallel import ColwiseParallel, parallelize_module
-    from .placement import Replicate, display
+    from .placement import Replicate
 
-    torch.manual_seed(cfg.seed)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    dp = mesh.get_local_rank("dp")
-    rank = mesh.get_rank()
-    model = build_model(cfg.seed)
     for blk in model.blocks:
         parallelize_module(blk, mesh["tp"], tp_plan())
     parallelize_module(model, mesh["tp"], {"head": ColwiseParallel(output_layouts=Replicate())})
     for blk in model.blocks:
         fully_shard(blk, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return model
+
+
+def train_rank(cfg: Config, ref: list[float], show: bool) -> RankResult:
+    """One rank's part: parallelize, shard, train ``cfg.steps`` Adam steps."""
+    from . import comm
+    from .mesh import init_device_mesh
+    from .placement import display
+
+    torch.manual_seed(cfg.seed)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh.get_local_rank("dp")
+    rank = mesh.get_rank()
+    model = parallelize(build_model(cfg.seed), mesh)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     half = BATCH // 2
     res = RankResult([])
