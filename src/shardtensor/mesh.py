@@ -1,6 +1,8 @@
 """DeviceMesh: an n-D array of ranks with named dims, one communication group per mesh dim."""
 from __future__ import annotations
 
+import itertools
+import math
 from typing import Sequence
 
 import torch
@@ -46,10 +48,18 @@ class DeviceMesh:
             transport.prepare_groups(self._all_groups())
 
     def _all_groups(self) -> list[Group]:
+        """Every group a collective may use: each mesh dim's, each flattened set of mesh dims'
+        (for one collective over several dims), and the whole mesh."""
         out = []
-        for j in range(self.mesh.ndim):
-            moved = self.mesh.movedim(j, -1).reshape(-1, self._shape[j])
-            out.extend(tuple(row) for row in moved.tolist())
+        m = self.mesh.ndim
+        for r in range(1, m):
+            for dims in itertools.combinations(range(m), r):
+                rest = [j for j in range(m) if j not in dims]
+                size = math.prod(self._shape[j] for j in dims)
+                if size == 1:
+                    continue
+                moved = self.mesh.permute(rest + list(dims)).reshape(-1, size)
+                out.extend(tuple(row) for row in moved.tolist())
         out.append(self._all)
         return out
 
@@ -119,26 +129,44 @@ class DeviceMesh:
         return DeviceMesh(self.device_type, sub, mesh_dim_names=names_out, _prepare=False)
 
     # -- what the comm layer needs -----------------------------------------------------
-    def group_ranks(self, mesh_dim: int | None) -> Group:
-        """Global ranks of this rank's group along ``mesh_dim`` (``None``: the whole mesh)."""
+    def group_ranks(self, mesh_dim: int | tuple[int, ...] | None) -> Group:
+        """Global ranks of this rank's group along ``mesh_dim`` (``None``: the whole mesh).
+
+        A tuple of mesh dims names their flattened group, ordered row-major over the dims as
+        listed (the first is the most significant).
+        """
         if mesh_dim is None:
             return self._all
         rank = current_transport().rank
         groups = self._groups.get(rank)
         if groups is None:
             groups = self._groups[rank] = self._groups_through(self._coords[rank])
+        if type(mesh_dim) is tuple:
+            g = groups.get(mesh_dim)
+            if g is None:
+                idx: list[object] = list(self._coords[rank])
+                for j in mesh_dim:
+                    idx[j] = slice(None)
+                sub = self.mesh[tuple(idx)]
+                asc = sorted(mesh_dim)
+                g = groups[mesh_dim] = tuple(sub.permute([asc.index(j) for j in mesh_dim]).flatten().tolist())
+            return g
         return groups[mesh_dim]
 
-    def _groups_through(self, coord: tuple[int, ...]) -> list[Group]:
-        out = []
+    def _groups_through(self, coord: tuple[int, ...]) -> dict:
+        out: dict = {}
         for j in range(self.ndim):
             idx: list[object] = list(coord)
             idx[j] = slice(None)
-            out.append(tuple(self.mesh[tuple(idx)].tolist()))
+            out[j] = tuple(self.mesh[tuple(idx)].tolist())
         return out
 
-    def group_size(self, mesh_dim: int | None) -> int:
-        return len(self._all) if mesh_dim is None else self._shape[mesh_dim]
+    def group_size(self, mesh_dim: int | tuple[int, ...] | None) -> int:
+        if mesh_dim is None:
+            return len(self._all)
+        if type(mesh_dim) is tuple:
+            return math.prod(self._shape[j] for j in mesh_dim)
+        return self._shape[mesh_dim]
 
     @property
     def device(self) -> torch.device:

@@ -35,7 +35,7 @@ class CommEvent:
 
     kind: str
     rank: int
-    mesh_dim: int | None
+    mesh_dim: int | tuple[int, ...] | None
     group: Group
     bytes_sent: int
     bytes_received: int
@@ -50,6 +50,9 @@ class CommEvent:
     def group_size(self) -> int:
         return len(self.group)
 
+
+MeshDims = int | tuple[int, ...] | None
+"""A mesh dim, a tuple of mesh dims (their flattened group, first dim most significant), or None (the mesh)."""
 
 _listeners: list[Callable[[CommEvent], None]] = []
 _lock = threading.Lock()
@@ -141,7 +144,7 @@ def current_transport() -> Transport:
     return t
 
 
-def record(kind: str, mesh_dim: int | None, group: Group, rank: int, sent: int, received: int,
+def record(kind: str, mesh_dim: MeshDims, group: Group, rank: int, sent: int, received: int,
            dtype: torch.dtype, shape: tuple[int, ...], seconds: float, backend: str) -> None:
     """The recording point: hand one event to every listener (cheap when there are none)."""
     if not _listeners:
@@ -158,7 +161,7 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _run(kind: str, mesh: "DeviceMesh", mesh_dim: int | None, t: torch.Tensor, sent: int, received: int,
+def _run(kind: str, mesh: "DeviceMesh", mesh_dim: MeshDims, t: torch.Tensor, sent: int, received: int,
          call: Callable[[Transport, Group], torch.Tensor]) -> torch.Tensor:
     group = mesh.group_ranks(mesh_dim)
     tr = mesh.transport
@@ -170,35 +173,35 @@ def _run(kind: str, mesh: "DeviceMesh", mesh_dim: int | None, t: torch.Tensor, s
     return out
 
 
-def all_gather(t: torch.Tensor, mesh: "DeviceMesh", mesh_dim: int | None) -> torch.Tensor:
+def all_gather(t: torch.Tensor, mesh: "DeviceMesh", mesh_dim: MeshDims) -> torch.Tensor:
     """Stack of every group member's ``t``: shape ``(k, *t.shape)``, group-rank order."""
     k = mesh.group_size(mesh_dim)
     b = (k - 1) * _nbytes(t)
     return _run("all_gather", mesh, mesh_dim, t, b, b, lambda tr, g: tr.all_gather(t, g))
 
 
-def all_reduce(t: torch.Tensor, op: str, mesh: "DeviceMesh", mesh_dim: int | None) -> torch.Tensor:
+def all_reduce(t: torch.Tensor, op: str, mesh: "DeviceMesh", mesh_dim: MeshDims) -> torch.Tensor:
     """Element-wise ``op`` over the group (a new tensor)."""
     k = mesh.group_size(mesh_dim)
     b = 2 * (k - 1) * _nbytes(t) // k
     return _run("all_reduce", mesh, mesh_dim, t, b, b, lambda tr, g: tr.all_reduce(t, op, g))
 
 
-def reduce_scatter(t: torch.Tensor, op: str, mesh: "DeviceMesh", mesh_dim: int | None) -> torch.Tensor:
+def reduce_scatter(t: torch.Tensor, op: str, mesh: "DeviceMesh", mesh_dim: MeshDims) -> torch.Tensor:
     """``t`` is ``(k, *s)``; group rank ``i`` gets ``op`` over every member's block ``i``."""
     k = mesh.group_size(mesh_dim)
     b = (k - 1) * _nbytes(t) // k
     return _run("reduce_scatter", mesh, mesh_dim, t, b, b, lambda tr, g: tr.reduce_scatter(t, op, g))
 
 
-def all_to_all(t: torch.Tensor, mesh: "DeviceMesh", mesh_dim: int | None) -> torch.Tensor:
+def all_to_all(t: torch.Tensor, mesh: "DeviceMesh", mesh_dim: MeshDims) -> torch.Tensor:
     """``t`` is ``(k, *s)``; block ``i`` goes to group rank ``i``; result block ``i`` came from it."""
     k = mesh.group_size(mesh_dim)
     b = (k - 1) * _nbytes(t) // k
     return _run("all_to_all", mesh, mesh_dim, t, b, b, lambda tr, g: tr.all_to_all(t, g))
 
 
-def broadcast(t: torch.Tensor, src: int, mesh: "DeviceMesh", mesh_dim: int | None) -> torch.Tensor:
+def broadcast(t: torch.Tensor, src: int, mesh: "DeviceMesh", mesh_dim: MeshDims) -> torch.Tensor:
     """Group rank ``src``'s ``t`` on every member (``t`` elsewhere gives only shape and dtype)."""
     k = mesh.group_size(mesh_dim)
     me = mesh.group_ranks(mesh_dim).index(mesh.transport.rank)

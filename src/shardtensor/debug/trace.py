@@ -195,13 +195,23 @@ _KEYS: dict[str, Callable[["CommTrace", CommEvent], Any]] = {
     "op": lambda t, e: next((s for s in reversed(e.scope) if s not in t.module_labels), "(no op)"),
     "modules": lambda t, e: "/".join(s for s in e.scope if s in t.module_labels) or "(no module)",
     "rank": lambda t, e: e.rank,
-    "mesh_dim": lambda t, e: "-" if e.mesh_dim is None else e.mesh_dim,
+    "mesh_dim": lambda t, e: "-" if e.mesh_dim is None else (
+        "+".join(map(str, e.mesh_dim)) if isinstance(e.mesh_dim, tuple) else e.mesh_dim),
     "group_size": lambda t, e: e.group_size,
     "dtype": lambda t, e: _dtype_name(e.dtype),
     "backend": lambda t, e: e.backend,
 }
 
 _NUMERIC = ("rank", "mesh_dim", "group_size")
+
+
+def _num_key(x: Any) -> tuple:
+    """Sort key of a numeric column: ``-`` first, then ints; a flattened ``0+1`` after its first dim."""
+    if x == "-":
+        return (-1,)
+    if isinstance(x, str):
+        return tuple(int(v) for v in x.split("+"))
+    return (x,)
 _TITLES = {"module": "module / op", "scope": "module / op", "modules": "module", "op": "op",
            "mesh_dim": "mesh dim", "group_size": "group"}
 
@@ -322,8 +332,8 @@ class CommTrace:
             head = [" / ".join(_TITLES.get(k, k) for k in keys), "count", "ranks", "sent", "received", "time"]
             rows = []
             if any(k in _NUMERIC for k in keys):
-                order = sorted(groups.items(), key=lambda kv: tuple(str(x) if k not in _NUMERIC else
-                                                                   (-1 if x == "-" else x) for k, x in zip(keys, kv[0])))
+                order = sorted(groups.items(), key=lambda kv: tuple((str(x),) if k not in _NUMERIC else _num_key(x)
+                                                                   for k, x in zip(keys, kv[0])))
             else:
                 order = sorted(groups.items(), key=lambda kv: (-kv[1]["bytes_sent"], -kv[1]["count"], str(kv[0])))
             for v, r in order:

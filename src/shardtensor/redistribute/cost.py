@@ -22,30 +22,38 @@ P(sum)<->P(avg)    none (rescale)     0                                         
 S->P (backward)    all-gather         as S->R                                     ``k-1``
 =================  =================  ==========================================  =========
 
-Time of a step on mesh dim ``j``: ``latency * alpha_j + bytes * beta_j`` (``LinkModel`` per
-mesh dim; intra-host and inter-host links differ).  Exact arithmetic: :func:`step_comm` returns
-the element count as a numerator over a denominator (only the all-reduce is fractional).
+Time of a step on mesh dim ``j``: ``launch_j + latency * alpha_j + bytes * beta_j`` for a
+collective (``LinkModel`` per mesh dim; intra-host and inter-host links differ), 0 for a local
+step.  ``alpha`` is the per-hop latency of a ring; ``launch`` is the fixed cost of issuing one
+collective (library call, kernel launch, synchronisation), which the ring model leaves out and
+which is what one collective over a flattened group of mesh dims saves (``FlatStep``: a ring
+over ``K = prod k_j`` ranks; same formulas with ``k = K``, priced on the slowest link of its
+dims).  Exact arithmetic: :func:`step_comm` returns the element count as a numerator over a
+denominator (only the all-reduce is fractional).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Iterable, Sequence
 
 from ..placement import Partial, Replicate, Shard
 
 __all__ = ["LinkModel", "DEFAULT_LINK", "normalize_links", "logical_shape", "step_comm", "step_bytes",
-           "step_latency", "step_time", "plan_cost"]
+           "step_latency", "step_time", "step_link", "plan_cost", "plan_score"]
 
 
 @dataclass(frozen=True)
 class LinkModel:
-    """Per-mesh-dim link: ``alpha`` seconds per latency term, ``beta`` seconds per byte."""
+    """Per-mesh-dim link: ``alpha`` seconds per latency term (ring hop), ``beta`` seconds per
+    byte, ``launch`` seconds per collective issued."""
 
     alpha: float = 5e-6
     beta: float = 4e-11
+    launch: float = 2e-5
 
     def __post_init__(self) -> None:
-        if not (self.alpha >= 0 and self.beta >= 0):
+        if not (self.alpha >= 0 and self.beta >= 0 and self.launch >= 0):
             raise ValueError(f"LinkModel needs alpha >= 0 and beta >= 0, got {self!r}")
 
 
@@ -69,13 +77,13 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def logical_shape(step, global_shape: Sequence[int], mesh_shape: Sequence[int]) -> tuple[int, ...]:
-    """Coordinate-0 logical shape of ``step``: every sharding of its state but its own mesh dim's."""
+    """Coordinate-0 logical shape of ``step``: every sharding of its state but its own mesh dims'."""
     shape = list(global_shape)
-    j = step.mesh_dim
+    own = step.mesh_dims
     for d, js in step.order:
         div = 1
         for i in js:
-            if i != j:
+            if i not in own:
                 div *= mesh_shape[i]
         if div > 1:
             shape[d] = _cdiv(shape[d], div)
@@ -92,7 +100,7 @@ def _prod(xs: Iterable[int]) -> int:
 def step_comm(step, global_shape: Sequence[int], mesh_shape: Sequence[int]) -> tuple[str, int, int, int]:
     """``(kind, num, den, latency)``: the step sends ``num / den`` elements per rank."""
     src, dst, j = step.src, step.dst, step.mesh_dim
-    k = mesh_shape[j]
+    k = _prod(mesh_shape[i] for i in step.mesh_dims)
     if src == dst or k == 1:
         return "identity", 0, 1, 0
     if isinstance(src, Replicate):
@@ -131,8 +139,8 @@ def step_bytes(step, global_shape: Sequence[int], mesh_shape: Sequence[int], ite
 
 def step_latency(step, mesh_shape: Sequence[int]) -> int:
     """Number of latency terms (ring steps) of ``step``."""
-    src, dst, j = step.src, step.dst, step.mesh_dim
-    k = mesh_shape[j]
+    src, dst = step.src, step.dst
+    k = _prod(mesh_shape[i] for i in step.mesh_dims)
     if src == dst or k == 1 or isinstance(src, Replicate):
         return 0
     if isinstance(src, Partial):
@@ -144,9 +152,20 @@ def step_latency(step, mesh_shape: Sequence[int]) -> int:
     return k - 1
 
 
+def step_link(step, links: Sequence[LinkModel]) -> LinkModel:
+    """The link a step runs on: its mesh dim's, or the slowest of a flattened group's."""
+    dims = step.mesh_dims
+    if len(dims) == 1:
+        return links[dims[0]]
+    return LinkModel(max(links[i].alpha for i in dims), max(links[i].beta for i in dims),
+                     max(links[i].launch for i in dims))
+
+
 def step_time(step, global_shape, mesh_shape, itemsize: int, link: LinkModel) -> float:
     _, num, den, lat = step_comm(step, global_shape, mesh_shape)
-    return lat * link.alpha + link.beta * (num * itemsize / den)
+    if not lat:
+        return 0.0
+    return link.launch + lat * link.alpha + link.beta * (num * itemsize / den)
 
 
 def plan_cost(steps, global_shape: Sequence[int], mesh_shape: Sequence[int], itemsize: int,
@@ -157,8 +176,29 @@ def plan_cost(steps, global_shape: Sequence[int], mesh_shape: Sequence[int], ite
     total_time = 0.0
     for st in steps:
         _, num, den, lat = step_comm(st, global_shape, mesh_shape)
+        if not lat:
+            continue
         b = num * itemsize / den
         total_bytes += b
-        link = lk[st.mesh_dim]
-        total_time += lat * link.alpha + link.beta * b
+        link = step_link(st, lk)
+        total_time += link.launch + lat * link.alpha + link.beta * b
     return total_bytes, total_time
+
+
+def plan_score(steps, global_shape: Sequence[int], mesh_shape: Sequence[int], itemsize: int,
+               links=None) -> tuple[Fraction, float]:
+    """``(bandwidth seconds, latency seconds)``: the planner's lexicographic objective (plus launches).
+
+    The bandwidth part is exact, so plans that move the same bytes on the same links tie.
+    """
+    lk = normalize_links(links, len(mesh_shape))
+    bw = Fraction(0)
+    lat_s = 0.0
+    for st in steps:
+        _, num, den, lat = step_comm(st, global_shape, mesh_shape)
+        if not lat:
+            continue
+        link = step_link(st, lk)
+        bw += Fraction(link.beta) * Fraction(num * itemsize, den)
+        lat_s += link.launch + lat * link.alpha
+    return bw, lat_s

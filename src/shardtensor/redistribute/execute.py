@@ -12,11 +12,12 @@ import torch.nn.functional as F
 from .. import comm
 from ..mesh import DeviceMesh
 from ..placement import NormPartial, Partial, Replicate, Shard, chunk, local_shape_and_offset
-from .optimal import optimal_plan
-from .planner import Step, plan
+from .flatten import best_plan
+from .planner import FlatStep, Step, plan
 
 PLANNER = "optimal"
-"""Which planner ``redistribute_local`` uses: ``"optimal"`` (fewest bytes) or ``"simple"`` (baseline)."""
+"""Which planner ``redistribute_local`` uses: ``"optimal"`` (fewest bytes, flattened groups where
+they save collectives) or ``"simple"`` (baseline)."""
 
 
 def _pad_to(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
@@ -48,17 +49,59 @@ def _merge(stacked: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _logical_len(step: Step, global_shape, mesh: DeviceMesh, coord, dim: int) -> int:
-    """Length of tensor dim ``dim`` that the step's group sees (its own split undone)."""
-    j = step.mesh_dim
-    pl = list(step.placements)
-    pl[j] = Replicate()
-    order = tuple((d, tuple(m for m in js if m != j)) for d, js in step.order)
+    """Length of tensor dim ``dim`` that the step's group sees (its own splits undone)."""
+    own = step.mesh_dims
+    pl = [Replicate() if j in own else p for j, p in enumerate(step.placements)]
+    order = tuple((d, tuple(m for m in js if m not in own)) for d, js in step.order)
     order = tuple((d, js) for d, js in order if js)
     return local_shape_and_offset(global_shape, mesh.shape, coord, pl, order)[0][dim]
 
 
+def _nested_pieces(length: int, ks: list[int]) -> list[tuple[int, int]]:
+    """``(size, offset)`` of every piece when ``length`` is split by ``ks`` in turn (row-major)."""
+    pieces = [(length, 0)]
+    for k in ks:
+        pieces = [(s, o + off) for size, o in pieces for s, off in (chunk(size, k, i) for i in range(k))]
+    return pieces
+
+
+def _apply_flat(t: torch.Tensor, step: FlatStep, global_shape, mesh: DeviceMesh) -> torch.Tensor:
+    """One collective over the flattened group of ``step.dims`` (major first)."""
+    src, dst, dims = step.src, step.dst, step.dims
+    coord = mesh.get_coordinate()
+    ks = [mesh.shape[j] for j in dims]
+    me = 0
+    for j, k in zip(dims, ks):
+        me = me * k + coord[j]
+    if isinstance(src, Partial) and isinstance(dst, Replicate):
+        t, back = _norm_pre(t, src)
+        return back(comm.all_reduce(t, src.reduce_op, mesh, dims))
+    if isinstance(src, Shard) and isinstance(dst, Replicate):
+        d = src.dim
+        pieces = _nested_pieces(_logical_len(step, global_shape, mesh, coord, d), ks)
+        c = pieces[0][0]
+        gathered = comm.all_gather(_pad_to(t, d, c).contiguous(), mesh, dims)
+        if all(size == c for size, _ in pieces):
+            return _merge(gathered, d)
+        return torch.cat([gathered[i].narrow(d, 0, size) for i, (size, _) in enumerate(pieces)], d)
+    if isinstance(src, Partial) and isinstance(dst, Shard):
+        d = dst.dim
+        pieces = _nested_pieces(t.shape[d], ks)
+        c = pieces[0][0]
+        t, back = _norm_pre(t, src)
+        if all(size == c for size, _ in pieces):
+            stack = _pieces(t, d, len(pieces))
+        else:
+            stack = torch.stack([_pad_to(t.narrow(d, off, size), d, c) for size, off in pieces])
+        out = comm.reduce_scatter(stack.contiguous(), src.reduce_op, mesh, dims)
+        return back(out.narrow(d, 0, pieces[me][0]))
+    raise NotImplementedError(f"no flattened transition from {src} to {dst} over mesh dims {dims}")
+
+
 def apply_step(t: torch.Tensor, step: Step, global_shape, mesh: DeviceMesh) -> torch.Tensor:
     """One transition (redistribute spec T0-T8) on the local tensor ``t``."""
+    if type(step) is FlatStep:
+        return _apply_flat(t, step, global_shape, mesh)
     src, dst, j = step.src, step.dst, step.mesh_dim
     k = mesh.shape[j]
     if src == dst or k == 1:
@@ -139,7 +182,7 @@ def plan_for(src_spec, dst_spec, planner: str | None = None) -> tuple[Step, ...]
     """The steps from one spec to another (rank independent; cached by the planner)."""
     if (planner or PLANNER) == "simple":
         return plan(src_spec.placements, src_spec.shard_order, dst_spec.placements, dst_spec.shard_order)
-    return optimal_plan(src_spec.placements, src_spec.shard_order, dst_spec.placements, dst_spec.shard_order,
+    return best_plan(src_spec.placements, src_spec.shard_order, dst_spec.placements, dst_spec.shard_order,
                         src_spec.shape, src_spec.mesh.shape, src_spec.dtype.itemsize)
 
 

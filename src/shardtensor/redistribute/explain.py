@@ -44,9 +44,9 @@ import torch
 
 from ..placement import (Partial, Placement, Replicate, Shard, ShardOrder, default_shard_order, display,
                          local_shape_and_offset, normalize_placements, validate_shard_order, REDUCE_OPS)
-from .cost import LinkModel, logical_shape, normalize_links, step_comm
-from .optimal import optimal_plan
-from .planner import Step, plan as simple_plan
+from .cost import LinkModel, logical_shape, normalize_links, step_comm, step_link
+from .flatten import best_plan
+from .planner import FlatStep, Step, plan as simple_plan
 
 __all__ = ["explain_redistribute", "Explanation", "ExplainedStep", "BoundTerm", "parse_placements", "parse_spec",
            "parse_shard_order", "parse_dtype", "format_bytes", "format_time"]
@@ -313,7 +313,13 @@ class ExplainedStep:
     logical_shape: tuple[int, ...]          # the (coordinate-0, padded) tensor the group works on
     bytes: float                            # sent per rank (= received)
     latency_terms: int
-    time: float                             # modeled seconds: latency_terms * alpha + bytes * beta
+    time: float                             # modeled seconds: launch + latency_terms * alpha + bytes * beta
+    mesh_dims: tuple[int, ...] = ()         # a flattened group's mesh dims, major first (else empty)
+
+    @property
+    def dims_label(self) -> str:
+        """``"1"`` for one mesh dim, ``"0+1"`` for the flattened group of mesh dims 0 and 1."""
+        return "+".join(map(str, self.mesh_dims)) if self.mesh_dims else str(self.mesh_dim)
 
     @property
     def before(self) -> str:
@@ -328,7 +334,8 @@ class ExplainedStep:
         return f"{self.before} -> {self.after}"
 
     def to_dict(self) -> dict:
-        return {"index": self.index, "mesh_dim": self.mesh_dim, "group_size": self.group_size,
+        return {"index": self.index, "mesh_dim": self.mesh_dim, "mesh_dims": list(self.mesh_dims or (self.mesh_dim,)),
+                "group_size": self.group_size,
                 "src": str(self.src), "dst": str(self.dst), "before": self.before, "after": self.after,
                 "placements_before": _pl_str(self.placements_before), "order_before": _order_json(self.order_before),
                 "placements_after": _pl_str(self.placements_after), "order_after": _order_json(self.order_after),
@@ -342,7 +349,8 @@ class ExplainedStep:
                              parse_placements(d["dst"], 1)[0], parse_placements(",".join(d["placements_before"]), m),
                              _order_from_json(d["order_before"]), parse_placements(",".join(d["placements_after"]), m),
                              _order_from_json(d["order_after"]), str(d["collective"]), tuple(d["logical_shape"]),
-                             d["bytes_per_rank"], int(d["latency_terms"]), d["time_s"])
+                             d["bytes_per_rank"], int(d["latency_terms"]), d["time_s"],
+                             tuple(d["mesh_dims"]) if len(d.get("mesh_dims", ())) > 1 else ())
 
 
 @dataclass(frozen=True)
@@ -406,7 +414,9 @@ class Explanation:
     @property
     def plan_steps(self) -> tuple[Step, ...]:
         """The planner's ``Step`` tuples (runnable with ``execute.apply_step``)."""
-        return tuple(Step(s.mesh_dim, s.src, s.dst, s.placements_before, s.order_before) for s in self.steps)
+        return tuple(FlatStep(s.mesh_dim, s.src, s.dst, s.placements_before, s.order_before, dims=s.mesh_dims)
+                     if s.mesh_dims else Step(s.mesh_dim, s.src, s.dst, s.placements_before, s.order_before)
+                     for s in self.steps)
 
     # -- text ---------------------------------------------------------------------------------
     def to_text(self) -> str:
@@ -418,7 +428,7 @@ class Explanation:
         else:
             rows = [("#", "mesh dim", "k", "transition", "collective", "logical shape", "bytes/rank", "time")]
             for s in self.steps:
-                rows.append((str(s.index), str(s.mesh_dim), str(s.group_size), s.transition,
+                rows.append((str(s.index), s.dims_label, str(s.group_size), s.transition,
                              s.collective if s.collective != "identity" else "-", str(s.logical_shape),
                              format_bytes(s.bytes), format_time(s.time)))
             widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -451,7 +461,7 @@ class Explanation:
             "itemsize": self.itemsize, "planner": self.planner,
             "src": {"display": self.src, "placements": _pl_str(self.src_placements), "order": _order_json(self.src_order)},
             "dst": {"display": self.dst, "placements": _pl_str(self.dst_placements), "order": _order_json(self.dst_order)},
-            "links": [{"alpha": lk.alpha, "beta": lk.beta} for lk in self.links],
+            "links": [{"alpha": lk.alpha, "beta": lk.beta, "launch": lk.launch} for lk in self.links],
             "steps": [s.to_dict() for s in self.steps],
             "total_bytes_per_rank": _jnum(self.total_bytes), "total_time_s": self.total_time,
             "lower_bound": {"bytes_per_rank": _jnum(self.lower_bound_bytes), "time_s": self.lower_bound_time,
@@ -467,7 +477,7 @@ class Explanation:
             tuple(d["mesh_shape"]), tuple(d["shape"]), str(d["dtype"]), int(d["itemsize"]), str(d["planner"]),
             parse_placements(",".join(d["src"]["placements"]), m), _order_from_json(d["src"]["order"]),
             parse_placements(",".join(d["dst"]["placements"]), m), _order_from_json(d["dst"]["order"]),
-            tuple(LinkModel(x["alpha"], x["beta"]) for x in d["links"]),
+            tuple(LinkModel(x["alpha"], x["beta"], x.get("launch", LinkModel.launch)) for x in d["links"]),
             tuple(ExplainedStep.from_dict(s) for s in d["steps"]), d["total_bytes_per_rank"], d["total_time_s"],
             lb["bytes_per_rank"], lb["time_s"], tuple(BoundTerm.from_dict(t) for t in lb["terms"]),
             tuple(d.get("notes", ())))
@@ -521,12 +531,13 @@ def _bound_term(j: int, a: Placement, b: Placement, mesh_shape, numel: int, item
 
 def _after(step: Step) -> tuple[tuple[Placement, ...], ShardOrder]:
     pl = list(step.placements)
-    pl[step.mesh_dim] = step.dst
     order = {d: list(js) for d, js in step.order}
-    if isinstance(step.src, Shard):
-        order[step.src.dim].remove(step.mesh_dim)
-    if isinstance(step.dst, Shard):
-        order.setdefault(step.dst.dim, []).append(step.mesh_dim)
+    for j in step.mesh_dims:
+        pl[j] = step.dst
+        if isinstance(step.src, Shard):
+            order[step.src.dim].remove(j)
+        if isinstance(step.dst, Shard):
+            order.setdefault(step.dst.dim, []).append(j)
     return tuple(pl), tuple((d, tuple(js)) for d, js in sorted(order.items()) if js)
 
 
@@ -583,7 +594,7 @@ def explain_redistribute(mesh_shape: Sequence[int], shape: Sequence[int], src, d
     if planner == "simple":
         steps = simple_plan(src_pl, s_order, dst_pl, d_order)
     else:
-        steps = optimal_plan(src_pl, s_order, dst_pl, d_order, shape, mesh_shape, itemsize,
+        steps = best_plan(src_pl, s_order, dst_pl, d_order, shape, mesh_shape, itemsize,
                              None if links is None else lk)
 
     out: list[ExplainedStep] = []
@@ -592,19 +603,22 @@ def explain_redistribute(mesh_shape: Sequence[int], shape: Sequence[int], src, d
     for i, st in enumerate(steps, 1):
         kind, num, den, lat = step_comm(st, shape, mesh_shape)
         b = Fraction(num * itemsize, den)
-        link = lk[st.mesh_dim]
-        t = lat * link.alpha + link.beta * float(b)
+        link = step_link(st, lk)
+        t = (link.launch + lat * link.alpha + link.beta * float(b)) if lat else 0.0
         total += b
         total_time += t
         pl_after, order_after = _after(st)
-        out.append(ExplainedStep(i, st.mesh_dim, mesh_shape[st.mesh_dim], st.src, st.dst, st.placements, st.order,
-                                 pl_after, order_after, kind, logical_shape(st, shape, mesh_shape),
-                                 _jnum(b), lat, t))
+        dims = st.mesh_dims
+        out.append(ExplainedStep(i, st.mesh_dim, math.prod(mesh_shape[j] for j in dims), st.src, st.dst, st.placements,
+                                 st.order, pl_after, order_after, kind, logical_shape(st, shape, mesh_shape),
+                                 _jnum(b), lat, t, dims if len(dims) > 1 else ()))
 
     numel = math.prod(shape)
     terms = tuple(_bound_term(j, a, b, mesh_shape, numel, itemsize) for j, (a, b) in enumerate(zip(src_pl, dst_pl)))
     lb = sum((Fraction(t.bytes) for t in terms), Fraction(0))
     lb_time = sum(t.latency_terms * lk[t.mesh_dim].alpha + lk[t.mesh_dim].beta * float(t.bytes) for t in terms)
+    if any(t.collective for t in terms):
+        lb_time += min(lk[t.mesh_dim].launch for t in terms if t.collective)  # at least one collective
     terms = tuple(BoundTerm(t.mesh_dim, t.src, t.dst, t.collective, _jnum(Fraction(t.bytes)), t.latency_terms, t.reason)
                   for t in terms)
 
@@ -730,7 +744,7 @@ def _draw(ex: Explanation, path: str, dpi: int) -> None:
         else:
             _draw_state(left, ex, st.placements_before, st.order_before, _PALETTE)
             _draw_state(right, ex, st.placements_after, st.order_after, _PALETTE)
-            label = (f"step {st.index}: mesh dim {st.mesh_dim} (k={st.group_size})\n{st.src} -> {st.dst}\n"
+            label = (f"step {st.index}: mesh dim {st.dims_label} (k={st.group_size})\n{st.src} -> {st.dst}\n"
                      f"{st.collective}\n{format_bytes(st.bytes)} per rank\n{format_time(st.time)}")
         mid.axis("off")
         mid.annotate("", xy=(0.98, 0.5), xytext=(0.02, 0.5), xycoords="axes fraction",

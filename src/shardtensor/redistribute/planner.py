@@ -34,6 +34,28 @@ class Step:
     def collective(self) -> str:
         return transition_kind(self.src, self.dst)
 
+    @property
+    def mesh_dims(self) -> tuple[int, ...]:
+        """The mesh dims the step's collective spans (one for a plain step)."""
+        return (self.mesh_dim,)
+
+
+@dataclass(frozen=True)
+class FlatStep(Step):
+    """One collective over the flattened group of several mesh dims, all going ``src -> dst``.
+
+    ``dims`` lists the mesh dims major first: the group rank is the row-major index of the
+    coordinates on ``dims``.  For ``S(d) -> R`` they are the last entries of ``d``'s list in
+    list order; for ``P -> S(d)`` they are appended to ``d``'s list in that order; for
+    ``P -> R`` any order.  ``mesh_dim`` is ``dims[0]``.
+    """
+
+    dims: tuple[int, ...] = ()
+
+    @property
+    def mesh_dims(self) -> tuple[int, ...]:
+        return self.dims
+
 
 def transition_kind(src: Placement, dst: Placement) -> str:
     """Name of the collective (or local op) a single-mesh-dim transition uses."""

@@ -1,0 +1,264 @@
+"""Collectives over flattened groups of mesh dims (redistribute/flatten.py, FlatStep).
+
+The planner may replace per-mesh-dim steps by one collective over the flattened group of
+several mesh dims when that moves no more bytes and saves launches.  Checked here: which plans
+flatten (and which must not), that bytes never exceed the per-dim optimum, that every plan runs
+to the right local pieces in the simulated world (even, uneven, nested orders, every partial
+kind), hand-built flattened steps of every kind, real gloo processes, explain/CLI and traces.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+from fractions import Fraction
+
+import pytest
+import torch
+
+from distributed import gloo_available, run_multiprocess
+from shardtensor import Partial, Replicate, Shard, init_device_mesh, run_spmd
+from shardtensor.placement import default_shard_order, local_shape_and_offset
+from shardtensor.redistribute import explain_redistribute
+from shardtensor.redistribute.cost import LinkModel, step_comm
+from shardtensor.redistribute.execute import apply_step
+from shardtensor.redistribute.flatten import best_plan
+from shardtensor.redistribute.optimal import optimal_plan
+from shardtensor.redistribute.planner import FlatStep
+from test_redistribute import dense, expected_slice, make_source, rank_events
+
+R, S0, S1, PS, PM = Replicate(), Shard(0), Shard(1), Partial("sum"), Partial("max")
+
+
+def _order(pl):
+    return default_shard_order(pl)
+
+
+def _bytes(steps, shape, mesh_shape, itemsize=4):
+    total = Fraction(0)
+    for st in steps:
+        _, num, den, _ = step_comm(st, shape, mesh_shape)
+        total += Fraction(num * itemsize, den)
+    return total
+
+
+# -- which plans flatten ------------------------------------------------------------------------
+
+def test_partial_partial_to_replicate_is_one_all_reduce_on_2x2():
+    src, dst = (PS, PS), (R, R)
+    steps = best_plan(src, _order(src), dst, _order(dst), (1024, 1024), (2, 2), 4)
+    assert len(steps) == 1 and isinstance(steps[0], FlatStep)
+    assert steps[0].dims == (0, 1) and steps[0].collective == "all_reduce"
+    per_dim = optimal_plan(src, _order(src), dst, _order(dst), (1024, 1024), (2, 2), 4)
+    assert len(per_dim) == 3  # reduce-scatter, all-reduce, all-gather: same bytes, three launches
+    assert _bytes(steps, (1024, 1024), (2, 2)) == _bytes(per_dim, (1024, 1024), (2, 2))
+
+
+def test_nested_shards_to_replicate_is_one_all_gather_in_list_order():
+    src, dst = (S0, S0), (R, R)
+    order = ((0, (1, 0)),)  # mesh dim 1 splits first: it is the major dim of the group
+    steps = best_plan(src, order, dst, (), (64, 8), (2, 2), 4)
+    assert len(steps) == 1 and steps[0].dims == (1, 0) and steps[0].collective == "all_gather"
+
+
+def test_reduce_scatters_stay_per_mesh_dim_as_spec_row_19_asks():
+    steps = best_plan((PS, PS), (), (S0, S0), _order((S0, S0)), (8, 8), (2, 2), 4)
+    assert [s.collective for s in steps] == ["reduce_scatter", "reduce_scatter"]
+    assert not any(isinstance(s, FlatStep) for s in steps)
+
+
+def test_launch_cost_decides():
+    src, dst = (PS, PS), (R, R)
+    free = LinkModel(launch=0.0)
+    steps = best_plan(src, (), dst, (), (1024, 1024), (2, 2), 4, free)
+    assert not any(isinstance(s, FlatStep) for s in steps)  # without a launch cost the ring hops decide
+    # (4,4): 12 hops + 3 launches vs 30 hops + 1 launch: flattened only once launches are dear
+    assert not any(isinstance(s, FlatStep) for s in best_plan(src, (), dst, (), (1024, 1024), (4, 4), 4))
+    dear = LinkModel(launch=1e-3)
+    steps = best_plan(src, (), dst, (), (1024, 1024), (4, 4), 4, dear)
+    assert len(steps) == 1 and steps[0].dims == (0, 1)
+
+
+def test_uneven_pieces_do_not_flatten_when_padding_costs_bytes():
+    # 5 rows nested over (2,2) are 2,1,1,1: a flat all-gather pads all four to 2 rows
+    src, dst = (S0, S0), (R, R)
+    steps = best_plan(src, _order(src), dst, (), (5, 3), (2, 2), 4)
+    per_dim = optimal_plan(src, _order(src), dst, (), (5, 3), (2, 2), 4)
+    assert _bytes(steps, (5, 3), (2, 2)) == _bytes(per_dim, (5, 3), (2, 2))
+    assert not any(isinstance(s, FlatStep) for s in steps)
+
+
+def test_different_partial_kinds_are_not_reduced_together():
+    steps = best_plan((PS, PM), (), (R, R), (), (64, 64), (2, 2), 4)
+    assert not any(isinstance(s, FlatStep) for s in steps)
+
+
+def _rand_placement(rng, ndim, partial):
+    r = rng.random()
+    if r < 0.3:
+        return R
+    if partial and r < 0.5:
+        return rng.choice([PS, PM])
+    return Shard(rng.randrange(ndim))
+
+
+def _rand_pair(rng, m, ndim):
+    src = tuple(_rand_placement(rng, ndim, True) for _ in range(m))
+    dst = tuple(p if isinstance(p, Partial) and rng.random() < 0.3 else _rand_placement(rng, ndim, False)
+                for p in src)
+    so = tuple((d, tuple(rng.sample(js, len(js)))) for d, js in default_shard_order(src))
+    do = tuple((d, tuple(rng.sample(js, len(js)))) for d, js in default_shard_order(dst))
+    return src, so, dst, do
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (2, 3), (2, 2, 2), (4, 4), (2, 2, 4)])
+def test_never_more_bytes_than_the_per_dim_optimum(mesh_shape):
+    rng = random.Random(7)
+    flattened = 0
+    for _ in range(300):
+        ndim = rng.randint(1, 3)
+        shape = tuple(rng.choice([1, 3, 5, 7, 8, 12, 64]) for _ in range(ndim))
+        src, so, dst, do = _rand_pair(rng, len(mesh_shape), ndim)
+        for links in (None, LinkModel(launch=1e-3)):
+            ours = best_plan(src, so, dst, do, shape, mesh_shape, 4, links)
+            base = optimal_plan(src, so, dst, do, shape, mesh_shape, 4, links)
+            assert _bytes(ours, shape, mesh_shape) <= _bytes(base, shape, mesh_shape), (src, so, dst, do, shape)
+            flattened += any(isinstance(s, FlatStep) for s in ours)
+    assert flattened > 0
+
+
+# -- execution ------------------------------------------------------------------------------------
+
+def _run_pairs(mesh_shape, cases, links):
+    mesh = init_device_mesh("cpu", mesh_shape)
+    coord = tuple(mesh.get_coordinate())
+    out = []
+    for i, (shape, src, so, dst, do) in enumerate(cases):
+        full = dense(shape, seed=i)
+        x = make_source(full, mesh, src, so, seed=100 + i)
+        steps = best_plan(src, so, dst, do, shape, mesh_shape, 4, links)
+        t = x.to_local()
+        for st in steps:
+            t = apply_step(t, st, shape, mesh)
+        if any(isinstance(p, Partial) for p in dst):
+            ok = True
+        else:
+            ok = torch.equal(t, expected_slice(full, mesh_shape, coord, dst, do))
+        size, _ = local_shape_and_offset(shape, mesh_shape, coord, dst, do)
+        out.append((ok and tuple(t.shape) == tuple(size), any(isinstance(s, FlatStep) for s in steps)))
+    return out
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (2, 3), (2, 2, 2)])
+def test_flattened_plans_give_the_right_pieces(mesh_shape):
+    rng = random.Random(11)
+    cases = []
+    while len(cases) < 60:
+        ndim = rng.randint(1, 2)
+        shape = tuple(rng.choice([1, 2, 5, 7, 8, 12]) for _ in range(ndim))
+        src, so, dst, do = _rand_pair(rng, len(mesh_shape), ndim)
+        steps = best_plan(src, so, dst, do, shape, mesh_shape, 4, LinkModel(launch=1e-3))
+        if any(isinstance(s, FlatStep) for s in steps):
+            cases.append((shape, src, so, dst, do))
+    res = run_spmd(_run_pairs, len(list(itertools.product(*map(range, mesh_shape)))), mesh_shape, cases,
+                   LinkModel(launch=1e-3))
+    for per_rank in res:
+        assert all(ok for ok, _ in per_rank)
+        assert all(flat for _, flat in per_rank)
+
+
+def _hand_steps(mesh_shape, shape, op):
+    """Every kind of FlatStep built by hand, on uneven pieces, with ``op`` partials."""
+    mesh = init_device_mesh("cpu", mesh_shape)
+    coord = tuple(mesh.get_coordinate())
+    full = dense(shape, seed=3)
+    P = Partial(op)
+    res = {}
+    # P -> S(0) over (1, 0) then S(0) -> R over (1, 0): mesh dim 1 is the major dim
+    x = make_source(full, mesh, (P, P), None, seed=5)
+    rs = FlatStep(1, P, S0, (P, P), (), dims=(1, 0))
+    t = apply_step(x.to_local(), rs, shape, mesh)
+    order = ((0, (1, 0)),)
+    res["rs"] = torch.allclose(t, expected_slice(full, mesh_shape, coord, (S0, S0), order), atol=1e-5)
+    ag = FlatStep(1, S0, R, (S0, S0), order, dims=(1, 0))
+    res["ag"] = torch.allclose(apply_step(t, ag, shape, mesh), full, atol=1e-5)
+    ar = FlatStep(0, P, R, (P, P), (), dims=(0, 1))
+    with rank_events() as ev:
+        res["ar"] = torch.allclose(apply_step(x.to_local(), ar, shape, mesh), full, atol=1e-5)
+    res["events"] = [(e.kind, e.mesh_dim, e.group_size) for e in ev]
+    return res
+
+
+@pytest.mark.parametrize("op", ["sum", "avg", "max", "min"])
+@pytest.mark.parametrize("shape", [(7, 3), (5,), (2, 4), (8, 2)])
+def test_hand_built_flat_steps(op, shape):
+    for r in run_spmd(_hand_steps, 4, (2, 2), shape, op):
+        assert r["rs"] and r["ag"] and r["ar"], r
+        assert r["events"] == [("all_reduce", (0, 1), 4)]
+
+
+def _redistribute_events(mesh_shape, shape, src, dst):
+    mesh = init_device_mesh("cpu", mesh_shape)
+    full = dense(shape, seed=9)
+    x = make_source(full, mesh, src, None, seed=10)
+    with rank_events() as ev:
+        y = x.redistribute(mesh, dst)
+    return torch.allclose(y.to_local(), full, atol=1e-5), [(e.kind, e.mesh_dim, e.group_size) for e in ev]
+
+
+def test_dtensor_redistribute_uses_the_flattened_group():
+    for ok, ev in run_spmd(_redistribute_events, 4, (2, 2), (64, 32), (PS, PS), (R, R)):
+        assert ok and ev == [("all_reduce", (0, 1), 4)]
+    for ok, ev in run_spmd(_redistribute_events, 8, (2, 2, 2), (64, 32), (PS, PS, PS), (R, R, R)):
+        assert ok and ev == [("all_reduce", (0, 1, 2), 8)]
+
+
+def test_explain_and_trace_show_the_group():
+    ex = explain_redistribute((2, 2), (1024, 1024), "P,P", "R,R")
+    assert len(ex.steps) == 1 and ex.steps[0].mesh_dims == (0, 1) and ex.steps[0].group_size == 4
+    assert " 0+1 " in ex.to_text()
+    assert ex.steps[0].bytes == 6 * 2 ** 20  # 2 (K-1)/K |X| with K = 4
+    back = type(ex).from_dict(ex.to_dict())
+    assert back.steps[0].mesh_dims == (0, 1) and isinstance(back.plan_steps[0], FlatStep)
+
+    from shardtensor.debug import CommTrace
+
+    def body():
+        mesh = init_device_mesh("cpu", (2, 2))
+        x = make_source(dense((8, 8)), mesh, (PS, PS), None)
+        with CommTrace(rank=0) as tr:
+            x.redistribute(mesh, (R, R))
+        return tr.summary(by=("mesh_dim",))
+
+    text = run_spmd(body, 4)[0]
+    assert "0+1" in text
+
+
+# -- real processes -------------------------------------------------------------------------------
+
+def _gloo_flat(rank, world):
+    from shardtensor import comm
+
+    res = {}
+    for shape in ((64, 32), (7, 3)):
+        mesh = init_device_mesh("cpu", (2, 2))
+        full = dense(shape, seed=21)
+        x = make_source(full, mesh, (PS, PS), None, seed=22)
+        with comm.recording() as log:
+            y = x.redistribute(mesh, (R, R))
+        res[("ar", shape)] = (torch.allclose(y.to_local(), full, atol=1e-5),
+                              [(e.kind, e.mesh_dim, e.group_size) for e in log.events])
+        order = ((0, (1, 0)),)
+        t = apply_step(x.to_local(), FlatStep(1, PS, S0, (PS, PS), (), dims=(1, 0)), shape, mesh)
+        ok_rs = torch.allclose(t, expected_slice(full, (2, 2), tuple(mesh.get_coordinate()), (S0, S0), order), atol=1e-5)
+        t = apply_step(t, FlatStep(1, S0, R, (S0, S0), order, dims=(1, 0)), shape, mesh)
+        res[("rs_ag", shape)] = ok_rs and torch.allclose(t, full, atol=1e-5)
+    return res
+
+
+@pytest.mark.skipif(not gloo_available(), reason="torch.distributed gloo backend not available")
+def test_gloo_flattened_collectives():
+    for r in run_multiprocess(_gloo_flat, world_size=4, timeout=120):
+        for shape in ((64, 32), (7, 3)):
+            ok, ev = r[("ar", shape)]
+            assert ok and ev == [("all_reduce", (0, 1), 4)]
+            assert r[("rs_ag", shape)]
