@@ -13,6 +13,7 @@ from shardtensor import DTensor, Partial, Replicate, Shard, distribute_tensor, i
 from shardtensor.cli import main
 from shardtensor.debug import CommTrace
 from shardtensor.redistribute.cost import LinkModel
+from shardtensor.redistribute.exchange import exchange_dims
 from shardtensor.redistribute.explain import (Explanation, explain_redistribute, format_bytes, parse_dtype,
                                               parse_placements, parse_shard_order, parse_spec)
 from shardtensor.redistribute.optimal import optimal_plan
@@ -103,11 +104,18 @@ def test_cli_optimal_beats_simple_on_spec_example(capsys):
 
 
 def test_cli_two_d_example_from_brief(capsys):
+    # default links: one all-to-all over the flattened (2,2) group, the same 96 bytes as the two
+    # per-dim steps below, one launch instead of two
     out = cli(capsys, "--mesh", "2,2", "--shape", "8,6", "--src", "S0,S1", "--dst", "R,S0")
-    assert "(S(0), S(1)) -> (R, S(1))" in out and "(R, S(1)) -> (R, S(0))" in out
+    assert "(S(0), S(1)) -> (R, S(0))" in out and " 0+1 " in out
     d = cli_json(capsys, "--mesh", "2,2", "--shape", "8,6", "--src", "S0,S1", "--dst", "R,S0")
-    assert steps_of(d) == [(0, "all_gather", 48, 2), (1, "all_to_all", 48, 2)]
+    assert steps_of(d) == [(0, "all_to_all", 96, 4)] and d["steps"][0]["mesh_dims"] == [0, 1]
     assert d["total_bytes_per_rank"] == 96 and d["lower_bound"]["bytes_per_rank"] == 72
+    # with free launches the ring hops decide: all-gather on mesh dim 0, then all-to-all on mesh dim 1
+    ex = explain_redistribute((2, 2), (8, 6), "S0,S1", "R,S0", links=LinkModel(launch=0.0))
+    assert [(s.mesh_dim, s.collective, s.bytes, s.group_size) for s in ex.steps] == [
+        (0, "all_gather", 48, 2), (1, "all_to_all", 48, 2)]
+    assert "(S(0), S(1)) -> (R, S(1))" in ex.to_text() and "(R, S(1)) -> (R, S(0))" in ex.to_text()
 
 
 def test_order_only_change_has_bound_zero(capsys):
@@ -153,13 +161,19 @@ def test_bytes_match_comm_trace_of_real_run():
             x = DTensor.from_local(local.to_local(), mesh, a, shape=shape)  # terms of a Partial value
             with CommTrace(rank=mesh.get_rank()) as t:
                 x.redistribute(mesh, b)
-            out.append([(e.kind, e.mesh_dim, e.group_size, e.bytes_sent) for e in t.events])
+            out.append([(e.kind, e.mesh_dim, e.group_size, max(e.bytes_sent, e.bytes_received)) for e in t.events])
         return out
 
-    traced = run_spmd(fn, 4)[0]
-    for (shape, a, b), got in zip(cases, traced):
+    # the model prices a step by its busiest rank: coordinate 0 for ring collectives (the largest,
+    # padded pieces), the busiest rank of the exchange for a direct all-to-all
+    traced = run_spmd(fn, 4)
+    for i, (shape, a, b) in enumerate(cases):
         ex = explain_redistribute((2, 2), shape, a, b)
-        want = [(s.collective, s.mesh_dim, s.group_size, s.bytes) for s in ex.steps if s.bytes]
+        want = [(s.collective, s.dims_label if s.mesh_dims else s.mesh_dim, s.group_size, s.bytes)
+                for s in ex.steps if s.bytes]
+        per_rank = [r[i] for r in traced]
+        got = [(k, "+".join(map(str, md)) if isinstance(md, tuple) else md, g, max(ev[j][3] for ev in per_rank))
+               for j, (k, md, g, _) in enumerate(per_rank[0])]
         assert got == want, (shape, a, b)
 
 
@@ -192,7 +206,11 @@ def test_lower_bound_never_exceeds_plan_random_pairs():
                                       dst_order=bo, links=links, planner=planner)
             assert ex.lower_bound_bytes <= ex.total_bytes, (mesh, shape, a, ao, b, bo, planner)
             assert ex.lower_bound_time <= ex.total_time * (1 + 1e-9), (mesh, shape, a, ao, b, bo, planner)
-            assert ex.lower_bound_bytes == pytest.approx(sum(t.bytes for t in ex.bound_terms), rel=1e-12)
+            terms = sum(t.bytes for t in ex.bound_terms)
+            if exchange_dims(ex.src_placements, ex.src_order, ex.dst_placements, ex.dst_order, mesh) is None:
+                assert ex.lower_bound_bytes == pytest.approx(terms, rel=1e-12)
+            else:  # capped by what the busiest rank misses of its target block
+                assert ex.lower_bound_bytes <= terms * (1 + 1e-12)
             tight += ex.total_bytes > 0 and ex.lower_bound_bytes == ex.total_bytes
     assert tight > 20  # the bound is met often (single collectives on a fully split tensor)
 

@@ -23,7 +23,8 @@ from shardtensor.redistribute.cost import LinkModel, step_comm
 from shardtensor.redistribute.execute import apply_step
 from shardtensor.redistribute.flatten import best_plan
 from shardtensor.redistribute.optimal import optimal_plan
-from shardtensor.redistribute.planner import FlatStep
+from shardtensor.redistribute.exchange import exchange_dims
+from shardtensor.redistribute.planner import ExchangeStep, FlatStep
 from test_redistribute import dense, expected_slice, make_source, rank_events
 
 R, S0, S1, PS, PM = Replicate(), Shard(0), Shard(1), Partial("sum"), Partial("max")
@@ -122,7 +123,7 @@ def test_never_more_bytes_than_the_per_dim_optimum(mesh_shape):
             ours = best_plan(src, so, dst, do, shape, mesh_shape, 4, links)
             base = optimal_plan(src, so, dst, do, shape, mesh_shape, 4, links)
             assert _bytes(ours, shape, mesh_shape) <= _bytes(base, shape, mesh_shape), (src, so, dst, do, shape)
-            flattened += any(isinstance(s, FlatStep) for s in ours)
+            flattened += any(isinstance(s, (FlatStep, ExchangeStep)) for s in ours)
     assert flattened > 0
 
 
@@ -262,3 +263,87 @@ def test_gloo_flattened_collectives():
             ok, ev = r[("ar", shape)]
             assert ok and ev == [("all_reduce", (0, 1), 4)]
             assert r[("rs_ag", shape)]
+
+
+# -- direct exchange (one all-to-all of unpadded blocks) --------------------------------------------
+
+def test_nested_to_replicate_shard_is_one_exchange_with_fewer_bytes():
+    src, dst = (S0, S0), (R, S0)
+    shape = (1024, 1024)
+    steps = best_plan(src, _order(src), dst, _order(dst), shape, (2, 2), 4)
+    per_dim = optimal_plan(src, _order(src), dst, _order(dst), shape, (2, 2), 4)
+    assert len(steps) == 1 and isinstance(steps[0], ExchangeStep) and steps[0].dims == (0, 1)
+    assert _bytes(steps, shape, (2, 2)) == 2 * 2 ** 20 < _bytes(per_dim, shape, (2, 2)) == 2.5 * 2 ** 20
+
+
+def test_exchange_is_not_used_with_partials_or_for_single_collectives():
+    assert exchange_dims((PS, S0), (), (R, S0), (), (2, 2)) is None
+    steps = best_plan((S0,), _order((S0,)), (S1,), _order((S1,)), (7, 6), (4,), 4)
+    assert [s.collective for s in steps] == ["all_to_all"] and not isinstance(steps[0], ExchangeStep)
+
+
+def _rand_sr_pair(rng, m, ndim):
+    src = tuple(rng.choice([R, R] + [Shard(d) for d in range(ndim)]) for _ in range(m))
+    dst = tuple(rng.choice([R] + [Shard(d) for d in range(ndim)]) for _ in range(m))
+    so = tuple((d, tuple(rng.sample(js, len(js)))) for d, js in default_shard_order(src))
+    do = tuple((d, tuple(rng.sample(js, len(js)))) for d, js in default_shard_order(dst))
+    return src, so, dst, do
+
+
+def _exchange_pairs(mesh_shape, cases):
+    mesh = init_device_mesh("cpu", mesh_shape)
+    coord = tuple(mesh.get_coordinate())
+    out = []
+    for i, (shape, src, so, dst, do) in enumerate(cases):
+        full = dense(shape, seed=i)
+        x = make_source(full, mesh, src, so, seed=200 + i)
+        steps = best_plan(src, so, dst, do, shape, mesh_shape, 4)
+        with rank_events() as ev:
+            t = x.to_local()
+            for st in steps:
+                t = apply_step(t, st, shape, mesh)
+        ok = torch.equal(t, expected_slice(full, mesh_shape, coord, dst, do))
+        modeled = _bytes(steps, shape, mesh_shape)
+        out.append((ok, max([e.bytes_sent for e in ev] + [e.bytes_received for e in ev] + [0]) <= modeled))
+    return out
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (2, 3), (2, 2, 2)])
+def test_exchange_plans_give_the_right_pieces(mesh_shape):
+    rng = random.Random(5)
+    cases = []
+    while len(cases) < 50:
+        ndim = rng.randint(1, 3)
+        shape = tuple(rng.choice([1, 2, 5, 7, 8, 12]) for _ in range(ndim))
+        src, so, dst, do = _rand_sr_pair(rng, len(mesh_shape), ndim)
+        if any(isinstance(s, ExchangeStep) for s in best_plan(src, so, dst, do, shape, mesh_shape, 4)):
+            cases.append((shape, src, so, dst, do))
+    n = 1
+    for k in mesh_shape:
+        n *= k
+    for per_rank in run_spmd(_exchange_pairs, n, mesh_shape, cases):
+        assert all(ok for ok, _ in per_rank)
+        assert all(within for _, within in per_rank)
+
+
+def _gloo_exchange(rank, world):
+    from shardtensor import comm
+
+    res = []
+    for shape, src, dst in (((7, 4), (S0, S0), (R, S0)), ((64, 32), (S0, S0), (R, S0)), ((9, 5), (S1, S0), (S0, S1)),
+                            ((6, 5), (R, S0), (S1, R))):
+        mesh = init_device_mesh("cpu", (2, 2))
+        full = dense(shape, seed=31)
+        x = make_source(full, mesh, src, None, seed=32)
+        with comm.recording() as log:
+            y = x.redistribute(mesh, dst)
+        ok = torch.equal(y.to_local(), expected_slice(full, (2, 2), tuple(mesh.get_coordinate()), dst))
+        res.append((ok, [(e.kind, e.mesh_dim) for e in log.events]))
+    return res
+
+
+@pytest.mark.skipif(not gloo_available(), reason="torch.distributed gloo backend not available")
+def test_gloo_exchange():
+    for r in run_multiprocess(_gloo_exchange, world_size=4, timeout=120):
+        assert all(ok for ok, _ in r), r
+        assert r[0][1] == [("all_to_all", (0, 1))]

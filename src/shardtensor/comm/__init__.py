@@ -7,6 +7,7 @@ listener.  Traces, demos and tests listen here; nothing else talks to a transpor
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from contextlib import contextmanager
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CommEvent", "CommLog", "Transport", "add_listener", "remove_listener", "record", "current_transport",
-    "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast", "barrier", "run_spmd",
+    "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "all_to_all_v", "broadcast", "barrier", "run_spmd",
     "RankAbortedError", "CollectiveTimeoutError", "reduce_stack", "DEFAULT_TIMEOUT_S", "scope", "listening",
     "current_scope", "recording",
 ]
@@ -199,6 +200,25 @@ def all_to_all(t: torch.Tensor, mesh: "DeviceMesh", mesh_dim: MeshDims) -> torch
     k = mesh.group_size(mesh_dim)
     b = (k - 1) * _nbytes(t) // k
     return _run("all_to_all", mesh, mesh_dim, t, b, b, lambda tr, g: tr.all_to_all(t, g))
+
+
+def all_to_all_v(sends: list[torch.Tensor], recv_shapes: list[tuple[int, ...]], mesh: "DeviceMesh",
+                 mesh_dim: MeshDims) -> list[torch.Tensor]:
+    """Unpadded all-to-all: ``sends[i]`` goes to group rank ``i``; result ``i`` (of shape
+    ``recv_shapes[i]``) came from it.  Blocks may differ in shape; empty ones cost nothing."""
+    group = mesh.group_ranks(mesh_dim)
+    tr = mesh.transport
+    me = group.index(tr.rank)
+    if len(group) == 1:
+        return [sends[0].clone()]
+    es = sends[me].element_size()
+    sent = sum(x.numel() for i, x in enumerate(sends) if i != me) * es
+    received = sum(math.prod(s) for i, s in enumerate(recv_shapes) if i != me) * es
+    t0 = time.perf_counter()
+    out = tr.all_to_all_v(sends, recv_shapes, group)
+    record("all_to_all", mesh_dim, group, tr.rank, sent, received, sends[me].dtype, tuple(sends[me].shape),
+           time.perf_counter() - t0, tr.name)
+    return out
 
 
 def broadcast(t: torch.Tensor, src: int, mesh: "DeviceMesh", mesh_dim: MeshDims) -> torch.Tensor:

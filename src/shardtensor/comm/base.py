@@ -3,11 +3,17 @@
 A group is a tuple of global ranks in group-rank order (the order of a mesh dim's
 coordinates).  Stacked layouts keep the interface small: gathers return ``(k, *shape)``,
 reduce-scatter and all-to-all take ``(k, *shape)``; block ``i`` belongs to group rank ``i``.
+
+With ``async_op=True`` the four data collectives return a ``Work`` instead: the collective is
+issued at once (its input is taken, its place in the group's order fixed) and ``wait()`` gives
+exactly what the synchronous call returns, so communication can overlap with other work.
 """
 from __future__ import annotations
 
 import os
+import threading
 from abc import ABC, abstractmethod
+from typing import Any, Callable
 
 import torch
 
@@ -31,6 +37,72 @@ def reduce_stack(stacked: torch.Tensor, op: str) -> torch.Tensor:
     raise ValueError(f"unknown reduce op {op!r}")
 
 
+class Work:
+    """Handle of a collective in flight; ``wait()`` gives its result.
+
+    ``wait_fn`` blocks until the collective is done and returns the raw result (a tensor, or
+    whatever ``post`` turns into one); ``done_fn`` polls without blocking.  ``post`` (a local
+    step such as a permutation or a division) runs once on the raw result at the first
+    ``wait()``.  Later waits return the same tensor object (or re-raise the same error), so a
+    handle can be shared and waited on from any thread.
+    """
+
+    __slots__ = ("_wait_fn", "_done_fn", "_post", "_lock", "_result", "_error", "_done")
+
+    def __init__(self, wait_fn: Callable[[], Any], done_fn: Callable[[], bool] | None = None,
+                 post: Callable[[Any], torch.Tensor] | None = None) -> None:
+        self._wait_fn = wait_fn
+        self._done_fn = done_fn
+        self._post = post
+        self._lock = threading.Lock()
+        self._result: torch.Tensor | None = None
+        self._error: BaseException | None = None
+        self._done = False
+
+    def wait(self) -> torch.Tensor:
+        """Block until the collective finished; the result (the same object on every call)."""
+        if not self._done:
+            with self._lock:
+                if not self._done:
+                    try:
+                        out = self._wait_fn()  # type: ignore[misc]  # None only once done
+                        if self._post is not None:
+                            out = self._post(out)
+                        self._result = out
+                    except Exception as e:  # noqa: BLE001 - kept and re-raised by every wait
+                        self._error = e
+                    self._done = True
+                    self._wait_fn = self._done_fn = self._post = None  # drop buffers and closures
+        if self._error is not None:
+            raise self._error
+        return self._result  # type: ignore[return-value]
+
+    def is_completed(self) -> bool:
+        """True when ``wait()`` would not block on communication (it may still run ``post``)."""
+        if self._done:
+            return True
+        done_fn = self._done_fn
+        return bool(done_fn()) if done_fn is not None else False
+
+    def then(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Work":
+        """A handle whose result is ``fn(self.wait())``, computed once, at its own first wait."""
+        return Work(self.wait, self.is_completed, fn)
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error is not None else "done" if self._done else "pending"
+        return f"<{type(self).__name__} {state}>"
+
+
+class Completed(Work):
+    """A ``Work`` finished at issue (a group of one, or a transport with nothing to overlap)."""
+
+    __slots__ = ()
+
+    def __init__(self, result: torch.Tensor) -> None:
+        super().__init__(lambda: result)
+        self.wait()
+
+
 class Transport(ABC):
     """One rank's view of a world of ranks; the only thing that moves data."""
 
@@ -42,16 +114,26 @@ class Transport(ABC):
         """Called by every rank with the same list when a mesh is built (collective)."""
 
     @abstractmethod
-    def all_gather(self, t: torch.Tensor, group: Group) -> torch.Tensor: ...
+    def all_gather(self, t: torch.Tensor, group: Group, *, async_op: bool = False) -> torch.Tensor | Work:
+        """``(k, *t.shape)``: every member's ``t`` in group order (a ``Work`` if ``async_op``)."""
 
     @abstractmethod
-    def all_reduce(self, t: torch.Tensor, op: str, group: Group) -> torch.Tensor: ...
+    def all_reduce(self, t: torch.Tensor, op: str, group: Group, *, async_op: bool = False) -> torch.Tensor | Work:
+        """A new tensor: ``op`` over every member's ``t`` (a ``Work`` if ``async_op``)."""
 
     @abstractmethod
-    def reduce_scatter(self, t: torch.Tensor, op: str, group: Group) -> torch.Tensor: ...
+    def reduce_scatter(self, t: torch.Tensor, op: str, group: Group, *,
+                       async_op: bool = False) -> torch.Tensor | Work:
+        """``t`` is ``(k, *s)``; ``op`` over every member's block of this rank (a ``Work`` if ``async_op``)."""
 
     @abstractmethod
-    def all_to_all(self, t: torch.Tensor, group: Group) -> torch.Tensor: ...
+    def all_to_all(self, t: torch.Tensor, group: Group, *, async_op: bool = False) -> torch.Tensor | Work:
+        """``t`` is ``(k, *s)``; block ``i`` from group rank ``i`` (a ``Work`` if ``async_op``)."""
+
+    @abstractmethod
+    def all_to_all_v(self, sends: list[torch.Tensor], recv_shapes: list[tuple[int, ...]],
+                     group: Group) -> list[torch.Tensor]:
+        """``sends[i]`` to group rank ``i``; returns what each member sent here (shapes known)."""
 
     @abstractmethod
     def broadcast(self, t: torch.Tensor, src: int, group: Group) -> torch.Tensor: ...

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from .base import DEFAULT_TIMEOUT_S, Group, Transport, reduce_stack
+from .base import DEFAULT_TIMEOUT_S, Completed, Group, Transport, Work, reduce_stack
 
 
 class RankAbortedError(RuntimeError):
@@ -65,59 +65,103 @@ class SimTransport(Transport):
 
     def _exchange(self, group: Group, payload: Any) -> list[Any]:
         """Deposit ``payload`` and return every group member's payload, in group order."""
-        n = len(group)
-        if n == 1:
+        if len(group) == 1:
             return [payload]
-        me = group.index(self.rank)
+        key = self._next_key(group)
+        deadline = time.monotonic() + self.world.timeout
+        with self.world.cond:
+            return self._collect_locked(key, group, self._deposit_locked(key, group, payload), deadline)
+
+    def _next_key(self, group: Group) -> tuple:
         key = (group, self._seq[group])
         self._seq[group] += 1
+        return key
+
+    def _deposit_locked(self, key: tuple, group: Group, payload: Any) -> _Slot:
         w = self.world
-        deadline = time.monotonic() + w.timeout
+        n = len(group)
+        slot = w.slots.get(key)
+        if slot is None:
+            slot = w.slots[key] = _Slot(n)
+        slot.data[group.index(self.rank)] = payload
+        slot.count += 1
+        if slot.count == n:
+            w.cond.notify_all()
+        return slot
+
+    def _collect_locked(self, key: tuple, group: Group, slot: _Slot, deadline: float) -> list[Any]:
+        w = self.world
+        n = len(group)
+        while slot.count < n:
+            if w.failed_rank is not None:
+                raise RankAbortedError(
+                    f"rank {self.rank}: collective over ranks {group} aborted because rank {w.failed_rank} failed"
+                )
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CollectiveTimeoutError(
+                    f"rank {self.rank}: collective over ranks {group} timed out after {w.timeout:.1f}s "
+                    f"({slot.count}/{n} ranks arrived)"
+                )
+            w.cond.wait(min(left, 0.5))
+        slot.readers += 1
+        if slot.readers == n:
+            del w.slots[key]
+        return slot.data
+
+    def _work(self, group: Group, payload: Any, post: Callable[[list[Any]], torch.Tensor]) -> Work:
+        """Deposit ``payload`` now, fixing its place in the group's order; collect at ``wait()``.
+
+        The wait blocks until every member has deposited, under ``_exchange``'s failure and
+        timeout rules (the timeout counts from the wait).
+        """
+        if len(group) == 1:
+            return Completed(post([payload]))
+        key = self._next_key(group)
+        w = self.world
+        n = len(group)
         with w.cond:
-            slot = w.slots.get(key)
-            if slot is None:
-                slot = w.slots[key] = _Slot(n)
-            slot.data[me] = payload
-            slot.count += 1
-            if slot.count == n:
-                w.cond.notify_all()
-            while slot.count < n:
-                if w.failed_rank is not None:
-                    raise RankAbortedError(
-                        f"rank {self.rank}: collective over ranks {group} aborted because rank {w.failed_rank} failed"
-                    )
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise CollectiveTimeoutError(
-                        f"rank {self.rank}: collective over ranks {group} timed out after {w.timeout:.1f}s "
-                        f"({slot.count}/{n} ranks arrived)"
-                    )
-                w.cond.wait(min(left, 0.5))
-            slot.readers += 1
-            if slot.readers == n:
-                del w.slots[key]
-            return slot.data
+            slot = self._deposit_locked(key, group, payload)
+
+        def collect() -> list[Any]:
+            deadline = time.monotonic() + w.timeout
+            with w.cond:
+                return self._collect_locked(key, group, slot, deadline)
+
+        return Work(collect, lambda: slot.count >= n, post)
 
     @staticmethod
     def _own(t: torch.Tensor) -> torch.Tensor:
         return t.detach().clone(memory_format=torch.contiguous_format)
 
-    def all_gather(self, t, group):
+    def all_gather(self, t, group, *, async_op=False):
+        if async_op:
+            return self._work(group, self._own(t), torch.stack)
         return torch.stack(self._exchange(group, self._own(t)))
 
-    def all_reduce(self, t, op, group):
-        parts = self._exchange(group, self._own(t))
-        return reduce_stack(torch.stack(parts), op) if len(parts) > 1 else parts[0]
+    def all_reduce(self, t, op, group, *, async_op=False):
+        if async_op:
+            return self._work(group, self._own(t), lambda parts: _reduce_parts(parts, op))
+        return _reduce_parts(self._exchange(group, self._own(t)), op)
 
-    def reduce_scatter(self, t, op, group):
-        parts = self._exchange(group, self._own(t))
+    def reduce_scatter(self, t, op, group, *, async_op=False):
         me = group.index(self.rank)
+        if async_op:
+            return self._work(group, self._own(t), lambda parts: reduce_stack(torch.stack([p[me] for p in parts]), op))
+        parts = self._exchange(group, self._own(t))
         return reduce_stack(torch.stack([p[me] for p in parts]), op)
 
-    def all_to_all(self, t, group):
-        parts = self._exchange(group, self._own(t))
+    def all_to_all(self, t, group, *, async_op=False):
         me = group.index(self.rank)
+        if async_op:
+            return self._work(group, self._own(t), lambda parts: torch.stack([p[me] for p in parts]))
+        parts = self._exchange(group, self._own(t))
         return torch.stack([p[me] for p in parts])
+
+    def all_to_all_v(self, sends, recv_shapes, group):
+        parts = self._exchange(group, [x.detach().clone() for x in sends])
+        me = group.index(self.rank)
+        return [p[me] for p in parts]
 
     def broadcast(self, t, src, group):
         parts = self._exchange(group, self._own(t) if group.index(self.rank) == src else None)
@@ -125,6 +169,10 @@ class SimTransport(Transport):
 
     def barrier(self, group):
         self._exchange(group, None)
+
+
+def _reduce_parts(parts: list[torch.Tensor], op: str) -> torch.Tensor:
+    return reduce_stack(torch.stack(parts), op) if len(parts) > 1 else parts[0]
 
 
 class _Context(threading.local):

@@ -4,15 +4,21 @@ Groups are created once per distinct rank tuple, by every process in the same or
 construction does that), each with the collective timeout.  Where the backend's collective
 moves more bytes than the model (gloo's reduce-scatter) or lacks the reduce op (gloo has no
 ``avg``), the transition is built from collectives that keep the model.
+
+``async_op=True`` issues torch.distributed's own asynchronous collective; the local steps
+(group-order permutation, gloo's sum-then-divide ``avg``, gloo's reduce-scatter reduction)
+run when the returned ``Work`` is waited on.
 """
 from __future__ import annotations
 
+import math
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from .base import DEFAULT_TIMEOUT_S, Group, Transport, reduce_stack
+from .base import DEFAULT_TIMEOUT_S, Completed, Group, Transport, Work, reduce_stack
 
 _OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -52,53 +58,94 @@ class TorchDistTransport(Transport):
     def _native_avg(self) -> bool:
         return self.backend == "nccl"
 
-    def all_gather(self, t, group):
+    def all_gather(self, t, group, *, async_op=False):
         if len(group) == 1:
-            return t.detach().clone().unsqueeze(0)
+            out = t.detach().clone().unsqueeze(0)
+            return Completed(out) if async_op else out
         pg, perm = self._pg(group)
         t = t.detach().contiguous()
         out = torch.empty((len(group), *t.shape), dtype=t.dtype, device=t.device)
+        if async_op:
+            if self.backend == "gloo":
+                work = dist.all_gather(list(out.unbind(0)), t, group=pg, async_op=True)
+            else:
+                work = dist.all_gather_into_tensor(out, t, group=pg, async_op=True)
+            return _pending(work, out, t, None if perm is None else (lambda x: x[perm]))
         if self.backend == "gloo":
             dist.all_gather(list(out.unbind(0)), t, group=pg)
         else:
             dist.all_gather_into_tensor(out, t, group=pg)
         return out if perm is None else out[perm]
 
-    def all_reduce(self, t, op, group):
+    def all_reduce(self, t, op, group, *, async_op=False):
         out = t.detach().clone(memory_format=torch.contiguous_format)
         if len(group) == 1:
-            return out
+            return Completed(out) if async_op else out
         pg, _ = self._pg(group)
         if op == "avg" and not self._native_avg():
+            k = len(group)
+            if async_op:
+                work = dist.all_reduce(out, dist.ReduceOp.SUM, group=pg, async_op=True)
+                return _pending(work, out, None, lambda x: x / k if x.is_floating_point() else x // k)
             dist.all_reduce(out, dist.ReduceOp.SUM, group=pg)
-            return out / len(group) if out.is_floating_point() else out // len(group)
+            return out / k if out.is_floating_point() else out // k
+        if async_op:
+            work = dist.all_reduce(out, dist.ReduceOp.AVG if op == "avg" else _OPS[op], group=pg, async_op=True)
+            return _pending(work, out)
         dist.all_reduce(out, dist.ReduceOp.AVG if op == "avg" else _OPS[op], group=pg)
         return out
 
-    def reduce_scatter(self, t, op, group):
+    def reduce_scatter(self, t, op, group, *, async_op=False):
         if len(group) == 1:
-            return t.detach()[0].clone()
+            out = t.detach()[0].clone()
+            return Completed(out) if async_op else out
         if self.backend == "gloo" or (op == "avg" and not self._native_avg()):
+            if async_op:
+                return self.all_to_all(t, group, async_op=True).then(lambda x: reduce_stack(x, op))
             return reduce_stack(self.all_to_all(t, group), op)
         pg, perm = self._pg(group)
         t = t.detach()
         if perm is not None:
             t = t[[group.index(r) for r in sorted(group)]]
+        t = t.contiguous()
         out = torch.empty(t.shape[1:], dtype=t.dtype, device=t.device)
-        dist.reduce_scatter_tensor(out, t.contiguous(), op=dist.ReduceOp.AVG if op == "avg" else _OPS[op], group=pg)
+        rop = dist.ReduceOp.AVG if op == "avg" else _OPS[op]
+        if async_op:
+            return _pending(dist.reduce_scatter_tensor(out, t, op=rop, group=pg, async_op=True), out, t)
+        dist.reduce_scatter_tensor(out, t, op=rop, group=pg)
         return out
 
-    def all_to_all(self, t, group):
+    def all_to_all(self, t, group, *, async_op=False):
         if len(group) == 1:
-            return t.detach().clone()
+            out = t.detach().clone()
+            return Completed(out) if async_op else out
         pg, perm = self._pg(group)
         t = t.detach()
         if perm is not None:
             t = t[[group.index(r) for r in sorted(group)]]
         t = t.contiguous()
         out = torch.empty_like(t)
+        if async_op:
+            work = dist.all_to_all_single(out, t, group=pg, async_op=True)
+            return _pending(work, out, t, None if perm is None else (lambda x: x[perm]))
         dist.all_to_all_single(out, t, group=pg)
         return out if perm is None else out[perm]
+
+    def all_to_all_v(self, sends, recv_shapes, group):
+        if len(group) == 1:
+            return [sends[0].detach().clone()]
+        pg, _ = self._pg(group)
+        key = sorted(group)
+        pos = [group.index(r) for r in key]  # process-group rank i is group rank pos[i]
+        ref = sends[0]
+        flat = torch.cat([sends[i].detach().reshape(-1) for i in pos])
+        sizes = [math.prod(recv_shapes[i]) for i in pos]
+        out = torch.empty(sum(sizes), dtype=ref.dtype, device=ref.device)
+        dist.all_to_all_single(out, flat, sizes, [sends[i].numel() for i in pos], group=pg)
+        got: list[torch.Tensor | None] = [None] * len(group)
+        for i, piece in zip(pos, out.split(sizes)):
+            got[i] = piece.view(recv_shapes[i])
+        return got
 
     def broadcast(self, t, src, group):
         out = t.detach().clone(memory_format=torch.contiguous_format)
@@ -112,3 +159,13 @@ class TorchDistTransport(Transport):
         if len(group) > 1:
             pg, _ = self._pg(group)
             dist.barrier(group=pg)
+
+
+def _pending(work: dist.Work, out: torch.Tensor, keep: torch.Tensor | None = None,
+             post: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Work:
+    """Wrap a torch.distributed work whose result lands in ``out``.
+
+    ``keep`` (the send buffer) stays referenced until the wait, so it cannot be freed while
+    the backend may still read it.
+    """
+    return Work(lambda: (work.wait(), keep, out)[2], work.is_completed, post)

@@ -99,6 +99,12 @@ def _prod(xs: Iterable[int]) -> int:
 
 def step_comm(step, global_shape: Sequence[int], mesh_shape: Sequence[int]) -> tuple[str, int, int, int]:
     """``(kind, num, den, latency)``: the step sends ``num / den`` elements per rank."""
+    if getattr(step, "target", None):
+        from .exchange import exchange_comm
+
+        num, lat = exchange_comm(tuple(global_shape), tuple(mesh_shape), step.dims, step.placements, step.order,
+                                 step.target, step.target_order)
+        return "all_to_all", num, 1, lat
     src, dst, j = step.src, step.dst, step.mesh_dim
     k = _prod(mesh_shape[i] for i in step.mesh_dims)
     if src == dst or k == 1:
@@ -139,6 +145,8 @@ def step_bytes(step, global_shape: Sequence[int], mesh_shape: Sequence[int], ite
 
 def step_latency(step, mesh_shape: Sequence[int]) -> int:
     """Number of latency terms (ring steps) of ``step``."""
+    if getattr(step, "target", None):
+        return _prod(mesh_shape[i] for i in step.mesh_dims) - 1
     src, dst = step.src, step.dst
     k = _prod(mesh_shape[i] for i in step.mesh_dims)
     if src == dst or k == 1 or isinstance(src, Replicate):

@@ -13,7 +13,8 @@ from .. import comm
 from ..mesh import DeviceMesh
 from ..placement import NormPartial, Partial, Replicate, Shard, chunk, local_shape_and_offset
 from .flatten import best_plan
-from .planner import FlatStep, Step, plan
+from .exchange import blocks
+from .planner import ExchangeStep, FlatStep, Step, plan
 
 PLANNER = "optimal"
 """Which planner ``redistribute_local`` uses: ``"optimal"`` (fewest bytes, flattened groups where
@@ -65,6 +66,31 @@ def _nested_pieces(length: int, ks: list[int]) -> list[tuple[int, int]]:
     return pieces
 
 
+def _apply_exchange(t: torch.Tensor, step: ExchangeStep, global_shape, mesh: DeviceMesh) -> torch.Tensor:
+    """The whole change of ``step.dims`` in one all-to-all of unpadded blocks (``exchange.py``)."""
+    coord = tuple(mesh.get_coordinate())
+    _, send, recv = blocks(global_shape, mesh.shape, coord, step.dims, step.placements, step.order, step.target,
+                           step.target_order)
+    _, held = local_shape_and_offset(global_shape, mesh.shape, coord, step.placements, step.order)
+    size, need = local_shape_and_offset(global_shape, mesh.shape, coord, step.target, step.target_order)
+
+    def cut(x: torch.Tensor, box, base) -> torch.Tensor:
+        for d, (o, n, b) in enumerate(zip(box[0], box[1], base)):
+            if n != x.shape[d]:
+                x = x.narrow(d, o - b, n)
+        return x
+
+    empty = (0,) * t.ndim
+    sends = [t.new_empty(empty) if b is None else cut(t, b, held).contiguous() for b in send]
+    shapes = [empty if b is None else b[1] for b in recv]
+    got = comm.all_to_all_v(sends, shapes, mesh, step.dims)
+    out = t.new_empty(size)
+    for b, g in zip(recv, got):
+        if b is not None:
+            cut(out, b, need).copy_(g)
+    return out
+
+
 def _apply_flat(t: torch.Tensor, step: FlatStep, global_shape, mesh: DeviceMesh) -> torch.Tensor:
     """One collective over the flattened group of ``step.dims`` (major first)."""
     src, dst, dims = step.src, step.dst, step.dims
@@ -102,6 +128,8 @@ def apply_step(t: torch.Tensor, step: Step, global_shape, mesh: DeviceMesh) -> t
     """One transition (redistribute spec T0-T8) on the local tensor ``t``."""
     if type(step) is FlatStep:
         return _apply_flat(t, step, global_shape, mesh)
+    if type(step) is ExchangeStep:
+        return _apply_exchange(t, step, global_shape, mesh)
     src, dst, j = step.src, step.dst, step.mesh_dim
     k = mesh.shape[j]
     if src == dst or k == 1:

@@ -45,8 +45,9 @@ import torch
 from ..placement import (Partial, Placement, Replicate, Shard, ShardOrder, default_shard_order, display,
                          local_shape_and_offset, normalize_placements, validate_shard_order, REDUCE_OPS)
 from .cost import LinkModel, logical_shape, normalize_links, step_comm, step_link
+from .exchange import exchange_dims, exchange_loads
 from .flatten import best_plan
-from .planner import FlatStep, Step, plan as simple_plan
+from .planner import ExchangeStep, FlatStep, Step, plan as simple_plan
 
 __all__ = ["explain_redistribute", "Explanation", "ExplainedStep", "BoundTerm", "parse_placements", "parse_spec",
            "parse_shard_order", "parse_dtype", "format_bytes", "format_time"]
@@ -378,7 +379,9 @@ class BoundTerm:
 BOUND_RULE = ("each mesh dim whose placement must change needs at least the cheapest collective that can change it, "
               "priced on the smallest tensor it could act on (the global tensor split by every other mesh dim, "
               "unpadded); steps on different mesh dims are different steps, so these add up; mesh dims that differ "
-              "only in shard order, R -> S/P and P(sum) <-> P(avg) count 0")
+              "only in shard order, R -> S/P and P(sum) <-> P(avg) count 0; where one all-to-all over several mesh "
+              "dims can do the whole change (no partials on them), the bound is at most the most any rank misses of "
+              "its target block")
 
 
 @dataclass(frozen=True)
@@ -414,9 +417,16 @@ class Explanation:
     @property
     def plan_steps(self) -> tuple[Step, ...]:
         """The planner's ``Step`` tuples (runnable with ``execute.apply_step``)."""
-        return tuple(FlatStep(s.mesh_dim, s.src, s.dst, s.placements_before, s.order_before, dims=s.mesh_dims)
-                     if s.mesh_dims else Step(s.mesh_dim, s.src, s.dst, s.placements_before, s.order_before)
-                     for s in self.steps)
+        out: list[Step] = []
+        for s in self.steps:
+            if s.collective == "all_to_all" and len(s.mesh_dims) > 1:
+                out.append(ExchangeStep(s.mesh_dim, s.src, s.dst, s.placements_before, s.order_before, dims=s.mesh_dims,
+                                        target=s.placements_after, target_order=s.order_after))
+            elif s.mesh_dims:
+                out.append(FlatStep(s.mesh_dim, s.src, s.dst, s.placements_before, s.order_before, dims=s.mesh_dims))
+            else:
+                out.append(Step(s.mesh_dim, s.src, s.dst, s.placements_before, s.order_before))
+        return tuple(out)
 
     # -- text ---------------------------------------------------------------------------------
     def to_text(self) -> str:
@@ -530,6 +540,8 @@ def _bound_term(j: int, a: Placement, b: Placement, mesh_shape, numel: int, item
 # -- the main call ------------------------------------------------------------------------------
 
 def _after(step: Step) -> tuple[tuple[Placement, ...], ShardOrder]:
+    if isinstance(step, ExchangeStep):
+        return step.target, step.target_order
     pl = list(step.placements)
     order = {d: list(js) for d, js in step.order}
     for j in step.mesh_dims:
@@ -619,6 +631,14 @@ def explain_redistribute(mesh_shape: Sequence[int], shape: Sequence[int], src, d
     lb_time = sum(t.latency_terms * lk[t.mesh_dim].alpha + lk[t.mesh_dim].beta * float(t.bytes) for t in terms)
     if any(t.collective for t in terms):
         lb_time += min(lk[t.mesh_dim].launch for t in terms if t.collective)  # at least one collective
+    dims = exchange_dims(src_pl, s_order, dst_pl, d_order, mesh_shape)
+    if dims is not None:
+        # one exchange over several mesh dims is not a sum of per-dim steps: the bound is then
+        # also at most what some rank misses of its target block (it must receive that much)
+        missing = Fraction(exchange_loads(shape, mesh_shape, dims, src_pl, s_order, dst_pl, d_order)[1] * itemsize)
+        if missing < lb:
+            lb = missing
+            lb_time = min(lb_time, min(lk[j].launch for j in dims) + min(lk[j].beta for j in dims) * float(missing))
     terms = tuple(BoundTerm(t.mesh_dim, t.src, t.dst, t.collective, _jnum(Fraction(t.bytes)), t.latency_terms, t.reason)
                   for t in terms)
 

@@ -17,8 +17,13 @@ per-collective ``launch`` cost of ``cost.LinkModel`` deciding among equal-byte p
   on a (2,2) mesh: the best per-dim plan is reduce-scatter, all-reduce, all-gather (three
   collectives, 1.5 |X|); one all-reduce over 4 ranks moves the same 1.5 |X|.
 
-A candidate replaces the per-dim plan only if it moves no more bandwidth time and is strictly
-cheaper in latency plus launches, so the byte optimality of ``optimal.py`` is kept.  Plans are
+* **direct exchange** (``exchange.py``): a multi-collective plan between specs with no partial
+  on the changing mesh dims may be replaced by one all-to-all over their flattened group that
+  sends each peer exactly the part of its block the peer needs (``(S0,S0) -> (R,S0)``: 2/4 of
+  the tensor per rank instead of 2.5/4).
+
+A candidate replaces the per-dim plan only if it moves less bandwidth time, or the same and is
+strictly cheaper in latency plus launches, so the byte optimality of ``optimal.py`` is kept.  Plans are
 cached with the same key as the optimal planner's.
 """
 from __future__ import annotations
@@ -29,7 +34,8 @@ from typing import Sequence
 from ..placement import Partial, Placement, Replicate, Shard, ShardOrder
 from .cost import LinkModel, normalize_links, plan_score
 from .optimal import _norm_order, optimal_plan
-from .planner import FlatStep, Step
+from .exchange import exchange_dims
+from .planner import ExchangeStep, FlatStep, Step
 
 __all__ = ["best_plan", "merge_steps", "clear_cache"]
 
@@ -63,14 +69,22 @@ def _cached(mesh_shape, links, src, src_order, dst, dst_order, shape, itemsize) 
         m2 = merge_steps(cand, shape, mesh_shape, itemsize, links)
         if m2 is not cand:
             cands.append(m2)
+    if sum(1 for st in base if st.collective not in _LOCAL) > 1:
+        dims = exchange_dims(src, src_order, dst, dst_order, mesh_shape)
+        if dims is not None:
+            cands.append((ExchangeStep(dims[0], src[dims[0]], dst[dims[0]], src, src_order, dims=dims, target=dst,
+                                       target_order=dst_order),))
     if len(cands) == 1:
         return base
     best, best_score = base, plan_score(base, shape, mesh_shape, itemsize, links)
     for c in cands[1:]:
         sc = plan_score(c, shape, mesh_shape, itemsize, links)
-        if sc[0] <= best_score[0] and sc[1] < best_score[1]:
+        if sc[0] < best_score[0] or (sc[0] == best_score[0] and sc[1] < best_score[1]):
             best, best_score = c, sc
     return best
+
+
+_LOCAL = ("identity", "chunk", "partition", "rescale")
 
 
 def _reduce_groups(src, dst, mesh_shape) -> list[tuple[int, ...]]:

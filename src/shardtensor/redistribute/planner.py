@@ -57,6 +57,25 @@ class FlatStep(Step):
         return self.dims
 
 
+@dataclass(frozen=True)
+class ExchangeStep(Step):
+    """The whole change of ``dims`` (ascending) as one all-to-all over their flattened group:
+    every rank sends each peer the part of its block that the peer's target block needs
+    (``exchange.py``).  The state after it is ``(target, target_order)``."""
+
+    dims: tuple[int, ...] = ()
+    target: tuple[Placement, ...] = ()
+    target_order: ShardOrder = ()
+
+    @property
+    def mesh_dims(self) -> tuple[int, ...]:
+        return self.dims
+
+    @property
+    def collective(self) -> str:
+        return "all_to_all"
+
+
 def transition_kind(src: Placement, dst: Placement) -> str:
     """Name of the collective (or local op) a single-mesh-dim transition uses."""
     if src == dst:
