@@ -12,6 +12,7 @@ same checks); ``AsyncLocalTensor``.
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -462,3 +463,71 @@ def test_wait_tensor_passes_plain_tensors_through():
     t = torch.ones(2)
     assert wait_tensor(t) is t
     assert AsyncLocalTensor.like(Completed(t), t).wait() is t
+
+
+# -- DTensor.redistribute(async_op=True) (spec row 35) ----------------------------------------------
+
+def _redistribute_async(mesh_shape, shape, src, dst):
+    from shardtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", mesh_shape)
+    torch.manual_seed(0)
+    full = torch.randn(shape)
+    x = distribute_tensor(full, mesh, src)
+    sync = x.redistribute(mesh, dst)
+    y = x.redistribute(mesh, dst, async_op=True)
+    local = y.to_local()
+    kind = type(local).__name__
+    out = {
+        "kind": kind,
+        "shape_known": tuple(local.shape) == tuple(sync.to_local().shape),
+        "equal": torch.equal(wait_tensor(local), sync.to_local()),
+        "op": torch.equal((y * 2).to_local(), sync.to_local() * 2),
+        "full": torch.equal(y.full_tensor(), full),
+        "placements": y.placements == sync.placements,
+    }
+    # autograd through an async redistribution
+    xg = distribute_tensor(full, mesh, src).detach().requires_grad_()
+    (xg.redistribute(mesh, dst, async_op=True) * 3).sum().backward()
+    out["grad"] = torch.equal(xg.grad.full_tensor(), torch.full(shape, 3.0))
+    return out
+
+
+@pytest.mark.parametrize("mesh_shape,shape,src,dst,kind", [
+    ((4,), (7, 3), "S0", "R", "AsyncLocalTensor"),
+    ((4,), (7, 6), "S0", "S1", "AsyncLocalTensor"),
+    ((4,), (7, 3), "R", "S0", "Tensor"),                      # no collective: finished at once
+    ((2, 2), (7, 5), "S0,S1", "R,R", "AsyncLocalTensor"),     # two steps: the last stays in flight
+    ((2, 2), (8, 4), "S0,S0", "R,R", "AsyncLocalTensor"),     # one all-gather over the flattened group
+])
+def test_dtensor_redistribute_async(mesh_shape, shape, src, dst, kind):
+    from shardtensor.redistribute.explain import parse_placements
+
+    m = len(mesh_shape)
+    res = run_spmd(_redistribute_async, math.prod(mesh_shape), mesh_shape, shape,
+                   list(parse_placements(src, m)), list(parse_placements(dst, m)))
+    for r in res:
+        assert r["kind"] == kind, r
+        assert all(v for k, v in r.items() if k != "kind"), r
+
+
+def _gloo_redistribute_async(rank, world):
+    from shardtensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (4,))
+    torch.manual_seed(0)
+    full = torch.randn(256, 64)
+    x = distribute_tensor(full, mesh, [Shard(0)])
+    y = x.redistribute(mesh, [Replicate()], async_op=True)
+    issued = type(y.to_local()).__name__
+    busy = torch.randn(128, 128) @ torch.randn(128, 128)  # work while the all-gather runs
+    ok = torch.equal(y.to_local().wait(), full) and torch.equal((y + 0).to_local(), full)
+    z = x.redistribute(mesh, [Shard(1)], async_op=True)
+    ok_a2a = torch.equal(wait_tensor(z.to_local()), full[:, rank * 16:(rank + 1) * 16])
+    return issued, ok, ok_a2a, busy.shape
+
+
+@pytest.mark.skipif(not gloo_available(), reason="torch.distributed gloo backend not available")
+def test_gloo_dtensor_redistribute_async():
+    for issued, ok, ok_a2a, _ in run_multiprocess(_gloo_redistribute_async, world_size=4, timeout=120):
+        assert issued == "AsyncLocalTensor" and ok and ok_a2a

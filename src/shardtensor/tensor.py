@@ -99,7 +99,7 @@ class DTensor(torch.Tensor):
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """This rank's local shard (autograd: the gradient comes back with ``grad_placements``)."""
-        if not torch.is_grad_enabled():
+        if not (torch.is_grad_enabled() and self.requires_grad):
             return self._local_tensor
         return _ToLocal.apply(self, grad_placements)
 
@@ -116,8 +116,9 @@ class DTensor(torch.Tensor):
 
         Targets may be Partial only where the source already is that Partial.
         ``shard_order={tensor_dim: [mesh dims, first-applied first]}`` picks a non-default
-        nested order.  ``async_op`` is accepted for API compatibility; collectives complete
-        before this returns.
+        nested order.  ``async_op=True`` leaves the last collective in flight: the result's
+        local tensor is an ``AsyncLocalTensor`` that waits on first use (``.wait()`` on it, or any
+        op on the DTensor), so communication overlaps with whatever runs in between.
         """
         mesh = device_mesh if device_mesh is not None else self.device_mesh
         if mesh != self.device_mesh:
@@ -131,7 +132,7 @@ class DTensor(torch.Tensor):
                 raise RuntimeError(
                     f"redistributing to {p!r} on mesh dim {j} (currently {cur!r}) is for internal use only"
                 )
-        return _Redistribute.apply(self, target, forward_dtype, backward_dtype)
+        return _Redistribute.apply(self, target, forward_dtype, backward_dtype, async_op)
 
     # -- dispatch -----------------------------------------------------------------------
     @classmethod
@@ -321,7 +322,7 @@ class _ToLocal(torch.autograd.Function):
 
 class _Redistribute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: DTensor, target: DTensorSpec, forward_dtype, backward_dtype):
+    def forward(ctx, x: DTensor, target: DTensorSpec, forward_dtype, backward_dtype, async_op=False):
         src = x._spec
         ctx.src = src
         ctx.orig_dtype = x._local_tensor.dtype
@@ -335,9 +336,9 @@ class _Redistribute(torch.autograd.Function):
             return DTensor(local, src, requires_grad=x.requires_grad)
         if comm.listening():
             with comm.scope("redistribute"):
-                local = redistribute_local(local, src, target)
+                local = redistribute_local(local, src, target, async_op)
         else:
-            local = redistribute_local(local, src, target)
+            local = redistribute_local(local, src, target, async_op)
         return DTensor(local, target, requires_grad=x.requires_grad)
 
     @staticmethod
@@ -354,7 +355,7 @@ class _Redistribute(torch.autograd.Function):
         if local.dtype != ctx.orig_dtype:
             local = local.to(ctx.orig_dtype)
         out = DTensor(local, target.with_dtype(ctx.orig_dtype), requires_grad=grad.requires_grad)
-        return out, None, None, None
+        return out, None, None, None, None
 
 
 def _spread_from(t: torch.Tensor, spec: DTensorSpec, src: int, coord: list[int]) -> torch.Tensor:

@@ -12,11 +12,11 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
-from .base import DEFAULT_TIMEOUT_S, Group, Transport, reduce_stack
+from .base import DEFAULT_TIMEOUT_S, Completed, Group, Transport, Work, reduce_stack
 from .simulated import CollectiveTimeoutError, RankAbortedError, SimTransport, SimWorld, current_sim_transport, run_spmd
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ __all__ = [
     "CommEvent", "CommLog", "Transport", "add_listener", "remove_listener", "record", "current_transport",
     "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "all_to_all_v", "broadcast", "barrier", "run_spmd",
     "RankAbortedError", "CollectiveTimeoutError", "reduce_stack", "DEFAULT_TIMEOUT_S", "scope", "listening",
-    "current_scope", "recording",
+    "current_scope", "recording", "Work", "Completed",
 ]
 
 
@@ -163,43 +163,55 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _run(kind: str, mesh: "DeviceMesh", mesh_dim: MeshDims, t: torch.Tensor, sent: int, received: int,
-         call: Callable[[Transport, Group], torch.Tensor]) -> torch.Tensor:
+         call: Callable[..., Any], async_op: bool = False) -> Any:
     group = mesh.group_ranks(mesh_dim)
     tr = mesh.transport
     if len(group) == 1:
-        return call(tr, group)
+        out = call(tr, group, False)
+        return Completed(out) if async_op else out
     t0 = time.perf_counter()
-    out = call(tr, group)
+    if async_op:
+        def done(out: torch.Tensor) -> torch.Tensor:
+            record(kind, mesh_dim, group, tr.rank, sent, received, t.dtype, tuple(t.shape), time.perf_counter() - t0,
+                   tr.name)
+            return out
+
+        return call(tr, group, True).then(done)
+    out = call(tr, group, False)
     record(kind, mesh_dim, group, tr.rank, sent, received, t.dtype, tuple(t.shape), time.perf_counter() - t0, tr.name)
     return out
 
 
-def all_gather(t: torch.Tensor, mesh: "DeviceMesh", mesh_dim: MeshDims) -> torch.Tensor:
-    """Stack of every group member's ``t``: shape ``(k, *t.shape)``, group-rank order."""
+def all_gather(t: torch.Tensor, mesh: "DeviceMesh", mesh_dim: MeshDims, async_op: bool = False) -> Any:
+    """Stack of every group member's ``t``: shape ``(k, *t.shape)``, group-rank order.
+
+    With ``async_op`` every collective here returns a ``Work`` (recorded when waited on).
+    """
     k = mesh.group_size(mesh_dim)
     b = (k - 1) * _nbytes(t)
-    return _run("all_gather", mesh, mesh_dim, t, b, b, lambda tr, g: tr.all_gather(t, g))
+    return _run("all_gather", mesh, mesh_dim, t, b, b, lambda tr, g, a: tr.all_gather(t, g, async_op=a), async_op)
 
 
-def all_reduce(t: torch.Tensor, op: str, mesh: "DeviceMesh", mesh_dim: MeshDims) -> torch.Tensor:
+def all_reduce(t: torch.Tensor, op: str, mesh: "DeviceMesh", mesh_dim: MeshDims, async_op: bool = False) -> Any:
     """Element-wise ``op`` over the group (a new tensor)."""
     k = mesh.group_size(mesh_dim)
     b = 2 * (k - 1) * _nbytes(t) // k
-    return _run("all_reduce", mesh, mesh_dim, t, b, b, lambda tr, g: tr.all_reduce(t, op, g))
+    return _run("all_reduce", mesh, mesh_dim, t, b, b, lambda tr, g, a: tr.all_reduce(t, op, g, async_op=a), async_op)
 
 
-def reduce_scatter(t: torch.Tensor, op: str, mesh: "DeviceMesh", mesh_dim: MeshDims) -> torch.Tensor:
+def reduce_scatter(t: torch.Tensor, op: str, mesh: "DeviceMesh", mesh_dim: MeshDims, async_op: bool = False) -> Any:
     """``t`` is ``(k, *s)``; group rank ``i`` gets ``op`` over every member's block ``i``."""
     k = mesh.group_size(mesh_dim)
     b = (k - 1) * _nbytes(t) // k
-    return _run("reduce_scatter", mesh, mesh_dim, t, b, b, lambda tr, g: tr.reduce_scatter(t, op, g))
+    return _run("reduce_scatter", mesh, mesh_dim, t, b, b,
+                lambda tr, g, a: tr.reduce_scatter(t, op, g, async_op=a), async_op)
 
 
-def all_to_all(t: torch.Tensor, mesh: "DeviceMesh", mesh_dim: MeshDims) -> torch.Tensor:
+def all_to_all(t: torch.Tensor, mesh: "DeviceMesh", mesh_dim: MeshDims, async_op: bool = False) -> Any:
     """``t`` is ``(k, *s)``; block ``i`` goes to group rank ``i``; result block ``i`` came from it."""
     k = mesh.group_size(mesh_dim)
     b = (k - 1) * _nbytes(t) // k
-    return _run("all_to_all", mesh, mesh_dim, t, b, b, lambda tr, g: tr.all_to_all(t, g))
+    return _run("all_to_all", mesh, mesh_dim, t, b, b, lambda tr, g, a: tr.all_to_all(t, g, async_op=a), async_op)
 
 
 def all_to_all_v(sends: list[torch.Tensor], recv_shapes: list[tuple[int, ...]], mesh: "DeviceMesh",
@@ -226,7 +238,7 @@ def broadcast(t: torch.Tensor, src: int, mesh: "DeviceMesh", mesh_dim: MeshDims)
     k = mesh.group_size(mesh_dim)
     me = mesh.group_ranks(mesh_dim).index(mesh.transport.rank)
     sent, recv = ((k - 1) * _nbytes(t), 0) if me == src else (0, _nbytes(t))
-    return _run("broadcast", mesh, mesh_dim, t, sent, recv, lambda tr, g: tr.broadcast(t, src, g))
+    return _run("broadcast", mesh, mesh_dim, t, sent, recv, lambda tr, g, a: tr.broadcast(t, src, g))
 
 
 def barrier(mesh: "DeviceMesh", mesh_dim: int | None = None) -> None:

@@ -17,8 +17,8 @@ every block is sent once and the load is spread.
 
 Cost (``exchange_comm``): bytes per rank = the most any rank sends or receives, over the
 whole mesh, so the choice is rank independent; ``K-1`` latency terms (pairwise exchange) and
-one launch.  Priced on meshes of at most ``MAX_RANKS`` ranks (the pricing enumerates rank
-pairs); larger meshes keep the per-dim plan.
+one launch.  Priced on meshes of at most ``MAX_RANKS`` ranks (the pricing looks at every rank
+pair, vectorised); larger meshes keep the per-dim plan.
 """
 from __future__ import annotations
 
@@ -27,7 +27,9 @@ import math
 from functools import lru_cache
 from typing import Sequence
 
-from ..placement import Partial, Placement, Replicate, Shard, ShardOrder, local_shape_and_offset
+import numpy as np
+
+from ..placement import Partial, Placement, Replicate, Shard, ShardOrder, execution_order, local_shape_and_offset
 
 __all__ = ["exchange_dims", "exchange_comm", "exchange_loads", "blocks", "MAX_RANKS"]
 
@@ -75,10 +77,12 @@ def _overlap(a, b) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     return tuple(off), tuple(size)
 
 
-def blocks(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int], dims: Sequence[int],
-           src: Sequence[Placement], src_order: ShardOrder, dst: Sequence[Placement], dst_order: ShardOrder):
+@lru_cache(maxsize=4096)
+def blocks(shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: tuple[int, ...], dims: tuple[int, ...],
+           src: tuple, src_order: ShardOrder, dst: tuple, dst_order: ShardOrder):
     """For the rank at ``coord``: its group's coordinates (row-major over ``dims``), and per peer
-    the global box it sends there and the box it receives from there (``None``: nothing)."""
+    the global box it sends there and the box it receives from there (``None``: nothing).
+    Cached: the executor asks once per (rank, redistribution)."""
     rdims = [j for j in dims if isinstance(src[j], Replicate)]
     me_held = _box(shape, mesh_shape, coord, src, src_order)
     me_need = _box(shape, mesh_shape, coord, dst, dst_order)
@@ -95,7 +99,7 @@ def blocks(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int]
         else:
             send.append(None)
             recv.append(None)
-    return peers, send, recv
+    return tuple(peers), tuple(send), tuple(recv)
 
 
 def exchange_comm(shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims: tuple[int, ...],
@@ -110,13 +114,45 @@ def exchange_comm(shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims: tup
 def exchange_loads(shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims: tuple[int, ...],
                    src: tuple, src_order: ShardOrder, dst: tuple, dst_order: ShardOrder) -> tuple[int, int]:
     """``(most elements a rank sends, most elements a rank receives)``.  What a rank receives is
-    exactly the part of its target block it does not hold: no plan can deliver less."""
-    most_s = most_r = 0
-    for coord in itertools.product(*(range(k) for k in mesh_shape)):
-        _, send, recv = blocks(shape, mesh_shape, coord, dims, src, src_order, dst, dst_order)
-        me = 0
-        for j in dims:
-            me = me * mesh_shape[j] + coord[j]
-        most_s = max(most_s, sum(math.prod(b[1]) for i, b in enumerate(send) if b is not None and i != me))
-        most_r = max(most_r, sum(math.prod(b[1]) for i, b in enumerate(recv) if b is not None and i != me))
-    return most_s, most_r
+    exactly the part of its target block it does not hold: no plan can deliver less.
+
+    Vectorised over rank pairs (numpy): a few tens of microseconds on 16 ranks.
+    """
+    coords = _coords(mesh_shape)
+    ho, hs = _boxes(shape, mesh_shape, coords, src, src_order)
+    no, ns = _boxes(shape, mesh_shape, coords, dst, dst_order)
+    # pair (r, s): r sends s the overlap of r's block with s's target block, if r serves s
+    lo = np.maximum(ho[:, None, :], no[None, :, :])
+    hi = np.minimum((ho + hs)[:, None, :], (no + ns)[None, :, :])
+    inter = np.clip(hi - lo, 0, None).prod(axis=2) if shape else np.ones((len(coords), len(coords)), np.int64)
+    keep = [j for j in range(len(mesh_shape)) if j not in dims or isinstance(src[j], Replicate)]
+    if keep:
+        sub = coords[:, keep]
+        serves = (sub[:, None, :] == sub[None, :, :]).all(axis=2)
+    else:
+        serves = np.ones_like(inter, dtype=bool)
+    np.fill_diagonal(serves, False)
+    load = np.where(serves, inter, 0)
+    return int(load.sum(axis=1).max(initial=0)), int(load.sum(axis=0).max(initial=0))
+
+
+@lru_cache(maxsize=64)
+def _coords(mesh_shape: tuple[int, ...]) -> np.ndarray:
+    """Every rank's coordinate, row-major: ``(ranks, mesh ndim)``."""
+    return np.indices(mesh_shape).reshape(len(mesh_shape), -1).T.copy()
+
+
+def _boxes(shape, mesh_shape, coords, pl, order):
+    """Offsets and sizes ``(ranks, ndim)`` of every rank's block (spec 1.4, vectorised)."""
+    size = np.empty((len(coords), len(shape)), dtype=np.int64)
+    size[:] = shape
+    off = np.zeros_like(size)
+    for j in execution_order(pl, order):
+        d = pl[j].dim
+        k = mesh_shape[j]
+        length = size[:, d]
+        c = -(-length // k)
+        o = np.minimum(c * coords[:, j], length)
+        size[:, d] = np.minimum(c, length - o)
+        off[:, d] += o
+    return off, size

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import comm
+from ..async_tensor import AsyncLocalTensor
+from ..comm.base import Completed, Work
 from ..mesh import DeviceMesh
 from ..placement import NormPartial, Partial, Replicate, Shard, chunk, local_shape_and_offset
 from .flatten import best_plan
@@ -69,8 +71,8 @@ def _nested_pieces(length: int, ks: list[int]) -> list[tuple[int, int]]:
 def _apply_exchange(t: torch.Tensor, step: ExchangeStep, global_shape, mesh: DeviceMesh) -> torch.Tensor:
     """The whole change of ``step.dims`` in one all-to-all of unpadded blocks (``exchange.py``)."""
     coord = tuple(mesh.get_coordinate())
-    _, send, recv = blocks(global_shape, mesh.shape, coord, step.dims, step.placements, step.order, step.target,
-                           step.target_order)
+    _, send, recv = blocks(tuple(global_shape), tuple(mesh.shape), coord, step.dims, step.placements, step.order,
+                           step.target, step.target_order)
     _, held = local_shape_and_offset(global_shape, mesh.shape, coord, step.placements, step.order)
     size, need = local_shape_and_offset(global_shape, mesh.shape, coord, step.target, step.target_order)
 
@@ -91,7 +93,7 @@ def _apply_exchange(t: torch.Tensor, step: ExchangeStep, global_shape, mesh: Dev
     return out
 
 
-def _apply_flat(t: torch.Tensor, step: FlatStep, global_shape, mesh: DeviceMesh) -> torch.Tensor:
+def _apply_flat(t: torch.Tensor, step: FlatStep, global_shape, mesh: DeviceMesh, a: bool = False):
     """One collective over the flattened group of ``step.dims`` (major first)."""
     src, dst, dims = step.src, step.dst, step.dims
     coord = mesh.get_coordinate()
@@ -101,15 +103,15 @@ def _apply_flat(t: torch.Tensor, step: FlatStep, global_shape, mesh: DeviceMesh)
         me = me * k + coord[j]
     if isinstance(src, Partial) and isinstance(dst, Replicate):
         t, back = _norm_pre(t, src)
-        return back(comm.all_reduce(t, src.reduce_op, mesh, dims))
+        return _then(comm.all_reduce(t, src.reduce_op, mesh, dims, a), back, a)
     if isinstance(src, Shard) and isinstance(dst, Replicate):
         d = src.dim
         pieces = _nested_pieces(_logical_len(step, global_shape, mesh, coord, d), ks)
         c = pieces[0][0]
-        gathered = comm.all_gather(_pad_to(t, d, c).contiguous(), mesh, dims)
+        gathered = comm.all_gather(_pad_to(t, d, c).contiguous(), mesh, dims, a)
         if all(size == c for size, _ in pieces):
-            return _merge(gathered, d)
-        return torch.cat([gathered[i].narrow(d, 0, size) for i, (size, _) in enumerate(pieces)], d)
+            return _then(gathered, lambda g: _merge(g, d), a)
+        return _then(gathered, lambda g: torch.cat([g[i].narrow(d, 0, n) for i, (n, _) in enumerate(pieces)], d), a)
     if isinstance(src, Partial) and isinstance(dst, Shard):
         d = dst.dim
         pieces = _nested_pieces(t.shape[d], ks)
@@ -119,15 +121,30 @@ def _apply_flat(t: torch.Tensor, step: FlatStep, global_shape, mesh: DeviceMesh)
             stack = _pieces(t, d, len(pieces))
         else:
             stack = torch.stack([_pad_to(t.narrow(d, off, size), d, c) for size, off in pieces])
-        out = comm.reduce_scatter(stack.contiguous(), src.reduce_op, mesh, dims)
-        return back(out.narrow(d, 0, pieces[me][0]))
+        out = comm.reduce_scatter(stack.contiguous(), src.reduce_op, mesh, dims, a)
+        return _then(out, lambda o: back(o.narrow(d, 0, pieces[me][0])), a)
     raise NotImplementedError(f"no flattened transition from {src} to {dst} over mesh dims {dims}")
 
 
-def apply_step(t: torch.Tensor, step: Step, global_shape, mesh: DeviceMesh) -> torch.Tensor:
-    """One transition (redistribute spec T0-T8) on the local tensor ``t``."""
+def apply_step(t: torch.Tensor, step: Step, global_shape, mesh: DeviceMesh,
+               async_op: bool = False) -> "torch.Tensor | Work":
+    """One transition (redistribute spec T0-T8) on the local tensor ``t``.
+
+    With ``async_op`` the collective is issued and a ``Work`` returned whose ``wait()`` gives
+    the result (local steps and the direct exchange finish at once).
+    """
+    out = _apply(t, step, global_shape, mesh, async_op)
+    return Completed(out) if async_op and not isinstance(out, Work) else out
+
+
+def _then(x, fn, a: bool):
+    """``fn`` on a collective's result: now, or at the wait of its ``Work``."""
+    return x.then(fn) if a else fn(x)
+
+
+def _apply(t: torch.Tensor, step: Step, global_shape, mesh: DeviceMesh, a: bool):
     if type(step) is FlatStep:
-        return _apply_flat(t, step, global_shape, mesh)
+        return _apply_flat(t, step, global_shape, mesh, a)
     if type(step) is ExchangeStep:
         return _apply_exchange(t, step, global_shape, mesh)
     src, dst, j = step.src, step.dst, step.mesh_dim
@@ -143,27 +160,25 @@ def apply_step(t: torch.Tensor, step: Step, global_shape, mesh: DeviceMesh) -> t
         d = src.dim
         length = _logical_len(step, global_shape, mesh, coord, d)
         c = -(-length // k) if length else 0
-        gathered = comm.all_gather(_pad_to(t, d, c).contiguous(), mesh, j)
-        return _merge(gathered, d).narrow(d, 0, length)
+        gathered = comm.all_gather(_pad_to(t, d, c).contiguous(), mesh, j, a)
+        return _then(gathered, lambda g: _merge(g, d).narrow(d, 0, length), a)
     if isinstance(src, Partial) and isinstance(dst, Replicate):
         t, back = _norm_pre(t, src)
-        return back(comm.all_reduce(t, src.reduce_op, mesh, j))
+        return _then(comm.all_reduce(t, src.reduce_op, mesh, j, a), back, a)
     if isinstance(src, Partial) and isinstance(dst, Shard):
         d = dst.dim
         size, _ = chunk(t.shape[d], k, me)
         t, back = _norm_pre(t, src)
-        out = comm.reduce_scatter(_pieces(t, d, k).contiguous(), src.reduce_op, mesh, j)
-        return back(out.narrow(d, 0, size))
+        out = comm.reduce_scatter(_pieces(t, d, k).contiguous(), src.reduce_op, mesh, j, a)
+        return _then(out, lambda o: back(o.narrow(d, 0, size)), a)
     if isinstance(src, Shard) and isinstance(dst, Shard):
-        a, b = src.dim, dst.dim
-        la = _logical_len(step, global_shape, mesh, coord, a)
+        ad, bd = src.dim, dst.dim
+        la = _logical_len(step, global_shape, mesh, coord, ad)
         ca = -(-la // k) if la else 0
-        lb = t.shape[b]
-        blocks = _pieces(_pad_to(t, a, ca), b, k).contiguous()
-        recv = comm.all_to_all(blocks, mesh, j)
-        size_b, _ = chunk(lb, k, me)
-        full_a = _merge(recv, a).narrow(a, 0, la)
-        return full_a.narrow(b, 0, size_b)
+        size_b, _ = chunk(t.shape[bd], k, me)
+        blocks = _pieces(_pad_to(t, ad, ca), bd, k).contiguous()
+        recv = comm.all_to_all(blocks, mesh, j, a)
+        return _then(recv, lambda r: _merge(r, ad).narrow(ad, 0, la).narrow(bd, 0, size_b), a)
     if isinstance(src, Replicate) and isinstance(dst, Partial):
         return partition(t, dst, k, me)
     if type(src) is Partial and type(dst) is Partial:
@@ -214,8 +229,13 @@ def plan_for(src_spec, dst_spec, planner: str | None = None) -> tuple[Step, ...]
                         src_spec.shape, src_spec.mesh.shape, src_spec.dtype.itemsize)
 
 
-def redistribute_local(t: torch.Tensor, src_spec, dst_spec) -> torch.Tensor:
-    """Move this rank's local tensor from ``src_spec`` to ``dst_spec`` (same mesh)."""
+def redistribute_local(t: torch.Tensor, src_spec, dst_spec, async_op: bool = False) -> torch.Tensor:
+    """Move this rank's local tensor from ``src_spec`` to ``dst_spec`` (same mesh).
+
+    ``async_op``: the last collective is left in flight and an ``AsyncLocalTensor`` returned
+    (its shape is known; the first op on it waits).  Earlier steps feed the last one, so they
+    complete before this returns.
+    """
     mesh = src_spec.mesh
     if mesh != dst_spec.mesh:
         raise NotImplementedError(f"cross-mesh redistribution is not supported: {mesh} -> {dst_spec.mesh}")
@@ -227,6 +247,13 @@ def redistribute_local(t: torch.Tensor, src_spec, dst_spec) -> torch.Tensor:
         if isinstance(a, Shard) and isinstance(b, Partial) and mesh.shape[j] > 1:
             raise RuntimeError(f"redistributing {a} to {b} on mesh dim {j} is not supported in the forward pass")
     steps = plan_for(src_spec, dst_spec)
+    if async_op and steps:
+        for step in steps[:-1]:
+            t = apply_step(t, step, src_spec.shape, mesh)
+        work = apply_step(t, steps[-1], src_spec.shape, mesh, async_op=True)
+        if type(work) is Completed:
+            return work.wait()
+        return AsyncLocalTensor(work, dst_spec.local_shape_and_offset()[0], t.dtype, t.device)
     for step in steps:
         t = apply_step(t, step, src_spec.shape, mesh)
     return t
