@@ -764,7 +764,8 @@ def _draw(ex: Explanation, path: str, dpi: int) -> None:
         else:
             _draw_state(left, ex, st.placements_before, st.order_before, _PALETTE)
             _draw_state(right, ex, st.placements_after, st.order_after, _PALETTE)
-            label = (f"step {st.index}: mesh dim {st.dims_label} (k={st.group_size})\n{st.src} -> {st.dst}\n"
+            what = ("direct exchange" if st.collective == "all_to_all" and st.mesh_dims else f"{st.src} -> {st.dst}")
+            label = (f"step {st.index}: mesh dim {st.dims_label} (k={st.group_size})\n{what}\n"
                      f"{st.collective}\n{format_bytes(st.bytes)} per rank\n{format_time(st.time)}")
         mid.axis("off")
         mid.annotate("", xy=(0.98, 0.5), xytext=(0.02, 0.5), xycoords="axes fraction",
