@@ -31,7 +31,7 @@ import numpy as np
 
 from ..placement import Partial, Placement, Replicate, Shard, ShardOrder, execution_order, local_shape_and_offset
 
-__all__ = ["exchange_dims", "exchange_comm", "exchange_loads", "blocks", "MAX_RANKS"]
+__all__ = ["exchange_dims", "exchange_bound", "exchange_comm", "exchange_loads", "blocks", "MAX_RANKS"]
 
 MAX_RANKS = 64
 
@@ -100,6 +100,18 @@ def blocks(shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: tuple[int
             send.append(None)
             recv.append(None)
     return tuple(peers), tuple(send), tuple(recv)
+
+
+def exchange_bound(shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims: tuple[int, ...],
+                   src: tuple, src_order: ShardOrder, dst: tuple, dst_order: ShardOrder) -> int:
+    """A cheap upper bound of ``exchange_comm``'s elements: a rank receives at most its target
+    block, and sends each element it holds to at most the ranks of the group that replicate it
+    in the target (blocks at coordinate 0 are the largest)."""
+    zero = (0,) * len(mesh_shape)
+    held = math.prod(local_shape_and_offset(shape, mesh_shape, zero, src, src_order)[0])
+    need = math.prod(local_shape_and_offset(shape, mesh_shape, zero, dst, dst_order)[0])
+    copies = math.prod(mesh_shape[j] for j in dims if isinstance(dst[j], Replicate))
+    return max(need, held * copies)
 
 
 def exchange_comm(shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims: tuple[int, ...],

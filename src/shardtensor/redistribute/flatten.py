@@ -28,13 +28,14 @@ cached with the same key as the optimal planner's.
 """
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from typing import Sequence
 
 from ..placement import Partial, Placement, Replicate, Shard, ShardOrder
-from .cost import LinkModel, normalize_links, plan_score
+from .cost import LinkModel, normalize_links, step_comm
+from .exchange import exchange_bound, exchange_dims
 from .optimal import _norm_order, optimal_plan
-from .exchange import exchange_dims
 from .planner import ExchangeStep, FlatStep, Step
 
 __all__ = ["best_plan", "merge_steps", "clear_cache"]
@@ -56,35 +57,76 @@ def clear_cache() -> None:
 @lru_cache(maxsize=8192)
 def _cached(mesh_shape, links, src, src_order, dst, dst_order, shape, itemsize) -> tuple[Step, ...]:
     base = optimal_plan(src, src_order, dst, dst_order, shape, mesh_shape, itemsize, links)
-    cands = [base]
+    groups = _reduce_groups(src, dst, mesh_shape)
+    ncoll = sum(1 for st in base if _is_collective(st, mesh_shape))
+    dims = exchange_dims(src, src_order, dst, dst_order, mesh_shape) if ncoll > 1 else None
+    joins = ncoll > 1 and any(_join(a, b) is not None for a, b in zip(base, base[1:]))
+    if not groups and not joins and dims is None:
+        return base  # nothing to join, nothing to replace: no pricing at all
+    score = _Scorer(shape, mesh_shape, itemsize, links)
+    best, best_score = base, score.plan(base)
+
+    def offer(cand: tuple[Step, ...], sc=None) -> None:
+        nonlocal best, best_score
+        sc = score.plan(cand) if sc is None else sc
+        if sc[0] < best_score[0] or (sc[0] == best_score[0] and sc[1] < best_score[1]):
+            best, best_score = cand, sc
+
     merged = merge_steps(base, shape, mesh_shape, itemsize, links)
     if merged is not base:
-        cands.append(merged)
-    for group in _reduce_groups(src, dst, mesh_shape):
+        offer(merged)
+    for group in groups:
         first = FlatStep(group[0], src[group[0]], Replicate(), src, src_order, dims=group)
         mid = tuple(Replicate() if j in group else p for j, p in enumerate(src))
-        rest = optimal_plan(mid, src_order, dst, dst_order, shape, mesh_shape, itemsize, links)
-        cand = (first,) + rest
-        cands.append(cand)
+        cand = (first,) + optimal_plan(mid, src_order, dst, dst_order, shape, mesh_shape, itemsize, links)
+        offer(cand)
         m2 = merge_steps(cand, shape, mesh_shape, itemsize, links)
         if m2 is not cand:
-            cands.append(m2)
-    if sum(1 for st in base if st.collective not in _LOCAL) > 1:
-        dims = exchange_dims(src, src_order, dst, dst_order, mesh_shape)
-        if dims is not None:
-            cands.append((ExchangeStep(dims[0], src[dims[0]], dst[dims[0]], src, src_order, dims=dims, target=dst,
-                                       target_order=dst_order),))
-    if len(cands) == 1:
-        return base
-    best, best_score = base, plan_score(base, shape, mesh_shape, itemsize, links)
-    for c in cands[1:]:
-        sc = plan_score(c, shape, mesh_shape, itemsize, links)
-        if sc[0] < best_score[0] or (sc[0] == best_score[0] and sc[1] < best_score[1]):
-            best, best_score = c, sc
+            offer(m2)
+    if dims is not None:
+        # priced on a cheap upper bound (the exact busiest rank costs a pass over rank pairs):
+        # taken only when even the bound wins, so it never moves more bytes
+        ub = exchange_bound(shape, mesh_shape, dims, src, src_order, dst, dst_order)
+        offer((ExchangeStep(dims[0], src[dims[0]], dst[dims[0]], src, src_order, dims=dims, target=dst,
+                            target_order=dst_order),), score.raw(dims, ub, 1, math.prod(mesh_shape[j] for j in dims) - 1))
     return best
 
 
-_LOCAL = ("identity", "chunk", "partition", "rescale")
+def _is_collective(st: Step, mesh_shape) -> bool:
+    a, b = st.src, st.dst
+    if a == b or isinstance(a, Replicate) or mesh_shape[st.mesh_dim] == 1:
+        return False
+    return not (type(a) is Partial and type(b) is Partial and {a.reduce_op, b.reduce_op} == {"sum", "avg"})
+
+
+class _Scorer:
+    """The planner's objective, fast: ``(bandwidth, latency + launches)``.  Bandwidth is an exact
+    integer (bytes x the mesh size, which every all-reduce denominator divides) when every
+    link has the same beta, so equal-byte plans tie exactly."""
+
+    def __init__(self, shape, mesh_shape, itemsize, links) -> None:
+        self.shape, self.mesh_shape, self.itemsize, self.links = shape, mesh_shape, itemsize, links
+        self.D = math.prod(mesh_shape)
+        self.same_beta = len({lk.beta for lk in links}) == 1
+
+    def raw(self, dims, num: int, den: int, lat: int) -> tuple:
+        lks = [self.links[j] for j in dims]
+        units = num * self.itemsize * (self.D // den)
+        bw = units if self.same_beta else max(lk.beta for lk in lks) * units
+        if not lat:
+            return bw, 0.0
+        return bw, max(lk.launch for lk in lks) + lat * max(lk.alpha for lk in lks)
+
+    def plan(self, steps) -> tuple:
+        bw, t = 0, 0.0
+        for st in steps:
+            _, num, den, lat = step_comm(st, self.shape, self.mesh_shape)
+            if lat:
+                b, x = self.raw(st.mesh_dims, num, den, lat)
+                bw += b
+                t += x
+        return bw, t
+
 
 
 def _reduce_groups(src, dst, mesh_shape) -> list[tuple[int, ...]]:
@@ -134,8 +176,9 @@ def merge_steps(steps: tuple[Step, ...], shape, mesh_shape, itemsize: int, links
             continue
         j = _join(prev, st)
         if j is not None:
-            old = plan_score((prev, st), shape, mesh_shape, itemsize, links)
-            new = plan_score((j,), shape, mesh_shape, itemsize, links)
+            score = _Scorer(shape, mesh_shape, itemsize, links)
+            old = score.plan((prev, st))
+            new = score.plan((j,))
             if new[0] <= old[0] and new[1] < old[1]:
                 out[-1] = j
                 changed = True
