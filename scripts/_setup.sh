@@ -4,9 +4,10 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 stamp=.venv/.shardtensor-installed
-want="$(cat pyproject.toml | sha256sum | cut -d' ' -f1)"
+# the C planner is built by the (editable) install: a change to it or to setup.py reinstalls
+want="$(cat pyproject.toml setup.py src/shardtensor/redistribute/_astar.c | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "setting up .venv (first run only) ..." >&2
+  echo "setting up .venv (first run, or the build files changed) ..." >&2
   # torch first, pinned: a bare 'torch' would pull the multi-GB CUDA build.
   .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==2.13.0"
   .venv/bin/python -m pip install -q -e '.[dev]'

@@ -441,10 +441,12 @@ def test_cost_model_spec_numbers():
     s = Step(1, Shard(0), R, (Shard(0), Shard(0)), ((0, (0, 1)),))
     assert logical_shape(s, (7, 4), (2, 2)) == (4, 4)
     assert step_comm(s, (7, 4), (2, 2)) == ("all_gather", 8, 1, 1)
-    # time = latency * alpha + bytes * beta
-    link = LinkModel(alpha=1.0, beta=0.5)
+    # time = launch + latency * alpha + bytes * beta
+    link = LinkModel(alpha=1.0, beta=0.5, launch=0.25)
     b, t = plan_cost([st(PSUM, R, (PSUM,), ())], (8,), (4,), 2, link)
-    assert b == 24 and t == 2 * 3 * 1.0 + 24 * 0.5
+    assert b == 24 and t == 0.25 + 2 * 3 * 1.0 + 24 * 0.5
+    # local steps cost nothing, not even a launch
+    assert plan_cost([st(R, Shard(0), (R,), ())], (8,), (4,), 2, link) == (0.0, 0.0)
 
 
 def test_deterministic_rank_independent_and_cached():
