@@ -77,6 +77,8 @@ def _cached(mesh_shape, links, src, src_order, dst, dst_order, shape, itemsize) 
         offer(merged)
     for group in groups:
         first = FlatStep(group[0], src[group[0]], Replicate(), src, src_order, dims=group)
+        if score.plan((first,))[0] > best_score[0]:
+            continue  # the all-reduce alone moves more than the whole best plan: no second search
         mid = tuple(Replicate() if j in group else p for j, p in enumerate(src))
         cand = (first,) + optimal_plan(mid, src_order, dst, dst_order, shape, mesh_shape, itemsize, links)
         offer(cand)
