@@ -35,7 +35,8 @@ from typing import Sequence
 from ..placement import Partial, Placement, Replicate, Shard, ShardOrder
 from .cost import LinkModel, normalize_links, step_comm
 from .exchange import exchange_bound, exchange_dims
-from .optimal import _norm_order, optimal_plan
+from .optimal import _cached as _search  # the optimal planner's LRU, arguments already normalised
+from .optimal import _norm_order
 from .planner import ExchangeStep, FlatStep, Step
 
 __all__ = ["best_plan", "merge_steps", "clear_cache"]
@@ -56,7 +57,7 @@ def clear_cache() -> None:
 
 @lru_cache(maxsize=8192)
 def _cached(mesh_shape, links, src, src_order, dst, dst_order, shape, itemsize) -> tuple[Step, ...]:
-    base = optimal_plan(src, src_order, dst, dst_order, shape, mesh_shape, itemsize, links)
+    base = _search(mesh_shape, links, src, src_order, dst, dst_order, shape, itemsize)
     groups = _reduce_groups(src, dst, mesh_shape)
     ncoll = sum(1 for st in base if _is_collective(st, mesh_shape))
     dims = exchange_dims(src, src_order, dst, dst_order, mesh_shape) if ncoll > 1 else None
@@ -72,7 +73,7 @@ def _cached(mesh_shape, links, src, src_order, dst, dst_order, shape, itemsize) 
         if sc[0] < best_score[0] or (sc[0] == best_score[0] and sc[1] < best_score[1]):
             best, best_score = cand, sc
 
-    merged = merge_steps(base, shape, mesh_shape, itemsize, links)
+    merged = merge_steps(base, shape, mesh_shape, itemsize, links, score)
     if merged is not base:
         offer(merged)
     for group in groups:
@@ -80,9 +81,9 @@ def _cached(mesh_shape, links, src, src_order, dst, dst_order, shape, itemsize) 
         if score.plan((first,))[0] > best_score[0]:
             continue  # the all-reduce alone moves more than the whole best plan: no second search
         mid = tuple(Replicate() if j in group else p for j, p in enumerate(src))
-        cand = (first,) + optimal_plan(mid, src_order, dst, dst_order, shape, mesh_shape, itemsize, links)
+        cand = (first,) + _search(mesh_shape, links, mid, src_order, dst, dst_order, shape, itemsize)
         offer(cand)
-        m2 = merge_steps(cand, shape, mesh_shape, itemsize, links)
+        m2 = merge_steps(cand, shape, mesh_shape, itemsize, links, score)
         if m2 is not cand:
             offer(m2)
     if dims is not None:
@@ -110,23 +111,35 @@ class _Scorer:
         self.shape, self.mesh_shape, self.itemsize, self.links = shape, mesh_shape, itemsize, links
         self.D = math.prod(mesh_shape)
         self.same_beta = len({lk.beta for lk in links}) == 1
+        self.uniform = links[0] if len(set(links)) == 1 else None
+        self.memo: dict[int, tuple] = {}  # id(step) -> (score, step); the step is kept so the id stays its own
 
     def raw(self, dims, num: int, den: int, lat: int) -> tuple:
-        lks = [self.links[j] for j in dims]
         units = num * self.itemsize * (self.D // den)
-        bw = units if self.same_beta else max(lk.beta for lk in lks) * units
+        lk = self.uniform
+        if lk is not None:
+            return units, (lk.launch + lat * lk.alpha) if lat else 0.0
+        lks = [self.links[j] for j in dims]
+        bw = units if self.same_beta else max(x.beta for x in lks) * units
         if not lat:
             return bw, 0.0
-        return bw, max(lk.launch for lk in lks) + lat * max(lk.alpha for lk in lks)
+        return bw, max(x.launch for x in lks) + lat * max(x.alpha for x in lks)
+
+    def step(self, st: Step) -> tuple:
+        """One step's score, memoised for the call (candidates share most of their steps)."""
+        key = id(st)
+        hit = self.memo.get(key)
+        if hit is None:
+            _, num, den, lat = step_comm(st, self.shape, self.mesh_shape)
+            hit = self.memo[key] = (self.raw(st.mesh_dims, num, den, lat) if lat else (0, 0.0), st)
+        return hit[0]
 
     def plan(self, steps) -> tuple:
         bw, t = 0, 0.0
         for st in steps:
-            _, num, den, lat = step_comm(st, self.shape, self.mesh_shape)
-            if lat:
-                b, x = self.raw(st.mesh_dims, num, den, lat)
-                bw += b
-                t += x
+            b, x = self.step(st)
+            bw += b
+            t += x
         return bw, t
 
 
@@ -162,11 +175,13 @@ def _join(a: Step, b: Step) -> FlatStep | None:
     return FlatStep(dims[0], a.src, a.dst, a.placements, a.order, dims=dims)
 
 
-def merge_steps(steps: tuple[Step, ...], shape, mesh_shape, itemsize: int, links) -> tuple[Step, ...]:
+def merge_steps(steps: tuple[Step, ...], shape, mesh_shape, itemsize: int, links,
+                scorer: "_Scorer | None" = None) -> tuple[Step, ...]:
     """Join runs of consecutive steps into flattened collectives where that is cheaper.
 
     Returns ``steps`` itself when nothing changes.
     """
+    score = scorer or _Scorer(shape, mesh_shape, itemsize, links)
     if len(steps) < 2:
         return steps
     out: list[Step] = [steps[0]]
@@ -178,7 +193,6 @@ def merge_steps(steps: tuple[Step, ...], shape, mesh_shape, itemsize: int, links
             continue
         j = _join(prev, st)
         if j is not None:
-            score = _Scorer(shape, mesh_shape, itemsize, links)
             old = score.plan((prev, st))
             new = score.plan((j,))
             if new[0] <= old[0] and new[1] < old[1]:
