@@ -499,6 +499,7 @@ def _redistribute_async(mesh_shape, shape, src, dst):
     ((4,), (7, 3), "R", "S0", "Tensor"),                      # no collective: finished at once
     ((2, 2), (7, 5), "S0,S1", "R,R", "AsyncLocalTensor"),     # two steps: the last stays in flight
     ((2, 2), (8, 4), "S0,S0", "R,R", "AsyncLocalTensor"),     # one all-gather over the flattened group
+    ((2, 2), (7, 4), "S0,S0", "R,S0", "AsyncLocalTensor"),    # one direct exchange (unpadded all-to-all)
 ])
 def test_dtensor_redistribute_async(mesh_shape, shape, src, dst, kind):
     from shardtensor.redistribute.explain import parse_placements
@@ -524,7 +525,13 @@ def _gloo_redistribute_async(rank, world):
     ok = torch.equal(y.to_local().wait(), full) and torch.equal((y + 0).to_local(), full)
     z = x.redistribute(mesh, [Shard(1)], async_op=True)
     ok_a2a = torch.equal(wait_tensor(z.to_local()), full[:, rank * 16:(rank + 1) * 16])
-    return issued, ok, ok_a2a, busy.shape
+    mesh2 = init_device_mesh("cpu", (2, 2))
+    e = distribute_tensor(full[:7], mesh2, [Shard(0), Shard(0)]).redistribute(mesh2, [Replicate(), Shard(0)],
+                                                                             async_op=True)
+    c1 = mesh2.get_coordinate()[1]
+    ok_ex = type(e.to_local()).__name__ == "AsyncLocalTensor" and torch.equal(
+        wait_tensor(e.to_local()), full[:7][: 4] if c1 == 0 else full[4:7])
+    return issued, ok and ok_ex, ok_a2a, busy.shape
 
 
 @pytest.mark.skipif(not gloo_available(), reason="torch.distributed gloo backend not available")

@@ -215,22 +215,21 @@ def all_to_all(t: torch.Tensor, mesh: "DeviceMesh", mesh_dim: MeshDims, async_op
 
 
 def all_to_all_v(sends: list[torch.Tensor], recv_shapes: list[tuple[int, ...]], mesh: "DeviceMesh",
-                 mesh_dim: MeshDims) -> list[torch.Tensor]:
+                 mesh_dim: MeshDims, async_op: bool = False) -> Any:
     """Unpadded all-to-all: ``sends[i]`` goes to group rank ``i``; result ``i`` (of shape
     ``recv_shapes[i]``) came from it.  Blocks may differ in shape; empty ones cost nothing."""
     group = mesh.group_ranks(mesh_dim)
     tr = mesh.transport
     me = group.index(tr.rank)
     if len(group) == 1:
-        return [sends[0].clone()]
+        out1 = [sends[0].clone()]
+        return Completed(out1) if async_op else out1
     es = sends[me].element_size()
     sent = sum(x.numel() for i, x in enumerate(sends) if i != me) * es
     received = sum(math.prod(s) for i, s in enumerate(recv_shapes) if i != me) * es
-    t0 = time.perf_counter()
-    out = tr.all_to_all_v(sends, recv_shapes, group)
-    record("all_to_all", mesh_dim, group, tr.rank, sent, received, sends[me].dtype, tuple(sends[me].shape),
-           time.perf_counter() - t0, tr.name)
-    return out
+    t = sends[me]
+    return _run("all_to_all", mesh, mesh_dim, t, sent, received,
+                lambda tr_, g, a: tr_.all_to_all_v(sends, recv_shapes, g, async_op=a), async_op)
 
 
 def broadcast(t: torch.Tensor, src: int, mesh: "DeviceMesh", mesh_dim: MeshDims) -> torch.Tensor:

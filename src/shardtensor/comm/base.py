@@ -132,7 +132,7 @@ class Transport(ABC):
 
     @abstractmethod
     def all_to_all_v(self, sends: list[torch.Tensor], recv_shapes: list[tuple[int, ...]],
-                     group: Group) -> list[torch.Tensor]:
+                     group: Group, *, async_op: bool = False) -> "list[torch.Tensor] | Work":
         """``sends[i]`` to group rank ``i``; returns what each member sent here (shapes known)."""
 
     @abstractmethod

@@ -158,10 +158,12 @@ class SimTransport(Transport):
         parts = self._exchange(group, self._own(t))
         return torch.stack([p[me] for p in parts])
 
-    def all_to_all_v(self, sends, recv_shapes, group):
-        parts = self._exchange(group, [x.detach().clone() for x in sends])
+    def all_to_all_v(self, sends, recv_shapes, group, *, async_op=False):
         me = group.index(self.rank)
-        return [p[me] for p in parts]
+        payload = [x.detach().clone() for x in sends]
+        if async_op:
+            return self._work(group, payload, lambda parts: [p[me] for p in parts])
+        return [p[me] for p in self._exchange(group, payload)]
 
     def broadcast(self, t, src, group):
         parts = self._exchange(group, self._own(t) if group.index(self.rank) == src else None)

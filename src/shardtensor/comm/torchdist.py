@@ -131,9 +131,10 @@ class TorchDistTransport(Transport):
         dist.all_to_all_single(out, t, group=pg)
         return out if perm is None else out[perm]
 
-    def all_to_all_v(self, sends, recv_shapes, group):
+    def all_to_all_v(self, sends, recv_shapes, group, *, async_op=False):
         if len(group) == 1:
-            return [sends[0].detach().clone()]
+            out1 = [sends[0].detach().clone()]
+            return Completed(out1) if async_op else out1
         pg, _ = self._pg(group)
         key = sorted(group)
         pos = [group.index(r) for r in key]  # process-group rank i is group rank pos[i]
@@ -141,11 +142,18 @@ class TorchDistTransport(Transport):
         flat = torch.cat([sends[i].detach().reshape(-1) for i in pos])
         sizes = [math.prod(recv_shapes[i]) for i in pos]
         out = torch.empty(sum(sizes), dtype=ref.dtype, device=ref.device)
+
+        def unpack(buf: torch.Tensor) -> list:
+            got: list = [None] * len(group)
+            for i, piece in zip(pos, buf.split(sizes)):
+                got[i] = piece.view(recv_shapes[i])
+            return got
+
+        if async_op:
+            work = dist.all_to_all_single(out, flat, sizes, [sends[i].numel() for i in pos], group=pg, async_op=True)
+            return _pending(work, out, flat, unpack)
         dist.all_to_all_single(out, flat, sizes, [sends[i].numel() for i in pos], group=pg)
-        got: list[torch.Tensor | None] = [None] * len(group)
-        for i, piece in zip(pos, out.split(sizes)):
-            got[i] = piece.view(recv_shapes[i])
-        return got
+        return unpack(out)
 
     def broadcast(self, t, src, group):
         out = t.detach().clone(memory_format=torch.contiguous_format)

@@ -68,7 +68,7 @@ def _nested_pieces(length: int, ks: list[int]) -> list[tuple[int, int]]:
     return pieces
 
 
-def _apply_exchange(t: torch.Tensor, step: ExchangeStep, global_shape, mesh: DeviceMesh) -> torch.Tensor:
+def _apply_exchange(t: torch.Tensor, step: ExchangeStep, global_shape, mesh: DeviceMesh, a: bool = False):
     """The whole change of ``step.dims`` in one all-to-all of unpadded blocks (``exchange.py``)."""
     coord = tuple(mesh.get_coordinate())
     _, send, recv = blocks(tuple(global_shape), tuple(mesh.shape), coord, step.dims, step.placements, step.order,
@@ -85,12 +85,15 @@ def _apply_exchange(t: torch.Tensor, step: ExchangeStep, global_shape, mesh: Dev
     empty = (0,) * t.ndim
     sends = [t.new_empty(empty) if b is None else cut(t, b, held).contiguous() for b in send]
     shapes = [empty if b is None else b[1] for b in recv]
-    got = comm.all_to_all_v(sends, shapes, mesh, step.dims)
-    out = t.new_empty(size)
-    for b, g in zip(recv, got):
-        if b is not None:
-            cut(out, b, need).copy_(g)
-    return out
+
+    def assemble(got: list) -> torch.Tensor:
+        out = t.new_empty(size)
+        for b, g in zip(recv, got):
+            if b is not None:
+                cut(out, b, need).copy_(g)
+        return out
+
+    return _then(comm.all_to_all_v(sends, shapes, mesh, step.dims, a), assemble, a)
 
 
 def _apply_flat(t: torch.Tensor, step: FlatStep, global_shape, mesh: DeviceMesh, a: bool = False):
@@ -146,7 +149,7 @@ def _apply(t: torch.Tensor, step: Step, global_shape, mesh: DeviceMesh, a: bool)
     if type(step) is FlatStep:
         return _apply_flat(t, step, global_shape, mesh, a)
     if type(step) is ExchangeStep:
-        return _apply_exchange(t, step, global_shape, mesh)
+        return _apply_exchange(t, step, global_shape, mesh, a)
     src, dst, j = step.src, step.dst, step.mesh_dim
     k = mesh.shape[j]
     if src == dst or k == 1:
