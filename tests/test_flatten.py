@@ -8,7 +8,7 @@ kind), hand-built flattened steps of every kind, real gloo processes, explain/CL
 """
 from __future__ import annotations
 
-import itertools
+import math
 import random
 from fractions import Fraction
 
@@ -129,23 +129,28 @@ def test_never_more_bytes_than_the_per_dim_optimum(mesh_shape):
 
 # -- execution ------------------------------------------------------------------------------------
 
-def _run_pairs(mesh_shape, cases, links):
+def _run_pairs(mesh_shape, cases, links=None, seed=100):
+    """Run each case's plan on this rank: (right piece and shape, step types, busiest event
+    within the modeled bytes)."""
     mesh = init_device_mesh("cpu", mesh_shape)
     coord = tuple(mesh.get_coordinate())
     out = []
     for i, (shape, src, so, dst, do) in enumerate(cases):
         full = dense(shape, seed=i)
-        x = make_source(full, mesh, src, so, seed=100 + i)
+        x = make_source(full, mesh, src, so, seed=seed + i)
         steps = best_plan(src, so, dst, do, shape, mesh_shape, 4, links)
-        t = x.to_local()
-        for st in steps:
-            t = apply_step(t, st, shape, mesh)
+        with rank_events() as ev:
+            t = x.to_local()
+            for st in steps:
+                t = apply_step(t, st, shape, mesh)
         if any(isinstance(p, Partial) for p in dst):
             ok = True
         else:
             ok = torch.equal(t, expected_slice(full, mesh_shape, coord, dst, do))
         size, _ = local_shape_and_offset(shape, mesh_shape, coord, dst, do)
-        out.append((ok and tuple(t.shape) == tuple(size), any(isinstance(s, FlatStep) for s in steps)))
+        within = max([e.bytes_sent for e in ev] + [e.bytes_received for e in ev] + [0]) <= _bytes(steps, shape,
+                                                                                                 mesh_shape)
+        out.append((ok and tuple(t.shape) == tuple(size), {type(s) for s in steps}, within))
     return out
 
 
@@ -160,11 +165,9 @@ def test_flattened_plans_give_the_right_pieces(mesh_shape):
         steps = best_plan(src, so, dst, do, shape, mesh_shape, 4, LinkModel(launch=1e-3))
         if any(isinstance(s, FlatStep) for s in steps):
             cases.append((shape, src, so, dst, do))
-    res = run_spmd(_run_pairs, len(list(itertools.product(*map(range, mesh_shape)))), mesh_shape, cases,
-                   LinkModel(launch=1e-3))
-    for per_rank in res:
-        assert all(ok for ok, _ in per_rank)
-        assert all(flat for _, flat in per_rank)
+    for per_rank in run_spmd(_run_pairs, math.prod(mesh_shape), mesh_shape, cases, LinkModel(launch=1e-3)):
+        assert all(ok for ok, _, _ in per_rank)
+        assert all(FlatStep in kinds for _, kinds, _ in per_rank)
 
 
 def _hand_steps(mesh_shape, shape, op):
@@ -290,24 +293,6 @@ def _rand_sr_pair(rng, m, ndim):
     return src, so, dst, do
 
 
-def _exchange_pairs(mesh_shape, cases):
-    mesh = init_device_mesh("cpu", mesh_shape)
-    coord = tuple(mesh.get_coordinate())
-    out = []
-    for i, (shape, src, so, dst, do) in enumerate(cases):
-        full = dense(shape, seed=i)
-        x = make_source(full, mesh, src, so, seed=200 + i)
-        steps = best_plan(src, so, dst, do, shape, mesh_shape, 4)
-        with rank_events() as ev:
-            t = x.to_local()
-            for st in steps:
-                t = apply_step(t, st, shape, mesh)
-        ok = torch.equal(t, expected_slice(full, mesh_shape, coord, dst, do))
-        modeled = _bytes(steps, shape, mesh_shape)
-        out.append((ok, max([e.bytes_sent for e in ev] + [e.bytes_received for e in ev] + [0]) <= modeled))
-    return out
-
-
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (2, 3), (2, 2, 2)])
 def test_exchange_plans_give_the_right_pieces(mesh_shape):
     rng = random.Random(5)
@@ -318,12 +303,9 @@ def test_exchange_plans_give_the_right_pieces(mesh_shape):
         src, so, dst, do = _rand_sr_pair(rng, len(mesh_shape), ndim)
         if any(isinstance(s, ExchangeStep) for s in best_plan(src, so, dst, do, shape, mesh_shape, 4)):
             cases.append((shape, src, so, dst, do))
-    n = 1
-    for k in mesh_shape:
-        n *= k
-    for per_rank in run_spmd(_exchange_pairs, n, mesh_shape, cases):
-        assert all(ok for ok, _ in per_rank)
-        assert all(within for _, within in per_rank)
+    for per_rank in run_spmd(_run_pairs, math.prod(mesh_shape), mesh_shape, cases, None, 200):
+        assert all(ok for ok, _, _ in per_rank)
+        assert all(within for _, _, within in per_rank)
 
 
 def _gloo_exchange(rank, world):

@@ -34,13 +34,13 @@ denominator (only the all-reduce is fractional).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Iterable, Sequence
 
 from ..placement import Partial, Replicate, Shard
+from .planner import ExchangeStep
 
 __all__ = ["LinkModel", "DEFAULT_LINK", "normalize_links", "logical_shape", "step_comm", "step_bytes",
-           "step_latency", "step_time", "step_link", "plan_cost", "plan_score"]
+           "step_latency", "step_time", "step_link", "link_of", "plan_cost"]
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class LinkModel:
 
     def __post_init__(self) -> None:
         if not (self.alpha >= 0 and self.beta >= 0 and self.launch >= 0):
-            raise ValueError(f"LinkModel needs alpha >= 0 and beta >= 0, got {self!r}")
+            raise ValueError(f"LinkModel needs alpha >= 0, beta >= 0 and launch >= 0, got {self!r}")
 
 
 DEFAULT_LINK = LinkModel()
@@ -99,7 +99,7 @@ def _prod(xs: Iterable[int]) -> int:
 
 def step_comm(step, global_shape: Sequence[int], mesh_shape: Sequence[int]) -> tuple[str, int, int, int]:
     """``(kind, num, den, latency)``: the step sends ``num / den`` elements per rank."""
-    if getattr(step, "target", None):
+    if type(step) is ExchangeStep:
         from .exchange import exchange_comm
 
         num, lat = exchange_comm(tuple(global_shape), tuple(mesh_shape), step.dims, step.placements, step.order,
@@ -145,7 +145,7 @@ def step_bytes(step, global_shape: Sequence[int], mesh_shape: Sequence[int], ite
 
 def step_latency(step, mesh_shape: Sequence[int]) -> int:
     """Number of latency terms (ring steps) of ``step``."""
-    if getattr(step, "target", None):
+    if type(step) is ExchangeStep:
         return _prod(mesh_shape[i] for i in step.mesh_dims) - 1
     src, dst = step.src, step.dst
     k = _prod(mesh_shape[i] for i in step.mesh_dims)
@@ -162,7 +162,11 @@ def step_latency(step, mesh_shape: Sequence[int]) -> int:
 
 def step_link(step, links: Sequence[LinkModel]) -> LinkModel:
     """The link a step runs on: its mesh dim's, or the slowest of a flattened group's."""
-    dims = step.mesh_dims
+    return link_of(step.mesh_dims, links)
+
+
+def link_of(dims: Sequence[int], links: Sequence[LinkModel]) -> LinkModel:
+    """The link of a collective over ``dims``: one mesh dim's, or the slowest of each term."""
     if len(dims) == 1:
         return links[dims[0]]
     return LinkModel(max(links[i].alpha for i in dims), max(links[i].beta for i in dims),
@@ -192,21 +196,3 @@ def plan_cost(steps, global_shape: Sequence[int], mesh_shape: Sequence[int], ite
         total_time += link.launch + lat * link.alpha + link.beta * b
     return total_bytes, total_time
 
-
-def plan_score(steps, global_shape: Sequence[int], mesh_shape: Sequence[int], itemsize: int,
-               links=None) -> tuple[Fraction, float]:
-    """``(bandwidth seconds, latency seconds)``: the planner's lexicographic objective (plus launches).
-
-    The bandwidth part is exact, so plans that move the same bytes on the same links tie.
-    """
-    lk = normalize_links(links, len(mesh_shape))
-    bw = Fraction(0)
-    lat_s = 0.0
-    for st in steps:
-        _, num, den, lat = step_comm(st, global_shape, mesh_shape)
-        if not lat:
-            continue
-        link = step_link(st, lk)
-        bw += Fraction(link.beta) * Fraction(num * itemsize, den)
-        lat_s += link.launch + lat * link.alpha
-    return bw, lat_s

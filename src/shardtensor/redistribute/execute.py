@@ -71,8 +71,8 @@ def _nested_pieces(length: int, ks: list[int]) -> list[tuple[int, int]]:
 def _apply_exchange(t: torch.Tensor, step: ExchangeStep, global_shape, mesh: DeviceMesh, a: bool = False):
     """The whole change of ``step.dims`` in one all-to-all of unpadded blocks (``exchange.py``)."""
     coord = tuple(mesh.get_coordinate())
-    _, send, recv = blocks(tuple(global_shape), tuple(mesh.shape), coord, step.dims, step.placements, step.order,
-                           step.target, step.target_order)
+    send, recv = blocks(tuple(global_shape), tuple(mesh.shape), coord, step.dims, step.placements, step.order,
+                        step.target, step.target_order)
     _, held = local_shape_and_offset(global_shape, mesh.shape, coord, step.placements, step.order)
     size, need = local_shape_and_offset(global_shape, mesh.shape, coord, step.target, step.target_order)
 
@@ -134,7 +134,7 @@ def apply_step(t: torch.Tensor, step: Step, global_shape, mesh: DeviceMesh,
     """One transition (redistribute spec T0-T8) on the local tensor ``t``.
 
     With ``async_op`` the collective is issued and a ``Work`` returned whose ``wait()`` gives
-    the result (local steps and the direct exchange finish at once).
+    the result (a local step gives a ``Completed`` one).
     """
     out = _apply(t, step, global_shape, mesh, async_op)
     return Completed(out) if async_op and not isinstance(out, Work) else out

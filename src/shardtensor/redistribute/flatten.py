@@ -33,7 +33,7 @@ from functools import lru_cache
 from typing import Sequence
 
 from ..placement import Partial, Placement, Replicate, Shard, ShardOrder
-from .cost import LinkModel, normalize_links, step_comm
+from .cost import LinkModel, link_of, normalize_links, step_comm, step_latency
 from .exchange import exchange_bound, exchange_dims
 from .optimal import _cached as _search  # the optimal planner's LRU, arguments already normalised
 from .optimal import _norm_order
@@ -59,7 +59,7 @@ def clear_cache() -> None:
 def _cached(mesh_shape, links, src, src_order, dst, dst_order, shape, itemsize) -> tuple[Step, ...]:
     base = _search(mesh_shape, links, src, src_order, dst, dst_order, shape, itemsize)
     groups = _reduce_groups(src, dst, mesh_shape)
-    ncoll = sum(1 for st in base if _is_collective(st, mesh_shape))
+    ncoll = sum(1 for st in base if step_latency(st, mesh_shape))
     dims = exchange_dims(src, src_order, dst, dst_order, mesh_shape) if ncoll > 1 else None
     joins = ncoll > 1 and any(_join(a, b) is not None for a, b in zip(base, base[1:]))
     if not groups and not joins and dims is None:
@@ -95,13 +95,6 @@ def _cached(mesh_shape, links, src, src_order, dst, dst_order, shape, itemsize) 
     return best
 
 
-def _is_collective(st: Step, mesh_shape) -> bool:
-    a, b = st.src, st.dst
-    if a == b or isinstance(a, Replicate) or mesh_shape[st.mesh_dim] == 1:
-        return False
-    return not (type(a) is Partial and type(b) is Partial and {a.reduce_op, b.reduce_op} == {"sum", "avg"})
-
-
 class _Scorer:
     """The planner's objective, fast: ``(bandwidth, latency + launches)``.  Bandwidth is an exact
     integer (bytes x the mesh size, which every all-reduce denominator divides) when every
@@ -116,14 +109,9 @@ class _Scorer:
 
     def raw(self, dims, num: int, den: int, lat: int) -> tuple:
         units = num * self.itemsize * (self.D // den)
-        lk = self.uniform
-        if lk is not None:
-            return units, (lk.launch + lat * lk.alpha) if lat else 0.0
-        lks = [self.links[j] for j in dims]
-        bw = units if self.same_beta else max(x.beta for x in lks) * units
-        if not lat:
-            return bw, 0.0
-        return bw, max(x.launch for x in lks) + lat * max(x.alpha for x in lks)
+        lk = self.uniform or link_of(dims, self.links)
+        bw = units if self.same_beta else lk.beta * units
+        return bw, (lk.launch + lat * lk.alpha) if lat else 0.0
 
     def step(self, st: Step) -> tuple:
         """One step's score, memoised for the call (candidates share most of their steps)."""
@@ -141,7 +129,6 @@ class _Scorer:
             bw += b
             t += x
         return bw, t
-
 
 
 def _reduce_groups(src, dst, mesh_shape) -> list[tuple[int, ...]]:
