@@ -421,7 +421,10 @@ def test_cast_bfloat16(mesh_shape, shape):
     seen = check_op(lambda a: a.to(torch.bfloat16), [x], mesh_shape, limit=None, grad=False, linear=True,
                     seed=("bf16", shape))
     for (in_pl,), out_pl in seen:
-        assert out_pl == in_pl, f".to(bfloat16): {in_pl} -> {out_pl}"
+        # rounding does not commute with a sum: round(a + b) != round(a) + round(b), so a
+        # Partial(sum|avg) is reduced before the cast; shards and replicas are kept
+        want = tuple(Replicate() if isinstance(p, Partial) and p.reduce_op in ("sum", "avg") else p for p in in_pl)
+        assert out_pl == want, f".to(bfloat16): {in_pl} -> {out_pl}"
 
 
 @mesh_param

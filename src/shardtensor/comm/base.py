@@ -23,18 +23,37 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("SHARDTENSOR_COMM_TIMEOUT", "120"))
 
 
 def reduce_stack(stacked: torch.Tensor, op: str) -> torch.Tensor:
-    """Reduce a ``(k, ...)`` stack over dim 0 with one of the Partial reduce ops."""
-    if op == "sum":
-        return stacked.sum(0)
-    if op == "avg":
-        return stacked.sum(0) / stacked.shape[0] if stacked.is_floating_point() else stacked.sum(0) // stacked.shape[0]
-    if op == "max":
+    """Reduce a ``(k, ...)`` stack over dim 0 with one of the Partial reduce ops, keeping the dtype.
+
+    Integers wrap as torch's own arithmetic does; a bool sum/avg/max is a logical or, a bool
+    min/product a logical and (the arithmetic result cast back to bool).
+    """
+    dt = stacked.dtype
+    if dt == torch.bool:
+        if op in ("sum", "avg", "max"):
+            return stacked.any(0)
+        if op in ("min", "product"):
+            return stacked.all(0)
+    elif op == "sum":
+        return stacked.sum(0, dtype=dt)
+    elif op == "avg":
+        return avg_divide(stacked.sum(0, dtype=dt), stacked.shape[0])
+    elif op == "max":
         return stacked.amax(0)
-    if op == "min":
+    elif op == "min":
         return stacked.amin(0)
-    if op == "product":
-        return stacked.prod(0)
+    elif op == "product":
+        return stacked.prod(0, dtype=dt)
     raise ValueError(f"unknown reduce op {op!r}")
+
+
+def avg_divide(total: torch.Tensor, k: int) -> torch.Tensor:
+    """``total / k`` in ``total``'s dtype: true division for float and complex, floor for integers."""
+    if total.dtype == torch.bool:
+        return total
+    if total.is_floating_point() or total.is_complex():
+        return total / k
+    return total.div(k, rounding_mode="floor")
 
 
 class Work:

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .base import DEFAULT_TIMEOUT_S, Completed, Group, Transport, Work, reduce_stack
+from .base import DEFAULT_TIMEOUT_S, Completed, Group, Transport, Work, avg_divide, reduce_stack
 
 _OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -86,9 +86,9 @@ class TorchDistTransport(Transport):
             k = len(group)
             if async_op:
                 work = dist.all_reduce(out, dist.ReduceOp.SUM, group=pg, async_op=True)
-                return _pending(work, out, None, lambda x: x / k if x.is_floating_point() else x // k)
+                return _pending(work, out, None, lambda x: avg_divide(x, k))
             dist.all_reduce(out, dist.ReduceOp.SUM, group=pg)
-            return out / k if out.is_floating_point() else out // k
+            return avg_divide(out, k)
         if async_op:
             work = dist.all_reduce(out, dist.ReduceOp.AVG if op == "avg" else _OPS[op], group=pg, async_op=True)
             return _pending(work, out)

@@ -188,7 +188,10 @@ def _apply(t: torch.Tensor, step: Step, global_shape, mesh: DeviceMesh, a: bool)
         if (src.reduce_op, dst.reduce_op) == ("sum", "avg"):
             return t * k
         if (src.reduce_op, dst.reduce_op) == ("avg", "sum"):
-            return t / k
+            if t.is_floating_point() or t.is_complex():
+                return t / k
+            # integer terms: a floor per term would not add up to the floor of the mean
+            return partition(comm.all_reduce(t, "avg", mesh, j), "sum", k, me)
     if isinstance(src, Shard) and isinstance(dst, Partial):
         raise RuntimeError(f"redistributing {src} to {dst} is not supported in the forward pass")
     raise NotImplementedError(f"no transition from {src} to {dst} on mesh dim {j}")
@@ -216,9 +219,13 @@ def partition(t: torch.Tensor, op: "str | Partial", k: int, me: int) -> torch.Te
     if isinstance(op, Partial):
         op = op.reduce_op
     if op == "sum":
-        if t.is_floating_point() or t.is_complex():
-            return t / k
-        return t.clone() if me == 0 else torch.zeros_like(t)
+        # exact for every dtype and k: the value on coordinate 0, the additive identity elsewhere
+        # (-0.0 for floats: -0.0 + x == x bit for bit, signed zeros included)
+        if me == 0:
+            return t.clone()
+        if t.is_complex():
+            return torch.full_like(t, complex(-0.0, -0.0))
+        return torch.full_like(t, -0.0) if t.is_floating_point() else torch.zeros_like(t)
     if op == "product":
         return t.clone() if me == 0 else torch.ones_like(t)
     return t.clone()

@@ -211,4 +211,15 @@ def _product(call: Call) -> Decision:
         labels[bpos] = blabs
     options = einsum_options(call, operands, out_labels, bias)
     cands = expand(options, list(labels))
-    return finish(call, select(call, cands), labels, out_labels)
+    broadcast = bias is not None and (len(bias[1]) < len(out_labels) or None in bias[1])
+    kernel = (lambda targets, op=call.op: _broadcast_bias(op)) if broadcast else None
+    return finish(call, select(call, cands), labels, out_labels, kernel=kernel)
+
+
+def _broadcast_bias(op: Any) -> Callable:
+    """Kernel: the bias expanded to the local product's shape first.  torch's addmv/addmm return
+    the bias's own shape when the product is empty (a rank's empty shard), not the broadcast one."""
+    def kernel(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        shape = (*a.shape[:-1], b.shape[-1]) if b.ndim >= 2 else tuple(a.shape[:-1])
+        return op(bias.expand(shape), a, b, *args, **kwargs)
+    return kernel

@@ -247,7 +247,16 @@ def nll_loss_backward_rule(call: Call) -> Decision:
         if twp is not None and reduction == 1:
             inputs[twp] = rep
         cands.append(Candidate(inputs, out))
-    return _decide(call, cands)
+    return replace(_decide(call, cands), kernel=_nll_backward_kernel(call.op))
+
+
+def _nll_backward_kernel(op):
+    """torch's CPU kernel allocates grad_input like ``self`` and refuses a non-contiguous one;
+    a rank's shard may be non-contiguous where another's is not (size-1 or empty dims), so one
+    rank would fail alone.  ``self`` is read only for its shape: pass a contiguous one."""
+    def kernel(grad_output, self, target, *args, **kwargs):
+        return op(grad_output.contiguous(), self.contiguous(), target, *args, **kwargs)
+    return kernel
 
 
 # -- 6. layer_norm / rms_norm ---------------------------------------------------------------

@@ -47,8 +47,8 @@ def _keeps_partial(call: Call, kinds: set[str], partial_args: list[int]) -> bool
     op = call.op
     if op in IDENTITY:
         if op is aten._to_copy.default:
-            src = call.specs[partial_args[0]].dtype
-            return src.is_floating_point and call.out_meta.dtype.is_floating_point
+            return len(kinds) == 1 and cast_keeps(next(iter(kinds)), call.specs[partial_args[0]].dtype,
+                                                  call.out_meta.dtype)
         return True
     if len(kinds) != 1 or next(iter(kinds)) not in LINEAR_KINDS:
         return False
@@ -59,6 +59,25 @@ def _keeps_partial(call: Call, kinds: set[str], partial_args: list[int]) -> bool
             return False
         return not (op in (aten.div.Tensor, aten.div_.Tensor) and partial_args[0] != 0)
     return False
+
+
+def cast_keeps(kind: str, src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether a cast ``src -> dst`` commutes with the reduction of a ``Partial(kind)``.
+
+    A widening float cast commutes with every kind: float16 -> float32, float32 -> complex64.
+    A rounding cast commutes with max/min between floats only (rounding is monotone); for sum,
+    avg and product round(a + b) != round(a) + round(b), so such a cast reduces the Partial
+    first.  Integer casts keep only max/min, and only widening (a sum of int8 terms wraps where
+    their int64 sum does not); bool and integer -> float casts never keep a Partial.
+    """
+    if src == dst:
+        return True
+    if src == torch.bool or dst == torch.bool:
+        return False
+    widening = torch.promote_types(src, dst) == dst
+    if src.is_floating_point or src.is_complex:
+        return widening or (kind in ("max", "min") and dst.is_floating_point and src.is_floating_point)
+    return widening and not (dst.is_floating_point or dst.is_complex) and kind in ("max", "min")
 
 
 def _inplace_rule(call: Call) -> Decision:

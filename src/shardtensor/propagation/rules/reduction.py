@@ -84,6 +84,21 @@ def check_dims(call: Call, spec: DTensorSpec, D: Sequence[int], keepdim: bool, m
                                                f"{meta.ndim} dims, not {want}")
 
 
+def require_nonempty(op: Any, spec: DTensorSpec, D: Sequence[int], all_dims: bool) -> None:
+    """Raise as torch does for a reduction without identity (max, argmin, ...) over nothing.
+
+    Decided on the global shape, so every rank raises alike (a rank's empty shard is no error).
+    """
+    name = op._schema.name.split("::")[-1]
+    if all_dims and math.prod(spec.shape) == 0:
+        raise RuntimeError(f"shardtensor: {name}(): Expected reduction dim to be specified for input.numel() == 0 "
+                           f"(global shape {tuple(spec.shape)}). Specify the reduction dim with the 'dim' argument.")
+    for d in D:
+        if spec.shape[d] == 0:
+            raise RuntimeError(f"shardtensor: {name}(): Expected reduction dim {d} to have non-zero size "
+                               f"(global shape {tuple(spec.shape)}).")
+
+
 def _new_dim(d: int, D: Sequence[int], keepdim: bool) -> int:
     return d if keepdim else d - sum(1 for e in D if e < d)
 
@@ -268,6 +283,8 @@ def decomposable_rule(call: Call) -> Decision:
     meta = call.out_meta
     check_dims(call, s, D, keepdim, meta)
     kind, kept = _KIND[call.op]
+    if call.op in _EMPTY_RAISES:
+        require_nonempty(call.op, s, D, dim in (None, [], ()))
     bool_only = call.op in _BOOL_ONLY_KEEP
 
     def keep(p: Partial) -> bool:
@@ -312,6 +329,7 @@ def arg_reduction_rule(call: Call) -> Decision:
     dim = call.arg("dim", None)
     keepdim = bool(call.arg("keepdim", False))
     meta = call.out_meta
+    require_nonempty(call.op, s, reduced_dims(dim, s.ndim), dim is None)
     if dim is None:
         req: Pl = (Replicate(),) * s.mesh.ndim
         out_pl = req
