@@ -129,7 +129,8 @@ _REDUCTIONS = {
     "max": lambda t: t.max(), "min": lambda t: t.min(), "max0": lambda t: t.max(0), "min1": lambda t: t.min(1),
     "argmax": lambda t: t.argmax(), "argmin0": lambda t: t.argmin(0), "any": lambda t: (t > 0).any(),
     "all1": lambda t: (t > 0).all(1), "norm": lambda t: t.norm(), "var0": lambda t: t.var(0),
-    "logsumexp1": lambda t: t.logsumexp(1), "cumsum0": lambda t: t.cumsum(0),
+    "logsumexp1": lambda t: t.logsumexp(1), "cumsum0": lambda t: t.cumsum(0), "median": lambda t: t.median(),
+    "median1": lambda t: t.median(1), "kthvalue0": lambda t: t.kthvalue(1, 0), "mode1": lambda t: t.mode(1),
 }
 
 

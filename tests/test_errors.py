@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from shardtensor import (DeviceMesh, DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh,
-                         run_spmd)
+from shardtensor import (DeviceMesh, DTensor, MixedTensorError, Partial, Replicate, Shard, distribute_tensor,
+                         init_device_mesh, run_spmd)
 
 P, R, S0, S1 = Partial("sum"), Replicate(), Shard(0), Shard(1)
 X = torch.arange(35, dtype=torch.float32).reshape(7, 5)
@@ -229,39 +229,28 @@ def test_mixing_plain_tensor_with_dtensor():
         d = distribute_tensor(X, mesh1d(), [S0])
         return torch.add(d, plain)
 
-    e = spmd_raises(TypeError, body)
+    e = spmd_raises(MixedTensorError, body)
     assert "(7, 5)" in str(e), f"message should show the plain tensor's shape: {e}"
     assert "add" in str(e), f"message should name the op: {e}"
+    assert "implicit_replication" in str(e) and "distribute_tensor" in str(e), f"message should say what to do: {e}"
 
 
 def test_mixing_plain_tensor_via_python_operators():
-    """``d + plain`` and ``plain * d`` raise TypeError too."""
+    """``d + plain`` and ``plain * d`` give the same explanation as ``torch.add`` (not Python's bare
+    "unsupported operand type(s)", which a TypeError under ``Tensor.__add__`` would become)."""
     plain = torch.ones(5)
 
     def body():
         d = distribute_tensor(X, mesh1d(), [S0])
         d + plain
 
-    spmd_raises(TypeError, body)
+    spmd_raises(MixedTensorError, body, match=r"plain torch.Tensor of shape \(5,\)")
 
     def body2():
         d = distribute_tensor(X, mesh1d(), [S0])
         plain * d
 
-    spmd_raises(TypeError, body2)
-
-
-def test_mixing_plain_tensor_via_python_operators_message():
-    """Python's operator protocol turns any TypeError raised under ``Tensor.__add__`` into
-    NotImplemented, so ``d + plain`` ends in Python's generic "unsupported operand type(s)"
-    message (torch behaviour, not ours); it must still be a TypeError, never a silent result."""
-    plain = torch.ones(5)
-
-    def body():
-        d = distribute_tensor(X, mesh1d(), [S0])
-        d + plain
-
-    spmd_raises(TypeError, body)
+    spmd_raises(MixedTensorError, body2, match="implicit_replication")
 
 
 def test_mixing_plain_tensor_in_where():
@@ -271,7 +260,7 @@ def test_mixing_plain_tensor_in_where():
         d = distribute_tensor(X, mesh1d(), [S0])
         torch.where(cond, d, d)
 
-    spmd_raises(TypeError, body, match=r"\(7, 5\)")
+    spmd_raises(MixedTensorError, body, match=r"\(7, 5\)")
 
 
 def test_zero_dim_plain_tensor_is_a_scalar():

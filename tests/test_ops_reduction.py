@@ -16,7 +16,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from opcheck import check, data, gen, placement_combos  # noqa: E402
+from opcheck import MESHES, check, data, gen, placement_combos  # noqa: E402
 
 from shardtensor import (DTensor, Partial, Replicate, Shard, comm, distribute_tensor,  # noqa: E402
                          init_device_mesh, run_spmd)
@@ -377,3 +377,14 @@ def test_non_default_shard_order():
             torch.testing.assert_close(full, want, rtol=1e-5, atol=1e-5)
             # mesh dim 1 splits first: rank (a, b) holds rows block 2b + a of four
             torch.testing.assert_close(local, want.chunk(4, 0)[2 * coord[1] + coord[0]], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=str)
+@pytest.mark.parametrize("name,fn", [
+    ("median0", lambda t: t.median(0)), ("median", lambda t: t.median()), ("nanmedian1", lambda t: t.nanmedian(1)),
+    ("kthvalue", lambda t: t.kthvalue(3, 0, keepdim=True)), ("mode1", lambda t: t.mode(1)),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_selecting_reductions(name, fn, mesh_shape):
+    """median / nanmedian / kthvalue / mode: the dim gathered, other shards kept; values and indices."""
+    x = data("coarse" if name.startswith("mode") else "distinct", (7, 5), gen(name))
+    check(fn, [x], mesh_shape, limit=10, seed=name)

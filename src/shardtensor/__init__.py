@@ -4,6 +4,7 @@ from .mesh import DeviceMesh, init_device_mesh
 from .placement import Partial, Placement, Replicate, Shard
 from .spec import DTensorSpec
 from .tensor import DTensor, distribute_tensor
+from .implicit import MixedTensorError, implicit_replication
 from . import debug
 from .debug import CommTrace, visualize_sharding
 from .redistribute import explain_redistribute
@@ -14,6 +15,7 @@ from .parallel import distribute_module
 __all__ = [
     "CommTrace", "DTensor", "DTensorSpec", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard",
     "distribute_tensor", "explain_redistribute", "init_device_mesh", "run_spmd", "visualize_sharding",
+    "MixedTensorError", "implicit_replication",
 ]
 __all__ += ["distribute_module"]
 __all__ += ["MixedPrecisionPolicy", "fully_shard"]

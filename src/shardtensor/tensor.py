@@ -13,6 +13,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import comm
+from .implicit import implicit_allowed, lifting, plain_tensor_error
 from .mesh import DeviceMesh
 from .placement import (Partial, Placement, Replicate, Shard, chunk, display, local_shape_and_offset,
                         normalize_placements)
@@ -151,8 +152,10 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     """propagation -> redistribute -> local kernel -> wrap (or a decomposition into ops that have rules)."""
     r = route(func)
     if isinstance(r, tuple):
+        _check_plain(func, args, kwargs)
         try:
-            return r[1](*args, **kwargs)
+            with lifting():  # plain tensors the decomposition builds are the same on every rank
+                return r[1](*args, **kwargs)
         except NotImplementedError as e:
             if str(func) in str(e):
                 raise
@@ -162,16 +165,16 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
                                       f"(input placements: {pls}): {e}") from e
     flat, treedef = flatten_call(args, kwargs)
     specs: list[DTensorSpec | None] = []
-    for a in flat:
+    plain: list[int] | None = None
+    for i, a in enumerate(flat):
         if isinstance(a, DTensor):
             specs.append(a._spec)
         else:
             if isinstance(a, torch.Tensor) and a.ndim > 0:
-                raise TypeError(
-                    f"{func}: got a plain torch.Tensor of shape {tuple(a.shape)} mixed with DTensors; "
-                    "convert it with distribute_tensor or DTensor.from_local"
-                )
+                plain = (plain or []) + [i]
             specs.append(None)
+    if plain is not None:
+        return _dispatch_with_plain(func, flat, specs, treedef, plain)
     decision = propagate(func, flat, specs, treedef)
     if not decision.redistribute:
         local = [a if s is None else a._local_tensor for a, s in zip(flat, specs)]
@@ -193,6 +196,36 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
                 me._spec = decision.output
         return me
     return _wrap(out, decision.output)
+
+
+def _check_plain(func, args: tuple, kwargs: dict) -> None:
+    for a in tree_flatten((args, kwargs))[0]:
+        if type(a) is torch.Tensor and a.ndim > 0 and not implicit_allowed(a):
+            raise plain_tensor_error(func, a)
+
+
+def _dispatch_with_plain(func, flat: list, specs: list, treedef, plain: list[int]) -> Any:
+    """Dispatch with the plain tensors at ``plain`` taken as replicated values (see ``implicit``).
+
+    An in-place op on a plain ``self`` leaves the whole result in that plain tensor and returns it.
+    """
+    mesh = next(s.mesh for s in specs if s is not None)
+    flat = list(flat)
+    plain_self = flat[0] if plain[0] == 0 and _returns_self(func) else None
+    for i in plain:
+        t = flat[i]
+        if not implicit_allowed(t):
+            raise plain_tensor_error(func, t)
+        spec = DTensorSpec.build(mesh, [Replicate()] * mesh.ndim, t.shape, t.stride(), t.dtype)
+        flat[i] = DTensor(t, spec)
+    args, kwargs = unflatten_call(flat, treedef)
+    out = dispatch(func, args, kwargs)
+    if plain_self is not None:
+        full = redistribute_local(out._local_tensor, out._spec, out._spec.with_placements([Replicate()] * mesh.ndim))
+        if full is not plain_self:
+            plain_self.copy_(full)
+        return plain_self
+    return out
 
 
 _SELF_RETURN: dict[int, bool] = {}

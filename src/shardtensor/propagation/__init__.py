@@ -399,5 +399,5 @@ def _placements(specs) -> str:
 
 
 from .strategy import Candidate, decide  # noqa: E402
-from .rules import (embedding, factory, foreach, indexing, matrix, misc, nn, norm, pointwise,  # noqa: E402,F401
+from .rules import (attention, embedding, factory, foreach, indexing, matrix, misc, nn, norm, pointwise,  # noqa: E402,F401
                     reduction, view)  # (importing registers the rules)

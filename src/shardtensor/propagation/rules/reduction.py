@@ -321,24 +321,41 @@ def _uneven_mean(spec: DTensorSpec, D: Sequence[int], keepdim: bool, out_dtype: 
 
 # -- argmax / argmin -------------------------------------------------------------------------
 
-@register(aten.argmax.default, aten.argmin.default)
-def arg_reduction_rule(call: Call) -> Decision:
-    """Gather the reduced dim (or everything for ``dim=None``); other shards kept and renumbered."""
+_SELECTING = (aten.argmax.default, aten.argmin.default, aten.kthvalue.default, aten.mode.default,
+              aten.median.dim, aten.nanmedian.dim, aten.median.default, aten.nanmedian.default)
+
+
+@register(*_SELECTING)
+def selecting_rule(call: Call) -> Decision:
+    """argmax/argmin, kthvalue, mode, median: the reduced dim (everything for ``dim=None``) is
+    gathered, partials reduced; other shards kept and renumbered.  Values and indices alike."""
     pos = call.pos("self")
     s = call.specs[pos]
-    dim = call.arg("dim", None)
-    keepdim = bool(call.arg("keepdim", False))
+    has_dim = any(a.name == "dim" for a in call.op._schema.arguments)
+    dim = call.arg("dim", _schema_default(call.op, "dim")) if has_dim else None
+    keepdim = bool(call.arg("keepdim", False)) if has_dim else False
     meta = call.out_meta
-    require_nonempty(call.op, s, reduced_dims(dim, s.ndim), dim is None)
+    if call.op not in (aten.median.default, aten.nanmedian.default):  # those give nan on no elements
+        require_nonempty(call.op, s, reduced_dims(dim, s.ndim), dim is None)
+    metas = list(meta) if isinstance(meta, (tuple, list)) else [meta]
     if dim is None:
         req: Pl = (Replicate(),) * s.mesh.ndim
-        out_pl = req
-        return finish(call, {pos: req}, out_spec(call, meta, out_pl, ()))
-    D = reduced_dims(dim, s.ndim)
-    check_dims(call, s, D, keepdim, meta)
-    req = pick(call, pos, choices(s, D, decomposable=False, keep=lambda p: False))
-    out_pl = reduce_out(req, D, keepdim, None)
-    return finish(call, {pos: req}, out_spec(call, meta, out_pl, out_order(order_for(s, req), out_pl, D, keepdim)))
+        outs = [out_spec(call, m, req, ()) for m in metas]
+    else:
+        D = reduced_dims(dim, s.ndim)
+        check_dims(call, s, D, keepdim, metas[0])
+        req = pick(call, pos, choices(s, D, decomposable=False, keep=lambda p: False))
+        out_pl = reduce_out(req, D, keepdim, None)
+        order = out_order(order_for(s, req), out_pl, D, keepdim)
+        outs = [out_spec(call, m, out_pl, order) for m in metas]
+    return finish(call, {pos: req}, type(meta)(outs) if isinstance(meta, (tuple, list)) else outs[0])
+
+
+def _schema_default(op: Any, name: str) -> Any:
+    for a in op._schema.arguments:
+        if a.name == name:
+            return a.default_value if a.has_default_value() else None
+    return None
 
 
 # -- var / std -------------------------------------------------------------------------------

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Runs the tests on another torch release: scripts/test_torch.sh 2.11 [pytest args].
+#
+# The release lives in one venv outside the repo, $SHARDTENSOR_CACHE (default
+# ~/.cache/shardtensor)/torch-VERSION, created on first use and reused after.  Registry builds
+# of torch are CUDA builds of ~5 GB, so at most one such venv is kept (another version's is
+# removed first), pip keeps no cache, and below 15 GB of free disk nothing is installed: the
+# script says so loudly and exits 0 without testing (exit 3 with SHARDTENSOR_REQUIRE_TORCH=1).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ver="${1:?usage: scripts/test_torch.sh TORCH_VERSION [pytest args]}"
+shift
+root="${SHARDTENSOR_CACHE:-$HOME/.cache/shardtensor}"
+venv="$root/torch-$ver"
+stamp="$venv/.shardtensor-installed"
+want="$(cat pyproject.toml setup.py | sha256sum | cut -d' ' -f1)"
+mkdir -p "$root"
+
+skip() {
+  echo "!!!!!!!! SKIPPED the torch $ver tests: $1 !!!!!!!!" >&2
+  [ "${SHARDTENSOR_REQUIRE_TORCH:-0}" = 1 ] && exit 3
+  exit 0
+}
+
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  for other in "$root"/torch-*; do
+    [ -d "$other" ] && [ "$other" != "$venv" ] && { echo "removing $other (one extra torch at a time)" >&2; rm -rf "$other"; }
+  done
+  if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
+    free_gb=$(df -Pk "$root" | awk 'NR==2 {print int($4 / 1048576)}')
+    [ "$free_gb" -lt 15 ] && skip "only ${free_gb} GB free on $(df -P "$root" | awk 'NR==2 {print $6}'), 15 GB needed"
+    echo "installing torch==$ver into $venv (a CUDA build, ~5 GB, about a minute) ..." >&2
+    rm -rf "$venv"
+    python3 -m venv "$venv" || skip "python3 -m venv failed"
+    start=$SECONDS
+    "$venv/bin/python" -m pip install -q --no-cache-dir "torch==$ver.*" || { rm -rf "$venv"; skip "pip could not install torch==$ver"; }
+    echo "torch $ver installed in $((SECONDS - start)) s ($(du -sh "$venv" | cut -f1))" >&2
+  fi
+  "$venv/bin/python" -m pip install -q --no-cache-dir -e '.[dev]' || skip "installing the project into $venv failed"
+  echo "$want" > "$stamp"
+fi
+echo "tests on $("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)')" >&2
+"$venv/bin/python" -m pytest "$@"
+rc=$?
+[ "$rc" -eq 5 ] && echo "pytest collected no tests: failing" >&2
+exit "$rc"

@@ -1,0 +1,90 @@
+"""Plain tensors meeting DTensors: replicated where every rank builds the same one, refused elsewhere.
+
+Autograd formulas build plain ``zeros``/index tensors from global shapes (prod, topk, sort,
+max.dim backward on older torch), decompositions build masks, and one-element tensors and
+``implicit_replication()`` blocks are taken as replicated values, as torch's DTensor does.
+"""
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from opcheck import MESHES, check, data, gen, one_thread  # noqa: E402,F401
+
+from shardtensor import (MixedTensorError, Replicate, Shard, distribute_tensor, implicit_replication,  # noqa: E402
+                         init_device_mesh, run_spmd)
+from shardtensor.propagation.rules.attention import OPS as ATTENTION_OPS  # noqa: E402
+
+X = data("nonzero", (7, 5), gen("implicit"))
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=str)
+@pytest.mark.parametrize("name,fn", [
+    ("prod1", lambda t: t.prod(1)), ("prod0_keep", lambda t: t.prod(0, keepdim=True)), ("prod", lambda t: t.prod()),
+    ("topk", lambda t: t.topk(2, dim=1)[0]), ("sort", lambda t: t.sort(dim=0)[0]),
+    ("max1", lambda t: t.max(1)[0]), ("min0", lambda t: t.min(0, keepdim=True)[0]),
+    ("kthvalue", lambda t: t.kthvalue(2, dim=1)[0]), ("cummax", lambda t: t.cummax(0)[0]),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_backward_formulas_with_plain_tensors(name, fn, mesh_shape):
+    """Backward formulas that build plain tensors (zeros, index tensors, cat of pieces) run on every layout."""
+    x = data("distinct", (7, 5), gen(name)) + 0.5
+    check(fn, [x], mesh_shape, limit=10, seed=name)
+
+
+def _mixed(mesh_shape, plain, how):
+    mesh = init_device_mesh("cpu", mesh_shape)
+    d = distribute_tensor(X, mesh, [Shard(0)] + [Replicate()] * (len(mesh_shape) - 1))
+    if how == "outside":
+        try:
+            d * plain
+        except MixedTensorError as e:
+            return str(e)
+        return "no error"
+    if how == "one_element":
+        return (d * plain + plain).full_tensor()
+    with implicit_replication():
+        with implicit_replication():
+            inner = (d * plain).full_tensor()
+        nested_ok = (d + plain).full_tensor()
+    if how == "inplace_plain_self":
+        with implicit_replication():
+            p = plain.clone()
+            r = p.add_(d)
+        return r is p, p, inner, nested_ok
+    try:
+        d - plain
+    except MixedTensorError:
+        return inner, nested_ok, "restored"
+    return inner, nested_ok, "still implicit after the block"
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=str)
+def test_implicit_replication_scope(mesh_shape):
+    plain = data("any", (7, 5), gen("plain"))
+    for inner, nested_ok, after in run_spmd(_mixed, 4, mesh_shape, plain, "inside"):
+        torch.testing.assert_close(inner, X * plain)
+        torch.testing.assert_close(nested_ok, X + plain)
+        assert after == "restored"
+    for is_self, p, _, _ in run_spmd(_mixed, 4, mesh_shape, plain, "inplace_plain_self"):
+        assert is_self, "an in-place op returns its plain self"
+        torch.testing.assert_close(p, plain + X)
+
+
+def test_plain_tensor_outside_scope_is_refused():
+    for msg in run_spmd(_mixed, 4, (4,), torch.ones(5), "outside"):
+        assert "plain torch.Tensor of shape (5,)" in msg and "implicit_replication" in msg, msg
+
+
+@pytest.mark.parametrize("plain", [torch.tensor(2.5), torch.tensor([2.5]), torch.tensor([[2.5]])], ids=str)
+def test_one_element_plain_tensors_are_replicated(plain):
+    for out in run_spmd(_mixed, 4, (2, 2), plain, "one_element"):
+        torch.testing.assert_close(out, X * plain + plain)
+
+
+def test_attention_ops_exist():
+    """The CPU fused attention op of this torch has a rule (the CUDA ones where torch has them)."""
+    assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default in ATTENTION_OPS
