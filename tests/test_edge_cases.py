@@ -208,3 +208,85 @@ def test_nll_loss2d_backward_non_contiguous_shard(mesh_shape):
     for loss, grad in run_spmd(_nll_body, 4, mesh_shape, x, t, dy):
         torch.testing.assert_close(loss, want.detach())
         torch.testing.assert_close(grad, xd.grad)
+
+
+# -- in-place views, bool max/min, cat of 0-d tensors, allclose ------------------------------------
+
+def _inplace_views(mesh_shape, x):
+    mesh = init_device_mesh("cpu", mesh_shape)
+    out = {}
+    for name, fn in [("squeeze_", lambda t: t.squeeze_(1)), ("unsqueeze_", lambda t: t.unsqueeze_(0)),
+                     ("t_", lambda t: t.squeeze_(1).t_()), ("transpose_", lambda t: t.transpose_(0, 2)),
+                     ("swapdims_", lambda t: t.swapdims_(0, 2))]:
+        d = distribute_tensor(x, mesh, [Shard(0)] + [Shard(2)] * (len(mesh_shape) - 1))
+        base = d._local_tensor
+        r = fn(d)
+        out[name] = (r is d, tuple(d.shape), d.stride(), d.placements, d.full_tensor(),
+                     d._local_tensor.untyped_storage().data_ptr() == base.untyped_storage().data_ptr())
+    return out
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=str)
+def test_inplace_view_ops(mesh_shape):
+    """squeeze_/unsqueeze_/t_/transpose_/swapdims_ change the DTensor itself: shape, stride, placements, no copy."""
+    x = data("any", (7, 1, 5), gen("inplace-view"))
+    dense = {"squeeze_": x.clone().squeeze_(1), "unsqueeze_": x.clone().unsqueeze_(0),
+             "t_": x.clone().squeeze_(1).t_(), "transpose_": x.clone().transpose_(0, 2),
+             "swapdims_": x.clone().swapdims_(0, 2)}
+    for res in run_spmd(_inplace_views, 4, mesh_shape, x):
+        for name, (is_self, shape, stride, pl, full, shares) in res.items():
+            want = dense[name]
+            assert is_self and shape == tuple(want.shape) and stride == want.stride(), (name, shape, stride)
+            assert shares, f"{name} copied the local tensor"
+            assert any(isinstance(p, Shard) for p in pl), (name, pl)
+            torch.testing.assert_close(full, want)
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=str)
+def test_bool_max_min_dim(mesh_shape):
+    m = data("bool", (7, 5), gen("boolmax"))
+    check(lambda t: (*t.max(0), *t.min(1, keepdim=True)), [m], mesh_shape, limit=12, grad=False, partial=("max",),
+          seed="boolmax")
+
+
+def _cat0d(mesh_shape):
+    mesh = init_device_mesh("cpu", mesh_shape)
+    a = distribute_tensor(torch.tensor(1.0), mesh, [Replicate()] * len(mesh_shape))
+    try:
+        torch.cat([a, a])
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_cat_of_zero_dim_tensors_raises_as_torch():
+    with pytest.raises(RuntimeError, match="zero-dimensional"):
+        torch.cat([torch.tensor(1.0), torch.tensor(2.0)])
+    for msg in run_spmd(_cat0d, 4, (4,)):
+        assert "zero-dimensional tensor (at position 0) cannot be concatenated" in msg, msg
+
+
+def _allclose(mesh_shape, a, b):
+    mesh = init_device_mesh("cpu", mesh_shape)
+    pl = [Shard(0)] + [Replicate()] * (len(mesh_shape) - 1)
+    da, db = distribute_tensor(a, mesh, pl), distribute_tensor(b, mesh, [Replicate()] * len(mesh_shape))
+    return torch.allclose(da, db), torch.allclose(da, db + 1e-3), torch.allclose(da, db + 1e-3, atol=1e-2)
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=str)
+def test_allclose(mesh_shape):
+    a = data("any", (7, 5), gen("allclose"))
+    want = (True, torch.allclose(a, a + 1e-3), torch.allclose(a, a + 1e-3, atol=1e-2))
+    assert want == (True, False, True)
+    for got in run_spmd(_allclose, 4, mesh_shape, a, a.clone()):
+        assert got == want
+
+
+def _uneven_from_local(mesh_shape):
+    mesh = init_device_mesh("cpu", mesh_shape)
+    return DTensor.from_local(torch.ones(mesh.get_rank() % 2 + 1), mesh, [Shard(0)]).full_tensor()
+
+
+def test_uneven_from_local_without_shape_says_what_to_do():
+    with pytest.raises(RuntimeError, match=r"rank 0: \(1,\), rank 1: \(2,\).*pass shape="):
+        run_spmd(_uneven_from_local, 4, (4,))

@@ -795,3 +795,34 @@ def test_dtensor_on_submesh():
 
     for i, full in run_spmd(body, 4, timeout=30.0):
         assert torch.equal(full, (X + i) * 2)
+
+
+@pytest.mark.parametrize("call,exc,pattern", [
+    (lambda d, m: d.redistribute(m, [R], forward_dtype="float16"), TypeError, r"forward_dtype must be a torch.dtype.*'float16'"),
+    (lambda d, m: d.redistribute(m, [R], backward_dtype=1), TypeError, r"backward_dtype"),
+    (lambda d, m: d.redistribute(m, [S0], shard_order=[(0, 0)]), TypeError, r"shard_order must map"),
+    (lambda d, m: d.redistribute(m, [S0], shard_order="0"), TypeError, r"shard_order"),
+    (lambda d, m: distribute_tensor(X, m, [S0], src_data_rank="0"), TypeError, r"src_data_rank.*'0'"),
+    (lambda d, m: distribute_tensor(X, m, [S0], src_data_rank=1.0), TypeError, r"src_data_rank.*1\.0"),
+    (lambda d, m: DTensor.from_local(torch.ones(2, 2), m, [S0], shape=(2, -3)), ValueError, r"shape.*\(2, -3\)"),
+    (lambda d, m: DTensor.from_local(torch.ones(2, 2), m, [S0], shape=(8, 2.0)), ValueError, r"non-negative ints"),
+    (lambda d, m: DTensor.from_local(torch.ones(2, 2), m, [S0], shape=(8,)), ValueError, r"1 dims"),
+], ids=["forward_dtype", "backward_dtype", "shard_order_pairs", "shard_order_str", "src_rank_str",
+        "src_rank_float", "shape_negative", "shape_float", "shape_ndim"])
+def test_argument_errors_name_the_argument(call, exc, pattern):
+    def body():
+        m = mesh1d()
+        call(distribute_tensor(X, m, [S0]), m)
+
+    spmd_raises(exc, body, match=pattern)
+
+
+def test_shard_order_accepts_pairs():
+    def body():
+        m = init_device_mesh("cpu", (2, 2))
+        d = distribute_tensor(X, m, [S0, S0])
+        a = d.redistribute(m, [S0, S0], shard_order={0: [1, 0]})
+        b = d.redistribute(m, [S0, S0], shard_order=[(0, [1, 0])])
+        return a.shard_order == b.shard_order == ((0, (1, 0)),), torch.equal(a.full_tensor(), X)
+
+    assert all(r == (True, True) for r in run_spmd(body, 4))

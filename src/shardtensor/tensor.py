@@ -79,15 +79,16 @@ class DTensor(torch.Tensor):
             placements = [Replicate()] * device_mesh.ndim
         pl = normalize_placements(placements, local_tensor.ndim, device_mesh.ndim)
         if run_check:
-            shape = _check_local_shapes(local_tensor, device_mesh, pl, shape)
+            shape = _check_local_shapes(local_tensor, device_mesh, pl, None if shape is None else
+                                        _check_shape(shape, local_tensor))
         elif shape is None:
             g = list(local_tensor.shape)
             for j, p in enumerate(pl):
                 if isinstance(p, Shard):
                     g[p.dim] *= device_mesh.size(j)
             shape = g
-        elif len(shape) != local_tensor.ndim:
-            raise ValueError(f"from_local: shape {tuple(shape)} has {len(shape)} dims, local tensor {tuple(local_tensor.shape)} has {local_tensor.ndim}")
+        else:
+            shape = _check_shape(shape, local_tensor)
         spec = DTensorSpec.build(device_mesh, pl, shape, stride, local_tensor.dtype)
         if shape is not None and device_mesh.get_coordinate() is not None:
             expect = spec.local_shape
@@ -122,11 +123,14 @@ class DTensor(torch.Tensor):
         op on the DTensor), so communication overlaps with whatever runs in between.
         """
         mesh = device_mesh if device_mesh is not None else self.device_mesh
+        for name, dt in (("forward_dtype", forward_dtype), ("backward_dtype", backward_dtype)):
+            if dt is not None and not isinstance(dt, torch.dtype):
+                raise TypeError(f"redistribute: {name} must be a torch.dtype (e.g. torch.float16) or None, got {dt!r}")
         if mesh != self.device_mesh:
             raise NotImplementedError(f"cross-mesh redistribution is not supported: {self.device_mesh} -> {mesh}")
         if placements is None:
             raise RuntimeError("redistribute needs placements")
-        order = None if shard_order is None else tuple((int(d), tuple(js)) for d, js in shard_order.items())
+        order = None if shard_order is None else _shard_order_arg(shard_order)
         target = self._spec.with_placements(placements, order)
         for j, (p, cur) in enumerate(zip(target.placements, self.placements)):
             if isinstance(p, Partial) and p != cur:
@@ -262,6 +266,30 @@ def _wrap(out: Any, spec: Any) -> Any:
         return DTensor(out, spec)
     if isinstance(out, (tuple, list)):
         return type(out)(_wrap(o, s) for o, s in zip(out, spec))
+    return out
+
+
+def _check_shape(shape: Any, local: torch.Tensor) -> tuple[int, ...]:
+    """``from_local``'s ``shape=``: a sequence of non-negative ints, one per dim of the local tensor."""
+    if not isinstance(shape, (tuple, list, torch.Size)) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        raise ValueError(f"from_local: shape must be a sequence of non-negative ints, got {shape!r}")
+    if len(shape) != local.ndim:
+        raise ValueError(f"from_local: shape {tuple(shape)} has {len(shape)} dims, local tensor "
+                         f"{tuple(local.shape)} has {local.ndim}")
+    return tuple(shape)
+
+
+def _shard_order_arg(shard_order: Any) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """``redistribute``'s ``shard_order=``: ``{tensor dim: [mesh dims]}`` or pairs ``[(dim, [mesh dims])]``."""
+    pairs = shard_order.items() if isinstance(shard_order, dict) else shard_order
+    try:
+        out = tuple((d, tuple(js)) for d, js in pairs)
+    except (TypeError, ValueError):
+        out = None
+    if out is None or not all(isinstance(d, int) and all(isinstance(j, int) for j in js) for d, js in out):
+        raise TypeError("redistribute: shard_order must map tensor dims to lists of mesh dims, e.g. {0: [1, 0]} "
+                        f"(or pairs [(0, [1, 0])]), got {shard_order!r}")
     return out
 
 
@@ -431,6 +459,8 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements:
     for p in spec.placements:
         if isinstance(p, Partial):
             raise ValueError(f"distribute_tensor cannot create {p!r}; build Partial values with DTensor.from_local")
+    if src_data_rank is not None and (not isinstance(src_data_rank, int) or isinstance(src_data_rank, bool)):
+        raise TypeError(f"distribute_tensor: src_data_rank must be an int mesh coordinate or None, got {src_data_rank!r}")
     if src_data_rank is not None and not 0 <= src_data_rank < min(device_mesh.shape):
         raise ValueError(f"src_data_rank={src_data_rank} must be a coordinate in 0..{min(device_mesh.shape) - 1} "
                          f"on every dim of mesh shape {device_mesh.shape} (or None for no communication)")

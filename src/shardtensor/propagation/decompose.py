@@ -116,7 +116,8 @@ def _max_min_dim(largest: bool) -> Callable:
             if tuple(pl) != x.placements:
                 x = x.redistribute(x.device_mesh, pl)
         vals = (aten.amax if largest else aten.amin)(x, [d], keepdim)
-        idx = (aten.argmax if largest else aten.argmin)(x, d, keepdim)
+        ranked = x.to(torch.uint8) if x.dtype == torch.bool else x  # argmax has no bool kernel; max.dim has
+        idx = (aten.argmax if largest else aten.argmin)(ranked, d, keepdim)
         return vals, idx
 
     return run
@@ -152,11 +153,32 @@ def _squeeze_dim(x, dim):
     return aten.squeeze.dims(x, [dim])
 
 
-@decomposition(aten.squeeze_.default, aten.squeeze_.dim, aten.squeeze_.dims, aten.unsqueeze_.default,
-               aten.transpose_.default, aten.t_.default)
-def _no_inplace_view(x, *args):
-    raise NotImplementedError("shardtensor: in-place view ops (squeeze_/unsqueeze_/transpose_) on a DTensor "
-                              "are not supported; use the out-of-place op")
+def _inplace_view(op) -> Callable:
+    """``squeeze_``/``unsqueeze_``/``transpose_``/``t_``/``swapdims_``: the out-of-place view (a
+    local view, by its rule), then ``x`` takes its local tensor and spec, and the wrapper its
+    sizes and strides (set below the Python dispatch key, so nothing re-enters here)."""
+    packet = getattr(aten, op._schema.name.split("::")[-1][:-1])
+    overload = op._overloadname if op._overloadname in packet.overloads() else packet.overloads()[0]
+    functional = getattr(packet, overload)  # transpose_.default -> transpose.int
+
+    def run(x, *args, **kwargs):
+        out = functional(x, *args, **kwargs)
+        x._local_tensor, x._spec = out._local_tensor, out._spec
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Python)):
+            aten.as_strided_.default(x, out.shape, out.stride())
+        return x
+
+    return run
+
+
+for _op in (aten.squeeze_.default, aten.squeeze_.dim, aten.squeeze_.dims, aten.unsqueeze_.default,
+            aten.transpose_.default, aten.t_.default, aten.swapdims_.default, aten.swapaxes_.default):
+    DECOMPOSITIONS[_op] = _inplace_view(_op)
+
+
+@decomposition(aten.allclose.default)
+def _allclose(a, b, rtol=1e-05, atol=1e-08, equal_nan=False):
+    return bool(aten.all.default(aten.isclose.default(a, b, rtol, atol, equal_nan)).item())
 
 
 @decomposition(aten.floor_divide.default)

@@ -492,8 +492,12 @@ def _list_decision(call: Call, positions: list[int], common: tuple[Placement, ..
 @register(aten.cat.default)
 def cat_rule(call: Call) -> Decision:
     """Common placements over the inputs with ``S(dim)`` gathered; legacy ``(0,)`` inputs are skipped."""
-    out = call.out_meta
     all_pos = call.positions("tensors")
+    for k, i in enumerate(all_pos):
+        if i is not None and call.specs[i].ndim == 0:
+            raise RuntimeError(f"shardtensor: torch.cat: zero-dimensional tensor (at position {k}) cannot be "
+                               "concatenated, as in torch; use torch.stack, or unsqueeze it first")
+    out = call.out_meta
     if any(p is None for p in all_pos):
         raise unsupported(call.op, call.specs, "with a list mixing DTensors and plain tensors")
     legacy = [i for i in all_pos if call.specs[i].ndim == 1 and call.specs[i].shape[0] == 0 and out.ndim != 1]
