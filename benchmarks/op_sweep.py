@@ -132,6 +132,27 @@ def classify(fn, values, mesh, combo, partial) -> tuple[str, str]:
         return "crash", f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
 
 
+def sweep(draws: int, seed: int, report: Callable[[str], None] = print) -> Counter:
+    """Run every op of ``OPS`` on ``draws`` placement combinations per mesh; the outcome counts."""
+    totals: Counter[str] = Counter()
+    for name, fn, inputs, partial in OPS:
+        g = gen(("sweep", name, seed))
+        values = [_value(k, s, g) for k, s in inputs]
+        try:
+            fn(*values)
+        except Exception as e:  # noqa: BLE001 - dense torch refuses the case: nothing to compare
+            report(f"skipped     {name:14s} dense torch raises: {e}")
+            continue
+        for mesh in opcheck.MESHES:
+            tensors = [v for v in values if isinstance(v, torch.Tensor)]
+            for combo in placement_combos(tensors, mesh, draws, (seed, name), partial):
+                outcome, msg = classify(fn, values, mesh, combo, partial)
+                totals[outcome] += 1
+                if outcome != "pass":
+                    report(f"{outcome:11s} {name:14s} mesh {mesh}: {combo}  {msg}")
+    return totals
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--draws", type=int, default=12, help="placement combinations per op and mesh")
@@ -140,23 +161,8 @@ def main() -> None:
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     opcheck.TIMEOUT = 30.0
-    totals: Counter[str] = Counter()
     t0 = time.time()
-    for name, fn, inputs, partial in OPS:
-        g = gen(("sweep", name, args.seed))
-        values = [_value(k, s, g) for k, s in inputs]
-        try:
-            fn(*values)
-        except Exception as e:  # noqa: BLE001 - dense torch refuses the case: nothing to compare
-            print(f"skipped     {name:14s} dense torch raises: {e}")
-            continue
-        for mesh in opcheck.MESHES:
-            tensors = [v for v in values if isinstance(v, torch.Tensor)]
-            for combo in placement_combos(tensors, mesh, args.draws, (args.seed, name), partial):
-                outcome, msg = classify(fn, values, mesh, combo, partial)
-                totals[outcome] += 1
-                if outcome != "pass":
-                    print(f"{outcome:11s} {name:14s} mesh {mesh}: {combo}  {msg}", flush=True)
+    totals = sweep(args.draws, args.seed, lambda line: print(line, flush=True))
     n = sum(totals.values())
     print(f"\ntorch {torch.__version__}, {len(OPS)} ops, {n} cases, seed {args.seed}, {time.time() - t0:.0f} s")
     for k in ("pass", "wrong", "unsupported", "crash", "hang"):

@@ -546,3 +546,34 @@ def test_docs_block_runs(name, i, block, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # examples that write files write them here
     exec(compile(block, f"docs/{name} block {i}", "exec"), {"__name__": "__docs__"})
     assert capsys.readouterr().out.strip()
+
+
+def _world_body(n_ops):
+    from shardtensor import Replicate, Shard, comm, distribute_tensor, init_device_mesh
+    mesh = init_device_mesh("cpu", (4,))
+    x = distribute_tensor(torch.ones(8, 4), mesh, [Shard(0)])
+    with comm.recording() as log, CommTrace(modules=False) as trace:
+        for _ in range(n_ops):
+            x.redistribute(mesh, [Replicate()])
+    return {e.world for e in log.events}, len(log.of_rank(mesh.get_rank())), len(trace.of_rank(mesh.get_rank()))
+
+
+def test_recording_is_scoped_to_its_world():
+    """Two simulated worlds running at once: a log opened inside a rank sees only its own world;
+    a log opened outside sees both, each event tagged with its world."""
+    import threading
+    from shardtensor import comm, run_spmd
+
+    results = {}
+    with comm.recording() as outside:
+        threads = [threading.Thread(target=lambda n=n: results.__setitem__(n, run_spmd(_world_body, 4, n)))
+                   for n in (1, 3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    for n in (1, 3):
+        for worlds, n_log, n_trace in results[n]:
+            assert len(worlds) == 1 and n_log == n and n_trace == n, (n, worlds, n_log, n_trace)
+    seen = {next(iter(results[n][0][0])) for n in (1, 3)}
+    assert len(seen) == 2 and {e.world for e in outside.events} == seen

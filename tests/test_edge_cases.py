@@ -290,3 +290,34 @@ def _uneven_from_local(mesh_shape):
 def test_uneven_from_local_without_shape_says_what_to_do():
     with pytest.raises(RuntimeError, match=r"rank 0: \(1,\), rank 1: \(2,\).*pass shape="):
         run_spmd(_uneven_from_local, 4, (4,))
+
+
+# -- repeat / tile / expand adding dims over a sharded dim; complex from real parts ---------------
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=str)
+@pytest.mark.parametrize("name,fn", [
+    ("repeat", lambda t: t.repeat(1, 2, 1, 1, 2)), ("repeat2", lambda t: t.repeat(2, 1, 3)),
+    ("tile", lambda t: t.tile((2, 1, 1, 2))), ("expand", lambda t: t.expand(2, 3, 6, 5)),
+    ("reshape_perm", lambda t: t.unsqueeze(0).expand(2, 6, 5).permute(1, 0, 2).reshape(3, 4, 5)),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_repeat_tile_expand_new_dims(name, fn, mesh_shape):
+    """Shapes with new leading dims over a sharded dim: each rank's reshape gets its local sizes."""
+    check(fn, [data("any", (6, 5), gen(name))], mesh_shape, limit=12, seed=name)
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=str)
+def test_complex_from_parts(mesh_shape):
+    g = gen("complex")
+    check(lambda a, b: torch.complex(a, b) * (1 - 2j), [data("any", (7, 5), g), data("any", (7, 5), g)], mesh_shape,
+          limit=12, seed="complex")
+
+
+def test_op_sweep_sample():
+    """A small draw of benchmarks/op_sweep.py: no wrong value, crash, hang or missing rule."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    import op_sweep
+
+    failures: list[str] = []
+    totals = op_sweep.sweep(draws=2, seed=11, report=failures.append)
+    assert totals["pass"] >= 2 * len(op_sweep.OPS), totals
+    assert not [f for f in failures if not f.startswith("skipped")], failures

@@ -26,7 +26,7 @@ __all__ = [
     "CommEvent", "CommLog", "Transport", "add_listener", "remove_listener", "record", "current_transport",
     "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "all_to_all_v", "broadcast", "barrier", "run_spmd",
     "RankAbortedError", "CollectiveTimeoutError", "reduce_stack", "DEFAULT_TIMEOUT_S", "scope", "listening",
-    "current_scope", "recording", "Work", "Completed",
+    "current_scope", "recording", "Work", "Completed", "current_world",
 ]
 
 
@@ -46,6 +46,8 @@ class CommEvent:
     backend: str
     scope: tuple[str, ...] = ()
     start: float = 0.0
+    world: int = 0
+    """The world the collective ran in: a simulated world's id (``run_spmd`` call), 0 for torch.distributed."""
 
     @property
     def group_size(self) -> int:
@@ -92,16 +94,28 @@ def remove_listener(fn: Callable[[CommEvent], None]) -> None:
         _listeners.remove(fn)
 
 
-class CommLog:
-    """Collects the ``CommEvent``s of every rank (or of one ``rank``) while active."""
+def current_world() -> int | None:
+    """The id of the simulated world the caller runs in (None outside ``run_spmd``)."""
+    t = current_sim_transport()
+    return None if t is None else t.world_id
 
-    def __init__(self, rank: int | None = None) -> None:
+
+class CommLog:
+    """Collects the ``CommEvent``s of every rank (or of one ``rank``) while active.
+
+    Opened inside a simulated rank it keeps only that world's events (another ``run_spmd``
+    running in the same process does not leak in); opened outside, it keeps every world's,
+    each event tagged with its ``world``.  ``world=`` picks one explicitly.
+    """
+
+    def __init__(self, rank: int | None = None, world: int | None = None) -> None:
         self.events: list[CommEvent] = []
         self.rank = rank
+        self.world = current_world() if world is None else world
         self._lock = threading.Lock()
 
     def _on(self, ev: CommEvent) -> None:
-        if self.rank is not None and ev.rank != self.rank:
+        if (self.rank is not None and ev.rank != self.rank) or (self.world is not None and ev.world != self.world):
             return
         with self._lock:
             self.events.append(ev)
@@ -146,12 +160,12 @@ def current_transport() -> Transport:
 
 
 def record(kind: str, mesh_dim: MeshDims, group: Group, rank: int, sent: int, received: int,
-           dtype: torch.dtype, shape: tuple[int, ...], seconds: float, backend: str) -> None:
+           dtype: torch.dtype, shape: tuple[int, ...], seconds: float, backend: str, world: int = 0) -> None:
     """The recording point: hand one event to every listener (cheap when there are none)."""
     if not _listeners:
         return
     ev = CommEvent(kind, rank, mesh_dim, group, int(sent), int(received), dtype, tuple(shape), seconds, backend,
-                   current_scope(), time.time() - seconds)
+                   current_scope(), time.time() - seconds, world)
     with _lock:
         listeners = list(_listeners)
     for fn in listeners:
@@ -178,7 +192,8 @@ def _run(kind: str, mesh: "DeviceMesh", mesh_dim: MeshDims, t: torch.Tensor, sen
 
         return call(tr, group, True).then(done)
     out = call(tr, group, False)
-    record(kind, mesh_dim, group, tr.rank, sent, received, t.dtype, tuple(t.shape), time.perf_counter() - t0, tr.name)
+    record(kind, mesh_dim, group, tr.rank, sent, received, t.dtype, tuple(t.shape), time.perf_counter() - t0, tr.name,
+           tr.world_id)
     return out
 
 
@@ -244,11 +259,13 @@ def barrier(mesh: "DeviceMesh", mesh_dim: int | None = None) -> None:
     """Wait until every member of the group arrives."""
     group = mesh.group_ranks(mesh_dim)
     mesh.transport.barrier(group)
-    record("barrier", mesh_dim, group, mesh.transport.rank, 0, 0, torch.uint8, (), 0.0, mesh.transport.name)
+    record("barrier", mesh_dim, group, mesh.transport.rank, 0, 0, torch.uint8, (), 0.0, mesh.transport.name,
+           mesh.transport.world_id)
 
 
 @contextmanager
-def recording() -> Iterator[CommLog]:
-    """``with recording() as log:`` collects the events of every rank."""
-    with CommLog() as log:
+def recording(world: int | None = None) -> Iterator[CommLog]:
+    """``with recording() as log:`` collects the events of every rank (of the caller's simulated
+    world when opened inside one; see ``CommLog``)."""
+    with CommLog(world=world) as log:
         yield log

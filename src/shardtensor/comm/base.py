@@ -128,6 +128,8 @@ class Transport(ABC):
     name: str = "transport"
     rank: int
     world_size: int
+    world_id: int = 0
+    """Tags this world's ``CommEvent``s (simulated worlds number themselves from 1)."""
 
     def prepare_groups(self, groups: list[Group]) -> None:
         """Called by every rank with the same list when a mesh is built (collective)."""

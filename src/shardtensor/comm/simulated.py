@@ -6,6 +6,7 @@ waiting rank wakes and raises, and the caller gets the first real error, naming 
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import defaultdict
@@ -33,6 +34,9 @@ class _Slot:
         self.readers = 0
 
 
+_WORLD_IDS = itertools.count(1)
+
+
 class SimWorld:
     """Shared state of one simulated world: rendezvous slots and the failure flag."""
 
@@ -41,6 +45,7 @@ class SimWorld:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         self.world_size = world_size
         self.timeout = timeout
+        self.id = next(_WORLD_IDS)
         self.cond = threading.Condition()
         self.slots: dict[tuple, _Slot] = {}
         self.failed_rank: int | None = None
@@ -61,6 +66,7 @@ class SimTransport(Transport):
         self.world = world
         self.rank = rank
         self.world_size = world.world_size
+        self.world_id = world.id
         self._seq: dict[Group, int] = defaultdict(int)
 
     def _exchange(self, group: Group, payload: Any) -> list[Any]:

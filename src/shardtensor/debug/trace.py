@@ -220,13 +220,17 @@ class CommTrace:
     """Record every collective inside ``with CommTrace() as t:``.
 
     ``rank``: keep only that rank's events (default: every rank this process sees).
+    ``world``: keep only that world's events (default: the caller's simulated world when the
+    trace is opened inside ``run_spmd``, else every world; each event carries its ``world``).
     ``modules``: attribute collectives to the ``nn.Module`` whose forward caused them
     (global forward hooks while the trace is active); pass a module to label its submodules
     by qualified name (see ``name_modules``).
     """
 
-    def __init__(self, rank: int | None = None, modules: bool | torch.nn.Module = True) -> None:
+    def __init__(self, rank: int | None = None, modules: bool | torch.nn.Module = True,
+                 world: int | None = None) -> None:
         self.rank = rank
+        self.world = comm.current_world() if world is None else world
         self._modules = modules is not False and modules is not None
         if isinstance(modules, torch.nn.Module):
             name_modules(modules)
@@ -238,7 +242,7 @@ class CommTrace:
 
     # -- recording --------------------------------------------------------------------------
     def _on(self, ev: CommEvent) -> None:
-        if self.rank is not None and ev.rank != self.rank:
+        if (self.rank is not None and ev.rank != self.rank) or (self.world is not None and ev.world != self.world):
             return
         with self._lock:
             self._events.append(ev)

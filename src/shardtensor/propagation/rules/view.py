@@ -106,9 +106,11 @@ def follow(call: Call, pos: int, dim_map: dict[int, int], metas: Any, *, gather:
 
 def _local_sizes(call: Call, name: str, out_spec: DTensorSpec) -> Callable[[list], list] | None:
     """Per-rank rewrite of the size argument ``name`` to the output's local shape."""
-    slots = call.slots(name)
-    if slots is None or not any(isinstance(p, Shard) for p in out_spec.placements):
+    if not any(isinstance(p, Shard) for p in out_spec.placements):
         return None
+    slots = call.slots(name)
+    if slots is None:
+        raise unsupported(call.op, call.specs, f"has no size argument {name!r} to make local")
 
     def local_args(flat: list) -> list:
         return put_sizes(flat, slots, out_spec.local_shape)
@@ -201,7 +203,8 @@ def view_rule(call: Call) -> Decision:
     required = s.with_placements(need, tuple((d, js) for d, (_, js) in sorted(keep.items())))
     out_spec = _spec(call, out, out_pl, tuple(sorted(keep.values())))
     copy = call.op is aten.view_copy.default
-    return _decision(call, {0: required}, out_spec, _local_sizes(call, "size", out_spec),
+    size_arg = "shape" if call.op is aten.reshape.default else "size"
+    return _decision(call, {0: required}, out_spec, _local_sizes(call, size_arg, out_spec),
                      _reshape_copy if copy else _reshape)
 
 
