@@ -33,10 +33,12 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     rm -rf "$venv"
     python3 -m venv "$venv" || skip "python3 -m venv failed"
     start=$SECONDS
-    "$venv/bin/python" -m pip install -q --no-cache-dir "torch==$ver.*" || { rm -rf "$venv"; skip "pip could not install torch==$ver"; }
+    timeout 1200 "$venv/bin/python" -m pip install -q --no-cache-dir "torch==$ver.*" \
+      || { rm -rf "$venv"; skip "pip could not install torch==$ver within 20 minutes"; }
     echo "torch $ver installed in $((SECONDS - start)) s ($(du -sh "$venv" | cut -f1))" >&2
   fi
-  "$venv/bin/python" -m pip install -q --no-cache-dir -e '.[dev]' || skip "installing the project into $venv failed"
+  timeout 600 "$venv/bin/python" -m pip install -q --no-cache-dir -e '.[dev]' \
+    || { echo "installing the project into $venv failed" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi
 echo "tests on $("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)')" >&2

@@ -17,7 +17,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 S0, S1, R, P = Shard(0), Shard(1), Replicate(), Partial()
 
 
-# -- byte counts against the model of spec/redistribute.md 2.2 -------------------------------
+# -- byte counts against the ring model of docs/redistribution.md -------------------------------
 
 def _source(mesh, shape, placements):
     """A DTensor of ones with ``placements`` (Partial sources via from_local)."""
@@ -571,7 +571,8 @@ def test_recording_is_scoped_to_its_world():
         for t in threads:
             t.start()
         for t in threads:
-            t.join()
+            t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a simulated world never finished"
     for n in (1, 3):
         for worlds, n_log, n_trace in results[n]:
             assert len(worlds) == 1 and n_log == n and n_trace == n, (n, worlds, n_log, n_trace)

@@ -88,3 +88,19 @@ def test_one_element_plain_tensors_are_replicated(plain):
 def test_attention_ops_exist():
     """The CPU fused attention op of this torch has a rule (the CUDA ones where torch has them)."""
     assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default in ATTENTION_OPS
+
+
+def _param_in_decomposition(mesh_shape):
+    mesh = init_device_mesh("cpu", mesh_shape)
+    d = distribute_tensor(X, mesh, [Shard(0)])
+    try:
+        torch.allclose(d, torch.nn.Parameter(X.clone()))  # allclose decomposes: its inner ops run lifted
+    except MixedTensorError as e:
+        return str(e)
+    return "no error"
+
+
+def test_plain_parameter_is_refused_before_a_decomposition():
+    """A user's nn.Parameter is a plain tensor too: it must not ride the decomposition's replication scope."""
+    for msg in run_spmd(_param_in_decomposition, 4, (4,)):
+        assert "plain torch.Tensor of shape (7, 5)" in msg, msg

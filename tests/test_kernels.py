@@ -1,4 +1,4 @@
-"""FSDP copy kernels: ``chunk_cat`` and ``split_with_sizes_copy`` (spec/chunk_cat.md section 5).
+"""FSDP copy kernels: ``chunk_cat`` and ``split_with_sizes_copy``.
 
 Two oracles: the installed ``torch._chunk_cat`` / ``torch.split_with_sizes_copy`` (results must be
 bit-identical) and an independent reference model of spec 1.1 (pad + view + cat).  The FSDP

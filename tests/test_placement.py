@@ -1,4 +1,4 @@
-"""Placements and the local shape / offset arithmetic (spec/redistribute.md 1.2 - 1.4).
+"""Placements and the local shape / offset arithmetic.
 
 The oracle is independent of ``shardtensor.placement``: it applies ``torch.chunk`` to real
 tensors (a ``torch.arange`` of the global shape and one index vector per tensor dim) in the

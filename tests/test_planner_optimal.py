@@ -6,7 +6,7 @@
 (b) the modeled cost never exceeds the simple planner's;
 (c) executing the plans in the simulated world gives, on every rank, the target's slice of the
     dense tensor;
-(d) the redistribution examples of spec/redistribute.md (sections 3.6 and 6).
+(d) worked redistribution examples with known optimal plans.
 """
 from __future__ import annotations
 

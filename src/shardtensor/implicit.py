@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["MixedTensorError", "implicit_replication", "implicit_allowed", "plain_tensor_error", "lifting"]
+__all__ = ["MixedTensorError", "implicit_replication", "implicit_allowed", "plain_tensor_error"]
 
 
 class _State(threading.local):
@@ -35,16 +35,12 @@ _state = _State()
 def implicit_replication() -> Iterator[None]:
     """Inside the block, plain tensors mixed with DTensors are replicated values (as torch's
     ``torch.distributed.tensor.experimental.implicit_replication``).  Per thread, so per
-    simulated rank; nests."""
+    simulated rank; nests.  shardtensor enters it itself around the decompositions it runs."""
     _state.depth += 1
     try:
         yield
     finally:
         _state.depth -= 1
-
-
-lifting = implicit_replication
-"""The same scope, entered by shardtensor itself around the decompositions it runs."""
 
 
 def implicit_allowed(t: torch.Tensor) -> bool:

@@ -13,7 +13,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import comm
-from .implicit import implicit_allowed, lifting, plain_tensor_error
+from .implicit import implicit_allowed, implicit_replication, plain_tensor_error
 from .mesh import DeviceMesh
 from .placement import (Partial, Placement, Replicate, Shard, chunk, display, local_shape_and_offset,
                         normalize_placements)
@@ -158,7 +158,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     if isinstance(r, tuple):
         _check_plain(func, args, kwargs)
         try:
-            with lifting():  # plain tensors the decomposition builds are the same on every rank
+            with implicit_replication():  # plain tensors the decomposition builds are the same on every rank
                 return r[1](*args, **kwargs)
         except NotImplementedError as e:
             if str(func) in str(e):
@@ -174,7 +174,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         if isinstance(a, DTensor):
             specs.append(a._spec)
         else:
-            if isinstance(a, torch.Tensor) and a.ndim > 0:
+            if isinstance(a, torch.Tensor) and a.ndim > 0:  # _is_plain, inlined: the hot loop of every op
                 plain = (plain or []) + [i]
             specs.append(None)
     if plain is not None:
@@ -202,9 +202,15 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     return _wrap(out, decision.output)
 
 
+def _is_plain(a: Any) -> bool:
+    """A non-DTensor tensor with dims (an ``nn.Parameter`` too): it needs a placement to meet DTensors;
+    0-d tensors are scalars to the rules."""
+    return isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.ndim > 0
+
+
 def _check_plain(func, args: tuple, kwargs: dict) -> None:
     for a in tree_flatten((args, kwargs))[0]:
-        if type(a) is torch.Tensor and a.ndim > 0 and not implicit_allowed(a):
+        if _is_plain(a) and not implicit_allowed(a):
             raise plain_tensor_error(func, a)
 
 

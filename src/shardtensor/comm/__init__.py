@@ -26,7 +26,7 @@ __all__ = [
     "CommEvent", "CommLog", "Transport", "add_listener", "remove_listener", "record", "current_transport",
     "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "all_to_all_v", "broadcast", "barrier", "run_spmd",
     "RankAbortedError", "CollectiveTimeoutError", "reduce_stack", "DEFAULT_TIMEOUT_S", "scope", "listening",
-    "current_scope", "recording", "Work", "Completed", "current_world",
+    "current_scope", "recording", "Work", "Completed", "current_world", "selected",
 ]
 
 
@@ -94,6 +94,11 @@ def remove_listener(fn: Callable[[CommEvent], None]) -> None:
         _listeners.remove(fn)
 
 
+def selected(ev: CommEvent, rank: int | None, world: int | None) -> bool:
+    """Whether a recorder filtering on ``rank`` and ``world`` (None: any) keeps ``ev``."""
+    return (rank is None or ev.rank == rank) and (world is None or ev.world == world)
+
+
 def current_world() -> int | None:
     """The id of the simulated world the caller runs in (None outside ``run_spmd``)."""
     t = current_sim_transport()
@@ -115,7 +120,7 @@ class CommLog:
         self._lock = threading.Lock()
 
     def _on(self, ev: CommEvent) -> None:
-        if (self.rank is not None and ev.rank != self.rank) or (self.world is not None and ev.world != self.world):
+        if not selected(ev, self.rank, self.world):
             return
         with self._lock:
             self.events.append(ev)

@@ -147,8 +147,8 @@ class SimTransport(Transport):
 
     def all_reduce(self, t, op, group, *, async_op=False):
         if async_op:
-            return self._work(group, self._own(t), lambda parts: _reduce_parts(parts, op))
-        return _reduce_parts(self._exchange(group, self._own(t)), op)
+            return self._work(group, self._own(t), lambda parts: _reduce_parts(parts, op, group))
+        return _reduce_parts(self._exchange(group, self._own(t)), op, group)
 
     def reduce_scatter(self, t, op, group, *, async_op=False):
         me = group.index(self.rank)
@@ -179,17 +179,17 @@ class SimTransport(Transport):
         self._exchange(group, None)
 
 
-def _reduce_parts(parts: list[torch.Tensor], op: str) -> torch.Tensor:
-    return reduce_stack(torch.stack(parts), op) if len(parts) > 1 else parts[0]
+def _reduce_parts(parts: list[torch.Tensor], op: str, group: Group) -> torch.Tensor:
+    return reduce_stack(_stack_same(parts, group), op) if len(parts) > 1 else parts[0]
 
 
 def _stack_same(parts: list[torch.Tensor], group: Group) -> torch.Tensor:
-    """The gathered pieces, or an error naming each rank's shape when they differ: the ranks
+    """The ranks' pieces stacked, or an error naming each rank's shape when they differ: the ranks
     disagree about the global shape (a ``from_local`` of uneven pieces without ``shape=``)."""
     shapes = [tuple(p.shape) for p in parts]
     if len(set(shapes)) > 1:
         per = ", ".join(f"rank {r}: {s}" for r, s in zip(group, shapes))
-        raise RuntimeError(f"all_gather over ranks {group}: the ranks' pieces differ in shape ({per}); the ranks "
+        raise RuntimeError(f"collective over ranks {group}: the ranks' pieces differ in shape ({per}); the ranks "
                            "disagree about the global shape. If the DTensor came from DTensor.from_local with uneven "
                            "pieces, pass shape= (the global shape) or run_check=True")
     return torch.stack(parts)

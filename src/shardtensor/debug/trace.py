@@ -242,7 +242,7 @@ class CommTrace:
 
     # -- recording --------------------------------------------------------------------------
     def _on(self, ev: CommEvent) -> None:
-        if (self.rank is not None and ev.rank != self.rank) or (self.world is not None and ev.world != self.world):
+        if not comm.selected(ev, self.rank, self.world):
             return
         with self._lock:
             self._events.append(ev)

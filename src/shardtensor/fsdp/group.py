@@ -4,7 +4,7 @@
 buffers of one forward call.  Copy-in packs the padded local shards into one flat buffer
 (``chunk_cat`` with one chunk, or casting copies under a param dtype), one all-gather over
 the dp mesh dim returns a ``(W, M)`` stack, and ``split_with_sizes_copy`` scatters it into
-the per-parameter buffers (spec/chunk_cat.md 3.2).  The handle's storage can be freed
+the per-parameter buffers.  The handle's storage can be freed
 (``untyped_storage().resize_(0)``) and refilled in place before backward without touching
 the autograd version counters of the tensors the forward saved.
 
@@ -104,7 +104,7 @@ class ParamGroup:
                 else:
                     torch._foreach_copy_(list(flat.split(sizes)), [p.padded.reshape(-1) for p, _ in items])
                 dst = [o.view(W, n) for (_, o), n in zip(items, sizes)]
-            else:  # mixed dtypes travel as bytes (spec/chunk_cat.md 3.3)
+            else:  # mixed dtypes travel as bytes
                 srcs = [p.padded.to(o.dtype).reshape(-1).view(torch.uint8) for p, o in items]
                 sizes = [s.numel() for s in srcs]
                 flat = torch.empty(sum(sizes), dtype=torch.uint8, device=items[0][1].device)
@@ -177,7 +177,7 @@ def _widens(src: torch.dtype, dst: torch.dtype) -> bool:
 
 
 def _divide_factors(n: int) -> tuple[float, float]:
-    """Pre/post divide factors for sum-reductions in low precision (spec/chunk_cat.md 2.4)."""
+    """Pre/post divide factors for sum-reductions in low precision."""
     f = 1
     while n % f == 0 and n / f > f:
         f *= 2

@@ -1,4 +1,4 @@
-"""Copy kernels used around FSDP collectives (spec/chunk_cat.md)."""
+"""Copy kernels used around FSDP collectives (layouts in ``chunk_cat``'s module docstring)."""
 from .chunk_cat import ChunkCatDimError, SplitSizesError, chunk_cat, chunk_cat_numel, split_with_sizes_copy
 
 __all__ = ["ChunkCatDimError", "SplitSizesError", "chunk_cat", "chunk_cat_numel", "split_with_sizes_copy"]

@@ -1,6 +1,6 @@
 """FSDP copy-in (``chunk_cat``) and copy-out (``split_with_sizes_copy``) kernels.
 
-Contract: ``spec/chunk_cat.md`` (sections 1 and 3).  Both kernels are pure copies, written in
+Both kernels are pure copies, written in
 terms of strided views and ``Tensor.copy_`` so that every output byte is written exactly once.
 
 Layout of ``chunk_cat(tensors, dim=D, num_chunks=k)``
