@@ -18,7 +18,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from opcheck import MESHES, check, data, gen, one_thread  # noqa: E402,F401
 
-from shardtensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh, run_spmd  # noqa: E402
+from shardtensor import (DTensor, Partial, Replicate, Shard, comm, distribute_tensor, init_device_mesh,  # noqa: E402
+                         run_spmd)
 
 # -- Partial values of odd dtypes --------------------------------------------------------------
 
@@ -282,14 +283,36 @@ def test_allclose(mesh_shape):
         assert got == want
 
 
-def _uneven_from_local(mesh_shape):
+def _uneven_from_local(mesh_shape, sizes, run_check):
     mesh = init_device_mesh("cpu", mesh_shape)
-    return DTensor.from_local(torch.ones(mesh.get_rank() % 2 + 1), mesh, [Shard(0)]).full_tensor()
+    local = torch.arange(float(sum(sizes)))[sum(sizes[:mesh.get_rank()]):][:sizes[mesh.get_rank()]]
+    with comm.recording() as log:
+        d = DTensor.from_local(local.clone(), mesh, [Shard(0)], run_check=run_check)
+    return tuple(d.shape), [e.kind for e in log.events if e.rank == mesh.get_rank()], d.full_tensor()
 
 
-def test_uneven_from_local_without_shape_says_what_to_do():
+def test_uneven_from_local_gets_its_real_shape():
+    """Without shape= the pieces' sizes are gathered (one small all-gather): chunk-rule pieces
+    3, 3, 3, 1 make a 10-element tensor, where an even assumption would give each rank its own shape."""
+    for shape, ops, full in run_spmd(_uneven_from_local, 4, (4,), [3, 3, 3, 1], None):
+        assert shape == (10,) and ops == ["all_gather"]
+        torch.testing.assert_close(full, torch.arange(10.0))
+
+
+def test_even_from_local_with_run_check_false_moves_nothing():
+    for shape, ops, _ in run_spmd(_uneven_from_local, 4, (4,), [2, 2, 2, 2], False):
+        assert shape == (8,) and ops == []
+
+
+def test_uneven_from_local_no_chunk_split_raises_on_every_rank():
+    """Pieces 1, 2, 1, 2 are no torch.chunk split of 6: from_local raises on every rank, naming them."""
+    with pytest.raises(ValueError, match=r"rank 0: local \(1,\), expected \(2,\)"):
+        run_spmd(_uneven_from_local, 4, (4,), [1, 2, 1, 2], None)
+
+
+def test_uneven_from_local_unchecked_says_what_to_do():
     with pytest.raises(RuntimeError, match=r"rank 0: \(1,\), rank 1: \(2,\).*pass shape="):
-        run_spmd(_uneven_from_local, 4, (4,))
+        run_spmd(_uneven_from_local, 4, (4,), [1, 2, 1, 2], False)
 
 
 # -- repeat / tile / expand adding dims over a sharded dim; complex from real parts ---------------

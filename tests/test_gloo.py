@@ -356,13 +356,13 @@ def _case_from_local_bad_shape(mesh1):
                         "rank 3", "(2, 5)", "(1, 5)")
 
 
-def _case_from_local_bad_inferred(mesh1):
+def _case_from_local_bad_inferred(mesh1, run_check=True):
     import torch
     from shardtensor import DTensor, Shard
 
     rank = mesh1.get_rank()
     rows = [2, 3, 2, 1][rank]  # 8 rows in all: chunk rule gives 2,2,2,2
-    _expect_value_error(lambda: DTensor.from_local(torch.zeros(rows, 5), mesh1, [Shard(0)], run_check=True),
+    _expect_value_error(lambda: DTensor.from_local(torch.zeros(rows, 5), mesh1, [Shard(0)], run_check=run_check),
                         "rank 1", "(3, 5)", "rank 3", "(1, 5)", "(2, 5)")
 
 
@@ -375,14 +375,14 @@ def _case_from_local_bad_replicate(mesh1):
     _expect_value_error(lambda: DTensor.from_local(local, mesh1, [Replicate()], run_check=True), "rank 2", "(4, 6)")
 
 
-def _case_from_local_bad_ndim(mesh1):
+def _case_from_local_bad_ndim(mesh1, run_check=True):
     import torch
     from shardtensor import DTensor, Shard
 
     rank = mesh1.get_rank()
     local = torch.zeros(2, 5) if rank != 1 else torch.zeros(2, 5, 1)
     # the placement is validated against the local ndim first; Shard(0) is valid for both
-    _expect_value_error(lambda: DTensor.from_local(local, mesh1, [Shard(0)], run_check=True), "ndim")
+    _expect_value_error(lambda: DTensor.from_local(local, mesh1, [Shard(0)], run_check=run_check), "ndim")
 
 
 def _case_from_local_bad_2d(mesh2):
@@ -397,14 +397,14 @@ def _case_from_local_bad_2d(mesh2):
                         "rank 2", "(4, 3)", "(3, 3)")
 
 
-def _case_from_local_good(mesh1, mesh2):
+def _case_from_local_good(mesh1, mesh2, run_check=True):
     import torch
     from shardtensor import DTensor, Replicate, Shard
 
     rank = mesh1.get_rank()
     full = _dense((7, 5), 400)
     piece = torch.chunk(full, 4, dim=0)[rank].clone()
-    x = DTensor.from_local(piece, mesh1, [Shard(0)], run_check=True)  # global shape inferred: 7 rows
+    x = DTensor.from_local(piece, mesh1, [Shard(0)], run_check=run_check)  # global shape inferred: 7 rows
     _check_dtensor(x, full, [Shard(0)], what="from_local uneven, inferred shape")
     x = DTensor.from_local(piece, mesh1, [Shard(0)], run_check=True, shape=(7, 5))
     _check_dtensor(x, full, [Shard(0)], what="from_local uneven, given shape")
@@ -414,7 +414,7 @@ def _case_from_local_good(mesh1, mesh2):
     # 2-D, uneven on both dims, inferred global shape
     coord = mesh2.get_coordinate()
     p2 = _expected_local(full, mesh2.shape, coord, [Shard(0), Shard(1)]).clone()
-    z = DTensor.from_local(p2, mesh2, [Shard(0), Shard(1)], run_check=True)
+    z = DTensor.from_local(p2, mesh2, [Shard(0), Shard(1)], run_check=run_check)
     _check_dtensor(z, full, [Shard(0), Shard(1)], what="from_local 2-D uneven, inferred shape")
 
 
@@ -425,6 +425,11 @@ def _from_local_cases(rep, mesh1, mesh2):
     rep.run("from_local", "ndim differs on rank 1", _case_from_local_bad_ndim, mesh1)
     rep.run("from_local", "2-D, rank 2 off", _case_from_local_bad_2d, mesh2)
     rep.run("from_local", "valid uneven locals", _case_from_local_good, mesh1, mesh2)
+    # without run_check (and without shape=) the pieces' sizes are still gathered: a clear error on
+    # every rank rather than an abort in the next collective, and uneven pieces get their real shape
+    rep.run("from_local", "default, ranks 1 and 3 off", _case_from_local_bad_inferred, mesh1, None)
+    rep.run("from_local", "default, ndim differs on rank 1", _case_from_local_bad_ndim, mesh1, None)
+    rep.run("from_local", "default, valid uneven locals", _case_from_local_good, mesh1, mesh2, None)
 
 
 # -- the one big run ------------------------------------------------------------------------

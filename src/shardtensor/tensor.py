@@ -60,14 +60,17 @@ class DTensor(torch.Tensor):
 
     @staticmethod
     def from_local(local_tensor: torch.Tensor, device_mesh: DeviceMesh | None = None,
-                   placements: Sequence[Placement] | None = None, *, run_check: bool = False,
+                   placements: Sequence[Placement] | None = None, *, run_check: bool | None = None,
                    shape: Sequence[int] | None = None, stride: Sequence[int] | None = None) -> "DTensor":
         """Wrap each rank's ``local_tensor`` as the shards of one global tensor.
 
-        Without ``shape`` the global shape assumes even shards (local size times the mesh
-        size on sharded dims).  ``run_check=True`` gathers every rank's local shape, checks it
-        against the chunk rule (deriving the global shape from them when none is given) and
-        broadcasts replicated data from group rank 0.
+        Without ``shape`` and with a dim sharded, the ranks' local shapes are gathered (one
+        small all-gather) so uneven pieces get their real global shape and pieces that no
+        global shape explains raise the same error on every rank instead of breaking a later
+        collective.  ``run_check=False`` skips that exchange and assumes even pieces (local
+        size times the mesh size), as torch's DTensor does; pass ``shape=`` to skip it with
+        uneven pieces.  ``run_check=True`` always checks the pieces and also broadcasts
+        replicated data from group rank 0.
         """
         if not isinstance(local_tensor, torch.Tensor) or isinstance(local_tensor, DTensor):
             raise TypeError(f"from_local needs a local torch.Tensor, got {type(local_tensor).__name__}")
@@ -78,7 +81,9 @@ class DTensor(torch.Tensor):
         if placements is None:
             placements = [Replicate()] * device_mesh.ndim
         pl = normalize_placements(placements, local_tensor.ndim, device_mesh.ndim)
-        if run_check:
+        sharded = any(isinstance(p, Shard) for p in pl)
+        if run_check or (run_check is None and shape is None and sharded
+                         and device_mesh.get_coordinate() is not None):
             shape = _check_local_shapes(local_tensor, device_mesh, pl, None if shape is None else
                                         _check_shape(shape, local_tensor))
         elif shape is None:
@@ -97,7 +102,7 @@ class DTensor(torch.Tensor):
                     f"from_local: rank {device_mesh.get_rank()} holds local shape {tuple(local_tensor.shape)} but global "
                     f"shape {tuple(spec.shape)} with {display(pl)} gives it {expect}"
                 )
-        return _FromLocal.apply(local_tensor, spec, run_check)
+        return _FromLocal.apply(local_tensor, spec, bool(run_check))
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """This rank's local shard (autograd: the gradient comes back with ``grad_placements``)."""
@@ -304,43 +309,61 @@ _DTYPE_CODES: dict[torch.dtype, int] = {d: i for i, d in enumerate(
      torch.uint8, torch.bool, torch.complex64, torch.complex128])}
 
 
+_META_DIMS = 64  # local shapes are gathered padded to this many dims, so ranks of any ndim meet
+
+
+def _gather_meta(local: torch.Tensor, mesh: DeviceMesh) -> list[tuple[int, int, list[int]]]:
+    """(ndim, dtype code, shape) of every rank's local tensor, in group-rank order: one all-gather of a
+    fixed-width row, so ranks that disagree on ndim still meet in the same collective."""
+    row = [local.ndim, _DTYPE_CODES.setdefault(local.dtype, len(_DTYPE_CODES))] + list(local.shape[:_META_DIMS])
+    meta = torch.zeros(2 + _META_DIMS, dtype=torch.int64)
+    meta[:len(row)] = torch.tensor(row, dtype=torch.int64)
+    rows = comm.all_gather(meta.to(local.device), mesh, None).reshape(-1, 2 + _META_DIMS).tolist()
+    return [(r[0], r[1], r[2:2 + min(r[0], _META_DIMS)]) for r in rows]
+
+
 def _check_local_shapes(local: torch.Tensor, mesh: DeviceMesh, pl: tuple[Placement, ...], shape) -> tuple[int, ...]:
-    """Gather every rank's local shape; all ranks raise the same error on a mismatch."""
-    ndims = comm.all_gather(torch.tensor([local.ndim]), mesh, None).flatten().tolist()
+    """Gather every rank's local ndim, dtype and shape; all ranks raise the same error on a mismatch.
+
+    Returns the global shape: ``shape`` when given, else the one the pieces' sizes add up to."""
+    what = "from_local: every rank's piece"
+    meta = _gather_meta(local, mesh)
     ranks = mesh.group_ranks(None)
+    ndims = [m[0] for m in meta]
     if len(set(ndims)) != 1:
-        raise ValueError(f"from_local(run_check=True): local tensors differ in ndim across ranks: "
-                         f"{dict(zip(ranks, ndims))}")
-    dtypes = comm.all_gather(torch.tensor([_DTYPE_CODES.setdefault(local.dtype, len(_DTYPE_CODES))]), mesh, None)
-    codes = dtypes.flatten().tolist()
+        raise ValueError(f"{what} must have the same ndim; ranks' ndims: {dict(zip(ranks, ndims))}")
+    if ndims[0] > _META_DIMS:
+        raise NotImplementedError(f"from_local: checking pieces of more than {_META_DIMS} dims; pass shape= and "
+                                  "run_check=False")
+    codes = [m[1] for m in meta]
     if len(set(codes)) != 1:
         names = {v: k for k, v in _DTYPE_CODES.items()}
-        raise ValueError("from_local(run_check=True): local tensors differ in dtype across ranks: "
+        raise ValueError(f"{what} must have the same dtype; got "
                          + ", ".join(f"rank {r}: {names.get(c, c)}" for r, c in zip(ranks, codes)))
-    shapes = comm.all_gather(torch.tensor(list(local.shape), dtype=torch.int64), mesh, None).tolist()
+    shapes = [m[2] for m in meta]
     coords = [tuple((mesh.mesh == r).nonzero()[0].tolist()) for r in ranks]
     if shape is None:
-        g = []
-        for d in range(local.ndim):
-            mesh_dims = [j for j, p in enumerate(pl) if p == Shard(d)]
-            if not mesh_dims:
-                g.append(shapes[0][d])
-                continue
-            total = 0
-            for r, c in enumerate(coords):
-                if all(c[j] == 0 for j in range(mesh.ndim) if j not in mesh_dims):
-                    total += shapes[r][d]
-            g.append(total)
-        shape = tuple(g)
+        shape = tuple(_summed_size(d, shapes, coords, mesh, pl) for d in range(local.ndim))
     bad = []
     for r, c, s in zip(ranks, coords, shapes):
         want = local_shape_and_offset(shape, mesh.shape, c, pl)[0]
         if tuple(s) != tuple(want):
             bad.append(f"rank {r}: local {tuple(s)}, expected {tuple(want)}")
     if bad:
-        raise ValueError(f"from_local(run_check=True): local shapes disagree with global shape {tuple(shape)} "
-                         f"and placements {display(pl)}: " + "; ".join(bad))
+        raise ValueError(f"from_local: local shapes disagree with global shape {tuple(shape)} "
+                         f"and placements {display(pl)}: " + "; ".join(bad)
+                         + ". Pieces of a Shard(d) must follow torch.chunk's split of the global size")
     return tuple(shape)
+
+
+def _summed_size(d: int, shapes: list[list[int]], coords: list[tuple[int, ...]], mesh: DeviceMesh,
+                 pl: tuple[Placement, ...]) -> int:
+    """Global size of dim ``d``: the pieces' sizes along the mesh dims sharding it, else rank 0's size."""
+    mesh_dims = [j for j, p in enumerate(pl) if p == Shard(d)]
+    if not mesh_dims:
+        return shapes[0][d]
+    return sum(s[d] for s, c in zip(shapes, coords)
+               if all(c[j] == 0 for j in range(mesh.ndim) if j not in mesh_dims))
 
 
 class _FromLocal(torch.autograd.Function):

@@ -191,7 +191,8 @@ def _stack_same(parts: list[torch.Tensor], group: Group) -> torch.Tensor:
         per = ", ".join(f"rank {r}: {s}" for r, s in zip(group, shapes))
         raise RuntimeError(f"collective over ranks {group}: the ranks' pieces differ in shape ({per}); the ranks "
                            "disagree about the global shape. If the DTensor came from DTensor.from_local with uneven "
-                           "pieces, pass shape= (the global shape) or run_check=True")
+                           "pieces and run_check=False, pass shape= (the global shape) or drop "
+                           "run_check=False so from_local gathers the pieces' sizes")
     return torch.stack(parts)
 
 
