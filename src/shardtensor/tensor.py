@@ -67,9 +67,9 @@ class DTensor(torch.Tensor):
         Without ``shape`` and with a dim sharded, the ranks' local shapes are gathered (one
         small all-gather) so uneven pieces get their real global shape and pieces that no
         global shape explains raise the same error on every rank instead of breaking a later
-        collective.  ``run_check=False`` skips that exchange and assumes even pieces (local
-        size times the mesh size), as torch's DTensor does; pass ``shape=`` to skip it with
-        uneven pieces.  ``run_check=True`` always checks the pieces and also broadcasts
+        collective.  That exchange is a collective (and a host sync on GPUs), so in hot loops
+        pass ``shape=``, or ``run_check=False`` to assume even pieces (local size times the
+        mesh size) with no communication, as torch's DTensor does.  ``run_check=True`` always checks the pieces and also broadcasts
         replicated data from group rank 0.
         """
         if not isinstance(local_tensor, torch.Tensor) or isinstance(local_tensor, DTensor):
