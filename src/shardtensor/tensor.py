@@ -69,8 +69,8 @@ class DTensor(torch.Tensor):
         global shape explains raise the same error on every rank instead of breaking a later
         collective.  That exchange is a collective (and a host sync on GPUs), so in hot loops
         pass ``shape=``, or ``run_check=False`` to assume even pieces (local size times the
-        mesh size) with no communication, as torch's DTensor does.  ``run_check=True`` always checks the pieces and also broadcasts
-        replicated data from group rank 0.
+        mesh size) with no communication, as torch's DTensor does.  ``run_check=True`` always
+        checks the pieces and also broadcasts replicated data from group rank 0.
         """
         if not isinstance(local_tensor, torch.Tensor) or isinstance(local_tensor, DTensor):
             raise TypeError(f"from_local needs a local torch.Tensor, got {type(local_tensor).__name__}")
@@ -304,9 +304,9 @@ def _shard_order_arg(shard_order: Any) -> tuple[tuple[int, tuple[int, ...]], ...
     return out
 
 
+# every torch dtype, numbered the same way in every process running this torch (no first-seen order)
 _DTYPE_CODES: dict[torch.dtype, int] = {d: i for i, d in enumerate(
-    [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
-     torch.uint8, torch.bool, torch.complex64, torch.complex128])}
+    sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))}
 
 
 _META_DIMS = 64  # local shapes are gathered padded to this many dims, so ranks of any ndim meet
@@ -315,10 +315,10 @@ _META_DIMS = 64  # local shapes are gathered padded to this many dims, so ranks 
 def _gather_meta(local: torch.Tensor, mesh: DeviceMesh) -> list[tuple[int, int, list[int]]]:
     """(ndim, dtype code, shape) of every rank's local tensor, in group-rank order: one all-gather of a
     fixed-width row, so ranks that disagree on ndim still meet in the same collective."""
-    row = [local.ndim, _DTYPE_CODES.setdefault(local.dtype, len(_DTYPE_CODES))] + list(local.shape[:_META_DIMS])
-    meta = torch.zeros(2 + _META_DIMS, dtype=torch.int64)
-    meta[:len(row)] = torch.tensor(row, dtype=torch.int64)
-    rows = comm.all_gather(meta.to(local.device), mesh, None).reshape(-1, 2 + _META_DIMS).tolist()
+    shape = list(local.shape[:_META_DIMS])
+    row = [local.ndim, _DTYPE_CODES[local.dtype]] + shape + [0] * (_META_DIMS - len(shape))
+    meta = torch.tensor(row, dtype=torch.int64, device=local.device)
+    rows = comm.all_gather(meta, mesh, None).reshape(-1, 2 + _META_DIMS).tolist()
     return [(r[0], r[1], r[2:2 + min(r[0], _META_DIMS)]) for r in rows]
 
 
