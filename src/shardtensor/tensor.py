@@ -13,6 +13,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import comm
+from .aliasing import check_writes, forget_copies, note_copies, op_kind
 from .implicit import implicit_allowed, implicit_replication, plain_tensor_error
 from .mesh import DeviceMesh
 from .placement import (Partial, Placement, Replicate, Shard, chunk, display, local_shape_and_offset,
@@ -29,7 +30,7 @@ class DTensor(torch.Tensor):
 
     _local_tensor: torch.Tensor
     _spec: DTensorSpec
-    __slots__ = ("_local_tensor", "_spec")
+    __slots__ = ("_local_tensor", "_spec", "_copied_view")  # _copied_view: see aliasing.py
 
     @staticmethod
     def __new__(cls, local_tensor: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool = False) -> "DTensor":
@@ -159,12 +160,16 @@ class DTensor(torch.Tensor):
 
 def dispatch(func, args: tuple, kwargs: dict) -> Any:
     """propagation -> redistribute -> local kernel -> wrap (or a decomposition into ops that have rules)."""
+    view, writes = op_kind(func)
+    if writes:
+        check_writes(func, writes, args, kwargs)
     r = route(func)
     if isinstance(r, tuple):
         _check_plain(func, args, kwargs)
         try:
             with implicit_replication():  # plain tensors the decomposition builds are the same on every rank
-                return r[1](*args, **kwargs)
+                out = r[1](*args, **kwargs)
+            return out if view else forget_copies(out)  # a non-view op's results are its own memory
         except NotImplementedError as e:
             if str(func) in str(e):
                 raise
@@ -204,7 +209,11 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
             if isinstance(decision.output, DTensorSpec) and decision.output != me._spec:
                 me._spec = decision.output
         return me
-    return _wrap(out, decision.output)
+    out = _wrap(out, decision.output)
+    if view:
+        w = decision.inputs[0]
+        note_copies(func, flat[0], decision.copies or (decision.redistribute and w is not None and w != specs[0]), out)
+    return out
 
 
 def _is_plain(a: Any) -> bool:

@@ -129,6 +129,9 @@ class Decision:
     kernel: Callable[..., Any] | None = None
     """Custom local step ``kernel(*local_args, **local_kwargs)`` run instead of the op (it may use
     small collectives, e.g. a scalar all-reduce); ``None`` runs the aten op itself."""
+    copies: bool = False
+    """The kernel returns new memory built from other ranks' data: for a view op, the result does
+    not alias its base (redistributed inputs count as such without this flag)."""
 
 
 class Call:

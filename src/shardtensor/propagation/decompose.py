@@ -222,10 +222,15 @@ def _unbind(x, dim=0):
     from ..placement import Replicate, Shard
     from ..tensor import DTensor
 
+    from ..aliasing import note_copies
+
     d = dim % x.ndim
     if isinstance(x, DTensor) and any(isinstance(p, Shard) and p.dim == d for p in x.placements):
-        x = x.redistribute(x.device_mesh, [Replicate() if isinstance(p, Shard) and p.dim == d else p
-                                           for p in x.placements])
+        gathered = x.redistribute(x.device_mesh, [Replicate() if isinstance(p, Shard) and p.dim == d else p
+                                                  for p in x.placements])
+        rows = tuple(aten.select.int(gathered, d, i) for i in range(x.shape[d]))
+        note_copies(aten.unbind.int, x, True, rows)  # the rows are views of the gathered copy, not of x
+        return rows
     return tuple(aten.select.int(x, d, i) for i in range(x.shape[d]))
 
 

@@ -25,6 +25,7 @@ The ``*_copy`` variants of these views share their rules.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -170,6 +171,21 @@ def exact_prefix(n_in: int, r_in: int, n_out: int, r_out: int, ks: Sequence[int]
     return len(ks)
 
 
+def _unit_dims(a: Sequence[int], b: Sequence[int]) -> dict[int, int]:
+    """Length-1 input dims -> length-1 output dims at the same flat position (same size product
+    before them), the i-th of a run to the i-th: such a dim carries its shard through a view."""
+    def runs(sizes: Sequence[int]) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for d, n in enumerate(sizes):
+            if n == 1:
+                out.setdefault(math.prod(sizes[:d]), []).append(d)
+        return out
+    if math.prod(a) == 0:
+        return {}
+    rb = runs(b)
+    return {d: e for at, ds in runs(a).items() for d, e in zip(ds, rb.get(at, ()))}
+
+
 @register(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.view_copy.default)
 def view_rule(call: Call) -> Decision:
     """Shards survive a reshape only where each rank's piece is the same flat range before and after."""
@@ -179,8 +195,12 @@ def view_rule(call: Call) -> Decision:
     groups = view_groups(a, b) or []
     mesh = s.mesh
     first = {gi[0]: (gi, go) for gi, go in groups}
+    ones = _unit_dims(a, b)
     keep: dict[int, tuple[int, tuple[int, ...]]] = {}
     for d, js in s.shard_order:
+        if d in ones:  # a sharded length-1 dim: one rank holds the row, before and after
+            keep[d] = (ones[d], tuple(js))
+            continue
         if d not in first:
             continue
         gi, go = first[d]
@@ -333,7 +353,7 @@ def select_rule(call: Call) -> Decision:
             wire = comm.broadcast(wire, r, mesh, j)
         return wire.to(torch.bool) if row.dtype == torch.bool else wire
 
-    return _decision(call, {0: s}, out_spec, kernel=kernel)
+    return replace(_decision(call, {0: s}, out_spec, kernel=kernel), copies=True)
 
 
 @register(aten.slice.Tensor, aten.slice_copy.Tensor)

@@ -1,0 +1,75 @@
+"""Views that had to copy: a write through one raises instead of silently missing its base.
+
+A view op (``view``, ``reshape``, ``squeeze``, ``select``, ``split`` ...) on a DTensor returns a
+local view of the same storage whenever the sharded dims survive it, as on one device.  Where
+the view needs other ranks' data (a squeezed sharded dim, a reshape that splits a shard across
+ranks), its result is new memory: reading it is right, but an in-place op on it would not reach
+the base, and base and view would silently disagree.  Such results, and views of them, carry a
+note; an op that writes into one raises ``RuntimeError`` saying what happened and what to do.
+
+Autograd's backward pass makes views of gradients that later accumulate in place; those carry
+no note (nothing in user code aliases them).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .placement import display
+
+__all__ = ["op_kind", "note_copies", "forget_copies", "check_writes"]
+
+_KIND: dict[int, tuple[bool, tuple[int, ...]]] = {}
+
+
+def op_kind(func: Any) -> tuple[bool, tuple[int, ...]]:
+    """``(is a view op, schema positions of the arguments it writes)``, once per op."""
+    k = _KIND.get(id(func))
+    if k is None:
+        sch = func._schema
+        args = sch.arguments
+        view = bool(sch.returns and args and args[0].alias_info is not None and not args[0].alias_info.is_write
+                    and all(r.alias_info is not None and not r.alias_info.is_write for r in sch.returns))
+        writes = tuple(i for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write)
+        k = _KIND[id(func)] = (view, writes)
+    return k
+
+
+def note_copies(func: Any, base: Any, moved: bool, out: Any) -> None:
+    """Mark the DTensor outputs of view op ``func`` when they do not alias ``base``'s storage:
+    ``moved`` (the base was redistributed or the kernel gathered) or ``base`` itself is such a copy."""
+    why = getattr(base, "_copied_view", None)
+    if why is None:
+        if not moved or torch._C._current_graph_task_id() != -1:
+            return
+        spec = base._spec
+        why = (f"{func} of a DTensor with placements {display(spec.placements, spec.shard_order)} and shape "
+               f"{tuple(spec.shape)} needed other ranks' data, so its result is a copy, not a view")
+    for o in out if isinstance(out, (list, tuple)) else (out,):
+        if o is not None:
+            o._copied_view = why
+
+
+def forget_copies(out: Any) -> Any:
+    """Drop the notes of ``out`` (a non-view op's results that its decomposition built by views of
+    its own temporaries: they alias nothing the caller holds)."""
+    for o in out if isinstance(out, (list, tuple)) else (out,):
+        if getattr(o, "_copied_view", None) is not None:
+            o._copied_view = None
+    return out
+
+
+def check_writes(func: Any, writes: tuple[int, ...], args: tuple, kwargs: dict) -> None:
+    """Raise before ``func`` writes into a noted copy (nothing has run yet, so nothing is lost)."""
+    names = func._schema.arguments
+    for i in writes:
+        a = args[i] if i < len(args) else kwargs.get(names[i].name)
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            why = getattr(t, "_copied_view", None)
+            if why is not None:
+                raise RuntimeError(
+                    f"shardtensor: {func} writes into a tensor that is not a view of its base: {why}. The write "
+                    "would not reach the base, and the two would silently disagree. Write into the base instead, "
+                    "redistribute the base first so the view stays local (e.g. to Replicate), or .clone() the "
+                    "view to write into a copy on purpose")

@@ -1,0 +1,194 @@
+"""View ops alias their base as on one device, or say they cannot.
+
+For every op of the view family, shape (size-1, uneven and even sharded dims) and placement on
+meshes (4,) and (2, 2): when one device's result shares storage with its input,
+
+- and the DTensor view moved no data, each rank's local result shares its local base's storage
+  and a write through the view shows in the base (differential against one device);
+- and the view had to gather, a write through it raises and leaves the base unchanged.
+
+Results that are copies on one device too (``repeat``, ``tile``) never write back.
+"""
+from __future__ import annotations
+
+import itertools
+import pathlib
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from opcheck import run_recorded  # noqa: E402
+
+from shardtensor import DTensor, comm, Partial, Replicate, Shard, distribute_tensor  # noqa: E402
+
+VIEWS = {
+    "view_unit_lead": ((1, 2, 2, 2), lambda t: t.view(1, 2, 4)),
+    "view_unit_mid": ((3, 1, 4), lambda t: t.view(3, 1, 2, 2)),
+    "view_uneven": ((5, 2, 2), lambda t: t.view(5, 4)),
+    "view_merge": ((8, 3), lambda t: t.view(24)),
+    "view_split": ((8, 6), lambda t: t.view(4, 2, 6)),
+    "reshape": ((7, 4), lambda t: t.reshape(7, 2, 2)),
+    "flatten": ((3, 2, 5), lambda t: t.flatten(1)),
+    "unflatten": ((6, 7), lambda t: t.unflatten(1, (7, 1))),
+    "squeeze_unit": ((1, 6), lambda t: t.squeeze(0)),
+    "squeeze_other": ((5, 1), lambda t: t.squeeze(1)),
+    "unsqueeze": ((5, 3), lambda t: t.unsqueeze(1)),
+    "expand": ((5, 1), lambda t: t.expand(5, 3)),
+    "expand_new": ((1, 3), lambda t: t.expand(4, 1, 3)),
+    "movedim": ((3, 5, 2), lambda t: t.movedim(0, -1)),
+    "transpose": ((7, 3), lambda t: t.t()),
+    "select_other": ((7, 3), lambda t: t[:, 1]),
+    "select_sharded": ((7, 3), lambda t: t[2]),
+    "slice_rows": ((8, 3), lambda t: t[1:5]),
+    "narrow_cols": ((5, 6), lambda t: t.narrow(1, 1, 3)),
+    "split": ((7, 4), lambda t: t.split(2, dim=1)[1]),
+    "unbind": ((3, 4), lambda t: t.unbind(0)[1]),
+    "diagonal": ((4, 4), lambda t: t.diagonal()),
+    "as_strided_identity": ((4, 3), lambda t: t.as_strided((4, 3), (3, 1))),
+    "detach": ((6, 2), lambda t: t.detach()),
+    "repeat": ((3, 4), lambda t: t.repeat(2, 1)),
+    "tile": ((3, 4), lambda t: t.tile((1, 2))),
+}
+
+
+def _placements(ndim: int, mesh_shape: tuple[int, ...]) -> list[tuple]:
+    opts = [Replicate()] + [Shard(d) for d in range(ndim)]
+    return list(itertools.product(opts, repeat=len(mesh_shape)))
+
+
+def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _case(mesh, shape, fn, pl):
+    dense = torch.arange(float(torch.Size(shape).numel())).reshape(shape)
+    x = distribute_tensor(dense.clone(), mesh, list(pl))
+    with comm.scope("view"):
+        v = fn(x)
+    local_alias = v._local_tensor.numel() == 0 or _aliases(v._local_tensor, x._local_tensor)
+    try:
+        v.add_(1)
+        raised = None
+    except RuntimeError as e:
+        raised = str(e)
+    return local_alias, raised, x.full_tensor(), v._local_tensor.numel() == 0
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=str)
+@pytest.mark.parametrize("name", sorted(VIEWS))
+def test_view_aliases_or_raises(name, mesh_shape):
+    shape, fn = VIEWS[name]
+    t = torch.arange(float(torch.Size(shape).numel())).reshape(shape)
+    v = fn(t)
+    dense_alias = _aliases(v, t)
+    if dense_alias and name in ("repeat", "tile"):
+        pytest.fail("torch's repeat/tile are expected to copy")
+    original = t.clone()
+    try:
+        fn(t).add_(1)
+        dense_raised = False
+    except RuntimeError:  # torch refuses writes into overlapping views (expand)
+        dense_raised = True
+    for pl in _placements(len(shape), mesh_shape):
+        out, events = run_recorded(mesh_shape, _case, shape, fn, pl)
+        moved = any("view" in e.scope for e in events)
+        for local_alias, raised, full, empty in out:
+            what = f"{name} {pl}"
+            if dense_raised:
+                assert (raised is not None or empty) and (local_alias or moved), what
+                assert torch.equal(full, original), f"{what}: base changed"
+            elif not dense_alias:
+                assert raised is None, what
+                assert torch.equal(full, torch.arange(float(t.numel())).reshape(shape)), f"{what}: a copy wrote back"
+            elif not moved:
+                assert local_alias, f"{what}: no data moved, yet the local result is not a view of the local base"
+                assert raised is None, f"{what}: {raised}"
+                assert torch.equal(full, t), f"{what}: the write did not reach the base"
+            else:
+                assert raised is not None and "not a view of its base" in raised, \
+                    f"{what}: a gathered view accepted a write that cannot reach its base"
+                assert torch.equal(full, torch.arange(float(t.numel())).reshape(shape)), f"{what}: base changed"
+
+
+def test_size_one_sharded_dim_view_is_local():
+    """The issue's case: 1 row on 4 ranks (only rank 0 holds data) views with no communication."""
+    def body(mesh):
+        x = distribute_tensor(torch.zeros(1, 2, 2, 2), mesh, [Shard(0)])
+        with comm.scope("view"):
+            v = x.view(1, 2, 4)
+            v.add_(1)
+        return v.placements, x.full_tensor().sum().item(), tuple(v._local_tensor.shape)
+
+    out, events = run_recorded((4,), body)
+    assert not [e for e in events if "view" in e.scope]
+    assert out[0] == ((Shard(0),), 8.0, (1, 2, 4))
+    assert out[1] == ((Shard(0),), 8.0, (0, 2, 4))
+
+
+def test_uneven_sharded_dim_view_is_local():
+    def body(mesh):
+        x = distribute_tensor(torch.zeros(5, 2, 2), mesh, [Shard(0)])
+        with comm.scope("view"):
+            v = x.view(5, 4)
+            v[:, 0].fill_(2.0)
+        return v.placements, x.full_tensor().sum().item()
+
+    out, events = run_recorded((4,), body)
+    assert not [e for e in events if "view" in e.scope]
+    assert all(o == ((Shard(0),), 10.0) for o in out)
+
+
+def test_setitem_on_a_sharded_row_raises_and_keeps_the_base():
+    def body(mesh):
+        x = distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)])
+        try:
+            x[1] = 5.0
+        except RuntimeError as e:
+            return str(e), x.full_tensor().sum().item()
+        return None, x.full_tensor().sum().item()
+
+    for msg, total in run_recorded((4,), body)[0]:
+        assert msg is not None and "not a view of its base" in msg and "clone()" in msg
+        assert total == 0.0
+
+
+def test_views_of_a_gathered_view_raise_too():
+    def body(mesh):
+        x = distribute_tensor(torch.zeros(1, 6), mesh, [Shard(0), Replicate()][:mesh.ndim])
+        s = x.squeeze(0)
+        with pytest.raises(RuntimeError, match="not a view of its base"):
+            s[1:3].detach().mul_(2)
+        with pytest.raises(RuntimeError, match="not a view of its base"):
+            torch._foreach_add_([s], 1.0)
+        s.clone().add_(1)  # a copy on purpose: fine
+        return x.full_tensor().sum().item()
+
+    assert run_recorded((4,), body)[0] == [0.0] * 4
+
+
+def test_backward_through_gathering_views_accumulates_gradients():
+    """Autograd's own views of gradients carry no note: accumulation in place keeps working."""
+    def body(mesh):
+        w = distribute_tensor(torch.ones(5, 4), mesh, [Shard(0)]).requires_grad_()
+        for _ in range(2):
+            (w.view(20) * 2).sum().backward()
+            (w.squeeze(1) if w.shape[1] == 1 else w[1]).sum().backward()
+        return w.grad.full_tensor()
+
+    want = torch.full((5, 4), 4.0)
+    want[1] += 2
+    for g in run_recorded((4,), body)[0]:
+        assert torch.equal(g, want)
+
+
+def test_partial_view_stays_partial_and_aliases():
+    def body(mesh):
+        part = DTensor.from_local(torch.ones(1, 4), mesh, [Partial()])
+        v = part.view(4)
+        v.mul_(2)
+        return v.placements, part.full_tensor().sum().item()
+
+    for pl, total in run_recorded((4,), body)[0]:
+        assert pl == (Partial(),) and total == 32.0
