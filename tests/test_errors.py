@@ -145,12 +145,9 @@ def test_placement_constructors_validate():
         Partial("mean")
 
 
-def test_distribute_tensor_refuses_partial():
-    def body():
-        distribute_tensor(X, mesh1d(), [P])
-
-    e = spmd_raises(ValueError, body)
-    assert "Partial" in str(e) or "P(sum)" in str(e)
+def test_distribute_tensor_without_a_mesh_says_how_to_give_one():
+    e = spmd_raises(ValueError, lambda: distribute_tensor(X, placements=[Replicate()]))
+    assert "device_mesh" in str(e) and "with mesh:" in str(e)
 
 
 # ---------------------------------------------------------------------------------------

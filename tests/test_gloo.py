@@ -418,7 +418,45 @@ def _case_from_local_good(mesh1, mesh2, run_check=True):
     _check_dtensor(z, full, [Shard(0), Shard(1)], what="from_local 2-D uneven, inferred shape")
 
 
+def _case_from_local_bad_field(mesh1, field):
+    import torch
+    from shardtensor import DTensor, Shard
+
+    rank = mesh1.get_rank()
+    odd = rank == 2
+    local = {"dtype": lambda: torch.zeros(2, 3, dtype=torch.float64 if odd else torch.float32),
+             "requires_grad": lambda: torch.zeros(2, 3, requires_grad=odd),
+             "memory layout": lambda: torch.zeros(3, 2).t() if odd else torch.zeros(2, 3)}[field]()
+    _expect_value_error(lambda: DTensor.from_local(local, mesh1, [Shard(0)], run_check=True), field, "rank 2")
+
+
+def _case_from_local_stride(mesh1):
+    import torch
+    from shardtensor import DTensor, Shard
+
+    local = torch.zeros(2, 4, 8).permute(1, 2, 0)  # shape (4, 8, 2), stride (8, 1, 32)
+    for rc in (None, False, True):
+        x = DTensor.from_local(local, mesh1, [Shard(1)], run_check=rc)
+        assert x.shape == (4, 32, 2) and x.stride() == (32, 1, 128), (rc, x.shape, x.stride())
+
+
+def _case_distribute_partial(mesh1, mesh2):
+    import torch
+    from shardtensor import Partial, Shard, distribute_tensor
+
+    full = torch.randn(5, 3, generator=torch.Generator().manual_seed(3))
+    for op in ("sum", "avg", "max", "min", "product"):
+        x = distribute_tensor(full, mesh1, [Partial(op)])
+        assert torch.equal(x.full_tensor(), full), op
+    y = distribute_tensor(full, mesh2, [Shard(0), Partial("sum")])
+    assert torch.equal(y.full_tensor(), full)
+
+
 def _from_local_cases(rep, mesh1, mesh2):
+    for field in ("dtype", "requires_grad", "memory layout"):
+        rep.run("from_local", f"run_check, {field} differs on rank 2", _case_from_local_bad_field, mesh1, field)
+    rep.run("from_local", "global stride follows the local layout", _case_from_local_stride, mesh1)
+    rep.run("distribute_tensor", "Partial placements, exact", _case_distribute_partial, mesh1, mesh2)
     rep.run("from_local", "shape given, rank 3 too big", _case_from_local_bad_shape, mesh1)
     rep.run("from_local", "inferred shape, ranks 1 and 3 off", _case_from_local_bad_inferred, mesh1)
     rep.run("from_local", "replicate, rank 2 differs", _case_from_local_bad_replicate, mesh1)

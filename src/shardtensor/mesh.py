@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Sequence
+import threading
+from typing import Any, Sequence
 
 import torch
 
@@ -174,6 +175,15 @@ class DeviceMesh:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device(self.device_type)
 
+    def __enter__(self) -> "DeviceMesh":
+        """``with mesh:`` makes this the default mesh of distribute_tensor, from_local and
+        parallelize_module inside the block (per thread, so per simulated rank; blocks nest)."""
+        _current.stack.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _current.stack.pop()
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, DeviceMesh) and self._key == other._key
 
@@ -183,6 +193,30 @@ class DeviceMesh:
     def __repr__(self) -> str:
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
         return f"DeviceMesh('{self.device_type}', {self.mesh.tolist()}{names})"
+
+
+class _Current(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[DeviceMesh] = []
+
+
+_current = _Current()
+
+
+def current_mesh() -> DeviceMesh | None:
+    """The mesh of the innermost ``with mesh:`` block of this thread (simulated rank), or None."""
+    return _current.stack[-1] if _current.stack else None
+
+
+def resolve_mesh(device_mesh: Any, who: str) -> DeviceMesh:
+    """``device_mesh`` checked, or the current mesh when it is None."""
+    if device_mesh is None:
+        device_mesh = current_mesh()
+        if device_mesh is None:
+            raise ValueError(f"{who} needs device_mesh: pass one, or call it inside a `with mesh:` block")
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"{who}: device_mesh must be a shardtensor DeviceMesh, got {device_mesh!r}")
+    return device_mesh
 
 
 def _row_major(shape: tuple[int, ...]) -> list[tuple[int, ...]]:

@@ -69,6 +69,8 @@ class Partial(Placement):
     reduce_op: str = "sum"
 
     def __post_init__(self) -> None:
+        if self.reduce_op == "prod":  # torch's spelling of the same reduction
+            object.__setattr__(self, "reduce_op", "product")
         if self.reduce_op not in REDUCE_OPS:
             raise ValueError(f"Partial reduce_op must be one of {REDUCE_OPS}, got {self.reduce_op!r}")
 

@@ -15,11 +15,13 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from . import comm
 from .aliasing import check_writes, forget_copies, note_copies, op_kind
 from .implicit import implicit_allowed, implicit_replication, plain_tensor_error
-from .mesh import DeviceMesh
+from .mesh import DeviceMesh, resolve_mesh
+from .pieces import check_pieces, check_shape, layout_stride, local_order
 from .placement import (Partial, Placement, Replicate, Shard, chunk, display, local_shape_and_offset,
                         normalize_placements)
 from .propagation import flatten_call, propagate, route, unflatten_call
 from .redistribute import redistribute_local
+from .redistribute.execute import partition
 from .spec import DTensorSpec
 
 __all__ = ["DTensor", "distribute_tensor"]
@@ -75,28 +77,27 @@ class DTensor(torch.Tensor):
         """
         if not isinstance(local_tensor, torch.Tensor) or isinstance(local_tensor, DTensor):
             raise TypeError(f"from_local needs a local torch.Tensor, got {type(local_tensor).__name__}")
-        if device_mesh is None:
-            raise ValueError("from_local needs device_mesh")
-        if not isinstance(device_mesh, DeviceMesh):
-            raise TypeError(f"device_mesh must be a DeviceMesh, got {device_mesh!r}")
+        device_mesh = resolve_mesh(device_mesh, "from_local")
         if placements is None:
             placements = [Replicate()] * device_mesh.ndim
         pl = normalize_placements(placements, local_tensor.ndim, device_mesh.ndim)
         sharded = any(isinstance(p, Shard) for p in pl)
+        order = local_order(local_tensor)
+        if shape is not None:
+            shape = check_shape(shape, local_tensor)
         if run_check or (run_check is None and shape is None and sharded
                          and device_mesh.get_coordinate() is not None):
-            shape = _check_local_shapes(local_tensor, device_mesh, pl, None if shape is None else
-                                        _check_shape(shape, local_tensor))
+            shape, order = check_pieces(local_tensor, device_mesh, pl, shape)
         elif shape is None:
             g = list(local_tensor.shape)
             for j, p in enumerate(pl):
                 if isinstance(p, Shard):
                     g[p.dim] *= device_mesh.size(j)
-            shape = g
-        else:
-            shape = _check_shape(shape, local_tensor)
+            shape = tuple(g)
+        if stride is None:
+            stride = layout_stride(shape, order)
         spec = DTensorSpec.build(device_mesh, pl, shape, stride, local_tensor.dtype)
-        if shape is not None and device_mesh.get_coordinate() is not None:
+        if device_mesh.get_coordinate() is not None:
             expect = spec.local_shape
             if tuple(local_tensor.shape) != expect:
                 raise ValueError(
@@ -289,17 +290,6 @@ def _wrap(out: Any, spec: Any) -> Any:
     return out
 
 
-def _check_shape(shape: Any, local: torch.Tensor) -> tuple[int, ...]:
-    """``from_local``'s ``shape=``: a sequence of non-negative ints, one per dim of the local tensor."""
-    if not isinstance(shape, (tuple, list, torch.Size)) or not all(
-            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
-        raise ValueError(f"from_local: shape must be a sequence of non-negative ints, got {shape!r}")
-    if len(shape) != local.ndim:
-        raise ValueError(f"from_local: shape {tuple(shape)} has {len(shape)} dims, local tensor "
-                         f"{tuple(local.shape)} has {local.ndim}")
-    return tuple(shape)
-
-
 def _shard_order_arg(shard_order: Any) -> tuple[tuple[int, tuple[int, ...]], ...]:
     """``redistribute``'s ``shard_order=``: ``{tensor dim: [mesh dims]}`` or pairs ``[(dim, [mesh dims])]``."""
     pairs = shard_order.items() if isinstance(shard_order, dict) else shard_order
@@ -311,68 +301,6 @@ def _shard_order_arg(shard_order: Any) -> tuple[tuple[int, tuple[int, ...]], ...
         raise TypeError("redistribute: shard_order must map tensor dims to lists of mesh dims, e.g. {0: [1, 0]} "
                         f"(or pairs [(0, [1, 0])]), got {shard_order!r}")
     return out
-
-
-# every torch dtype, numbered the same way in every process running this torch (no first-seen order)
-_DTYPE_CODES: dict[torch.dtype, int] = {d: i for i, d in enumerate(
-    sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))}
-
-
-_META_DIMS = 64  # local shapes are gathered padded to this many dims, so ranks of any ndim meet
-
-
-def _gather_meta(local: torch.Tensor, mesh: DeviceMesh) -> list[tuple[int, int, list[int]]]:
-    """(ndim, dtype code, shape) of every rank's local tensor, in group-rank order: one all-gather of a
-    fixed-width row, so ranks that disagree on ndim still meet in the same collective."""
-    shape = list(local.shape[:_META_DIMS])
-    row = [local.ndim, _DTYPE_CODES[local.dtype]] + shape + [0] * (_META_DIMS - len(shape))
-    meta = torch.tensor(row, dtype=torch.int64, device=local.device)
-    rows = comm.all_gather(meta, mesh, None).reshape(-1, 2 + _META_DIMS).tolist()
-    return [(r[0], r[1], r[2:2 + min(r[0], _META_DIMS)]) for r in rows]
-
-
-def _check_local_shapes(local: torch.Tensor, mesh: DeviceMesh, pl: tuple[Placement, ...], shape) -> tuple[int, ...]:
-    """Gather every rank's local ndim, dtype and shape; all ranks raise the same error on a mismatch.
-
-    Returns the global shape: ``shape`` when given, else the one the pieces' sizes add up to."""
-    what = "from_local: every rank's piece"
-    meta = _gather_meta(local, mesh)
-    ranks = mesh.group_ranks(None)
-    ndims = [m[0] for m in meta]
-    if len(set(ndims)) != 1:
-        raise ValueError(f"{what} must have the same ndim; ranks' ndims: {dict(zip(ranks, ndims))}")
-    if ndims[0] > _META_DIMS:
-        raise NotImplementedError(f"from_local: checking pieces of more than {_META_DIMS} dims; pass shape= and "
-                                  "run_check=False")
-    codes = [m[1] for m in meta]
-    if len(set(codes)) != 1:
-        names = {v: k for k, v in _DTYPE_CODES.items()}
-        raise ValueError(f"{what} must have the same dtype; got "
-                         + ", ".join(f"rank {r}: {names.get(c, c)}" for r, c in zip(ranks, codes)))
-    shapes = [m[2] for m in meta]
-    coords = [tuple((mesh.mesh == r).nonzero()[0].tolist()) for r in ranks]
-    if shape is None:
-        shape = tuple(_summed_size(d, shapes, coords, mesh, pl) for d in range(local.ndim))
-    bad = []
-    for r, c, s in zip(ranks, coords, shapes):
-        want = local_shape_and_offset(shape, mesh.shape, c, pl)[0]
-        if tuple(s) != tuple(want):
-            bad.append(f"rank {r}: local {tuple(s)}, expected {tuple(want)}")
-    if bad:
-        raise ValueError(f"from_local: local shapes disagree with global shape {tuple(shape)} "
-                         f"and placements {display(pl)}: " + "; ".join(bad)
-                         + ". Pieces of a Shard(d) must follow torch.chunk's split of the global size")
-    return tuple(shape)
-
-
-def _summed_size(d: int, shapes: list[list[int]], coords: list[tuple[int, ...]], mesh: DeviceMesh,
-                 pl: tuple[Placement, ...]) -> int:
-    """Global size of dim ``d``: the pieces' sizes along the mesh dims sharding it, else rank 0's size."""
-    mesh_dims = [j for j, p in enumerate(pl) if p == Shard(d)]
-    if not mesh_dims:
-        return shapes[0][d]
-    return sum(s[d] for s, c in zip(shapes, coords)
-               if all(c[j] == 0 for j in range(mesh.ndim) if j not in mesh_dims))
 
 
 class _FromLocal(torch.autograd.Function):
@@ -479,9 +407,14 @@ def _spread_from(t: torch.Tensor, spec: DTensorSpec, src: int, coord: list[int])
     return t
 
 
-def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements: Sequence[Placement] | None = None, *,
+def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None, *,
                       src_data_rank: int | None = 0) -> DTensor:
     """Shard or replicate a full tensor over the mesh, taking the data of ``src_data_rank``.
+
+    A ``Partial`` placement splits the value into terms that reduce back to it exactly (for
+    ``sum``: the value on coordinate 0 and zeros elsewhere; for ``avg``, ``max``, ``min``: the
+    value everywhere), so ``full_tensor()`` gives the input bit for bit.  Without
+    ``device_mesh``, the mesh of the enclosing ``with mesh:`` block.
 
     ``src_data_rank=None`` moves no data: every rank takes its piece of its own tensor.
     """
@@ -489,14 +422,10 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements:
         raise TypeError(f"distribute_tensor needs a torch.Tensor, got {type(tensor).__name__}")
     if isinstance(tensor, DTensor):
         raise TypeError("distribute_tensor got a DTensor; use .redistribute() to change its placements")
-    if not isinstance(device_mesh, DeviceMesh):
-        raise TypeError(f"device_mesh must be a DeviceMesh, got {device_mesh!r}")
+    device_mesh = resolve_mesh(device_mesh, "distribute_tensor")
     if placements is None:
         placements = [Replicate()] * device_mesh.ndim
     spec = DTensorSpec.build(device_mesh, placements, tensor.shape, tensor.stride(), tensor.dtype)
-    for p in spec.placements:
-        if isinstance(p, Partial):
-            raise ValueError(f"distribute_tensor cannot create {p!r}; build Partial values with DTensor.from_local")
     if src_data_rank is not None and (not isinstance(src_data_rank, int) or isinstance(src_data_rank, bool)):
         raise TypeError(f"distribute_tensor: src_data_rank must be an int mesh coordinate or None, got {src_data_rank!r}")
     if src_data_rank is not None and not 0 <= src_data_rank < min(device_mesh.shape):
@@ -515,4 +444,7 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements:
         else:
             local = _spread_from(local.contiguous(), spec, src_data_rank, coord)
         local = local.clone(memory_format=torch.contiguous_format)
+        for j, p in enumerate(spec.placements):
+            if isinstance(p, Partial):  # terms that reduce back to the value exactly (see partition)
+                local = partition(local, p, device_mesh.shape[j], coord[j])
     return DTensor(local, spec, requires_grad=tensor.requires_grad)

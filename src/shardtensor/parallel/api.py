@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import torch.nn as nn
 
-from ..mesh import DeviceMesh
+from ..mesh import DeviceMesh, resolve_mesh
 from ..placement import Replicate
 from ..tensor import DTensor, distribute_tensor
 from .style import ParallelStyle
@@ -16,12 +16,6 @@ from .style import ParallelStyle
 __all__ = ["distribute_module", "parallelize_module"]
 
 
-def _check_mesh(device_mesh: Any, who: str) -> DeviceMesh:
-    if device_mesh is None:
-        raise ValueError(f"{who} needs device_mesh (shardtensor has no implicit current mesh)")
-    if not isinstance(device_mesh, DeviceMesh):
-        raise TypeError(f"{who}: device_mesh must be a shardtensor DeviceMesh, got {type(device_mesh).__name__}")
-    return device_mesh
 
 
 def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
@@ -36,7 +30,7 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
     (``mesh["tp"]``).  ``src_data_rank`` is the coordinate whose parameter values are
     scattered (``None``: each rank keeps its own values, no communication).
     """
-    device_mesh = _check_mesh(device_mesh, "parallelize_module")
+    device_mesh = resolve_mesh(device_mesh, "parallelize_module")
     if device_mesh.ndim != 1:
         raise ValueError(f"parallelize_module needs a 1-D mesh, got shape {device_mesh.shape}; "
                          "pass a sub-mesh such as mesh['tp']")
@@ -102,7 +96,7 @@ def distribute_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
     pre-hook and ``output_fn(module, outputs, mesh)`` a forward hook (the two-argument forms
     without ``module`` are accepted too).  A module can be distributed once.
     """
-    device_mesh = _check_mesh(device_mesh, "distribute_module")
+    device_mesh = resolve_mesh(device_mesh, "distribute_module")
     if getattr(module, "_distribute_module_applied", False):
         raise RuntimeError(f"distribute_module was already applied to this {type(module).__name__}")
     if partition_fn is None:

@@ -1,0 +1,147 @@
+"""torch DTensor API behaviours user code relies on (simulated world; gloo twins in test_gloo).
+
+distribute_tensor with Partial placements (exact), ``Partial("prod")``, ``with mesh:`` as the
+default mesh, from_local's global stride and run_check's per-field checks.
+"""
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from opcheck import run_recorded  # noqa: E402
+
+from shardtensor import (DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh,  # noqa: E402
+                         run_spmd)
+from shardtensor.mesh import current_mesh  # noqa: E402
+from shardtensor.parallel import ColwiseParallel, parallelize_module  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.int64, torch.complex64, torch.float64]
+
+
+def _value(dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    v = torch.randn(5, 3, generator=g, dtype=torch.float64) * 7
+    if dtype.is_complex:
+        return torch.complex(v, -v).to(dtype)
+    return v.to(dtype)
+
+
+@pytest.mark.parametrize("op,dtype", [(op, d) for op in ("sum", "avg", "max", "min", "product") for d in DTYPES
+                                      if not (d.is_complex and op in ("max", "min"))], ids=str)
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=str)
+def test_distribute_tensor_partial_is_exact(mesh_shape, op, dtype):
+    """full_tensor() gives the input bit for bit (torch's divides by n for sum, which rounds)."""
+    full = _value(dtype)
+    pls = [[Partial(op)] * len(mesh_shape)] + ([[Shard(0), Partial(op)], [Partial(op), Shard(1)]]
+                                               if len(mesh_shape) == 2 else [])
+
+    def body(mesh):
+        out = []
+        for pl in pls:
+            x = distribute_tensor(full, mesh, pl)
+            assert x.placements == tuple(pl) and x.dtype == dtype
+            out.append(x.full_tensor())
+        return out
+
+    for rank_out in run_recorded(mesh_shape, body)[0]:
+        for got in rank_out:
+            assert got.dtype == dtype and torch.equal(got, full)
+
+
+def test_distribute_tensor_partial_sum_terms_and_backward():
+    """The terms: the value on coordinate 0, zeros elsewhere; gradients flow back as Replicate."""
+    full = torch.arange(6.0).reshape(2, 3)
+
+    def body(mesh):
+        w = full.clone().requires_grad_()
+        x = distribute_tensor(w, mesh, [Partial()])
+        (x * 2).sum().backward()
+        return x.to_local().detach(), w.grad
+
+    for rank, (local, grad) in enumerate(run_recorded((4,), body)[0]):
+        assert torch.equal(local, full if rank == 0 else torch.zeros(2, 3))
+
+
+def test_partial_prod_is_product():
+    assert Partial("prod") == Partial("product") and Partial("prod").reduce_op == "product"
+    assert hash(Partial("prod")) == hash(Partial("product"))
+    with pytest.raises(ValueError, match="reduce_op"):
+        Partial("mul")
+
+
+def test_mesh_context_manager_is_the_default_mesh():
+    def body():
+        outer = init_device_mesh("cpu", (4,))
+        inner = init_device_mesh("cpu", (2, 2))
+        assert current_mesh() is None
+        with outer:
+            a = distribute_tensor(torch.arange(8.0), placements=[Shard(0)])
+            with inner as m:
+                assert m is inner and current_mesh() is inner
+                b = DTensor.from_local(torch.ones(2), placements=[Shard(0), Replicate()])
+            assert current_mesh() is outer
+            c = DTensor.from_local(torch.ones(2), placements=[Shard(0)])
+            lin = parallelize_module(torch.nn.Linear(4, 8), parallelize_plan=ColwiseParallel())
+        assert current_mesh() is None
+        with pytest.raises(ValueError, match="device_mesh"):
+            distribute_tensor(torch.ones(2), placements=[Replicate()])
+        return (a.device_mesh == outer, b.device_mesh == inner, c.device_mesh == outer, tuple(b.shape),
+                lin.weight.device_mesh == outer, a.full_tensor().sum().item())
+
+    assert run_spmd(body, 4) == [(True, True, True, (4,), True, 28.0)] * 4
+
+
+def test_mesh_context_is_per_rank_and_restored_on_error():
+    def body():
+        mesh = init_device_mesh("cpu", (4,))
+        with pytest.raises(KeyError):
+            with mesh:
+                raise KeyError("x")
+        return current_mesh()
+
+    assert run_spmd(body, 4) == [None] * 4
+
+
+@pytest.mark.parametrize("run_check", [None, False, True])
+def test_from_local_stride_follows_the_local_layout(run_check):
+    """A permuted piece of stride (8, 1, 32) under Shard(1) on 4 ranks: global stride (32, 1, 128)."""
+    def body(mesh):
+        local = torch.zeros(2, 4, 8).permute(1, 2, 0)
+        x = DTensor.from_local(local, mesh, [Shard(1)], run_check=run_check)
+        y = DTensor.from_local(torch.zeros(3, 5), mesh, [Shard(0)], run_check=run_check)
+        return tuple(local.stride()), tuple(x.shape), x.stride(), y.stride(), x.permute(2, 0, 1).is_contiguous()
+
+    assert run_recorded((4,), body)[0] == [((8, 1, 32), (4, 32, 2), (32, 1, 128), (5, 1), True)] * 4
+
+
+def test_from_local_stride_with_uneven_pieces():
+    """Pieces of 2, 2, 2 and 1 columns of a transposed layout agree on the order; size-1 dims order nothing."""
+    def body(mesh):
+        r = mesh.get_rank()
+        cols = [2, 2, 2, 1][r]
+        local = torch.zeros(cols, 3).t()  # shape (3, cols), column-major
+        x = DTensor.from_local(local, mesh, [Shard(1)])
+        return tuple(x.shape), x.stride()
+
+    assert run_recorded((4,), body)[0] == [((3, 7), (1, 3))] * 4
+
+
+@pytest.mark.parametrize("field", ["dtype", "requires_grad", "memory layout"])
+def test_run_check_names_the_field_and_the_ranks(field):
+    def body(mesh):
+        odd = mesh.get_rank() in (1, 3)
+        local = {"dtype": lambda: torch.zeros(2, 3, dtype=torch.float64 if odd else torch.float32),
+                 "requires_grad": lambda: torch.zeros(2, 3, requires_grad=odd),
+                 "memory layout": lambda: torch.zeros(3, 2).t() if odd else torch.zeros(2, 3)}[field]()
+        try:
+            DTensor.from_local(local, mesh, [Shard(0)], run_check=True)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    for msg in run_recorded((4,), body)[0]:
+        assert msg is not None and field in msg and "rank 1" in msg and "rank 3" in msg
