@@ -335,7 +335,7 @@ def test_sim_missing_rank_times_out():
     assert results[3] is None
     for dt, msg in results[:3]:
         assert 0.45 < dt < 5
-        assert "timed out after 0.5s (3/4 ranks arrived)" in msg
+        assert "timed out after 0.5s (3/4 ranks arrived; never arrived: ranks [3])" in msg
 
 
 def test_sim_ops_wait_once_through_async_tensor():

@@ -452,7 +452,29 @@ def _case_distribute_partial(mesh1, mesh2):
     assert torch.equal(y.full_tensor(), full)
 
 
+def _case_submesh():
+    import torch
+    from shardtensor import DeviceMesh, DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    mesh = DeviceMesh("cpu", [0, 2])
+    member = mesh.get_coordinate() is not None
+    full = torch.arange(12.0).reshape(4, 3)
+    x = distribute_tensor(full, mesh, [Shard(0)])
+    y = DTensor.from_local(torch.ones(2, 3), mesh, [Partial()], run_check=True)
+    r = DTensor.from_local(torch.ones(3), mesh, [Replicate()], run_check=True)
+    s, eq, mm = x.sum(), torch.equal(x, x), (x @ x.t()).redistribute(mesh, [Replicate()])
+    if member:
+        assert torch.equal(mm.to_local(), full @ full.t()) and eq is True
+        assert s.full_tensor().item() == full.sum().item() and y.full_tensor().sum().item() == 12.0
+        assert torch.equal(r.to_local(), torch.ones(3))
+    else:
+        assert x.to_local().shape == (0,) and y.to_local().shape == (0,) and r.to_local().shape == (0,)
+        assert mm.to_local().shape == (0,) and mm.shape == (4, 4) and eq is True
+        assert s.to_local().shape == () and s.full_tensor().item() == 0.0
+
+
 def _from_local_cases(rep, mesh1, mesh2):
+    rep.run("sub-mesh", "mesh over ranks 0 and 2", _case_submesh)
     for field in ("dtype", "requires_grad", "memory layout"):
         rep.run("from_local", f"run_check, {field} differs on rank 2", _case_from_local_bad_field, mesh1, field)
     rep.run("from_local", "global stride follows the local layout", _case_from_local_stride, mesh1)

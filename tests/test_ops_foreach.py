@@ -299,3 +299,73 @@ def test_optimizer_adam_fused_gloo():
     combos = [((Shard(0),), (Replicate(),), (Shard(1),), (Partial("sum"),), (Shard(0),), (Partial("sum"),))]
     fcheck(functools.partial(optimizer_steps, "adamw", "fused"), _opt_values(), (4,), grad=False, combos=combos,
           world="gloo")
+
+
+# -- lists over several meshes (torch's 2-D recipe: TP weights on (dp, tp), norm weights on dp) --------
+
+def _two_mesh_params(mesh2):
+    """Dense values and DTensors: two on the 2-D mesh, two on mesh['dp'] (a sub-mesh)."""
+    dense = [data("any", s, gen(("two-mesh", s))) for s in [(4, 6), (6,), (5, 3), (3,)]]
+    pls = [(mesh2, [Shard(0), Shard(1)]), (mesh2["dp"], [Shard(0)]), (mesh2, [Replicate(), Shard(0)]),
+           (mesh2["dp"], [Replicate()])]
+    return dense, [distribute_tensor(t, m, p) for t, (m, p) in zip(dense, pls)]
+
+
+def _mesh2():
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+
+def test_foreach_over_two_meshes_keeps_each_mesh():
+    def body():
+        mesh2 = _mesh2()
+        dense, xs = _two_mesh_params(mesh2)
+        out = torch._foreach_add(xs, [x * 2 for x in xs])
+        norms = torch._foreach_norm(xs)
+        torch._foreach_mul_(xs, 3.0)
+        coef = distribute_tensor(torch.tensor(0.5), mesh2, [Replicate(), Replicate()])
+        torch._foreach_mul_(xs, coef)  # a replicated 0-d on the 2-D mesh joins the dp-mesh tensors too
+        return ([o.device_mesh == x.device_mesh and o.placements == x.placements for o, x in zip(out, xs)],
+                [o.full_tensor() for o in out], [n.full_tensor() for n in norms], [x.full_tensor() for x in xs],
+                dense)
+
+    for same, outs, norms, xs, dense in run_spmd(body, 4):
+        assert all(same)
+        for o, n, x, t in zip(outs, norms, xs, dense):
+            assert torch.equal(o, t * 3)
+            torch.testing.assert_close(n, torch.linalg.vector_norm(t))
+            assert torch.equal(x, t * 3 * 0.5)
+
+
+def test_foreach_over_two_meshes_refuses_an_argument_it_cannot_place():
+    def body():
+        mesh2 = _mesh2()
+        _, xs = _two_mesh_params(mesh2)
+        coef = distribute_tensor(torch.tensor(0.5), mesh2["dp"], [Replicate()])
+        with pytest.raises(RuntimeError, match="cannot join"):
+            torch._foreach_mul_(xs, coef)  # dp holds 2 of the 2-D mesh's 4 ranks
+        return True
+
+    assert run_spmd(body, 4) == [True] * 4
+
+
+@pytest.mark.parametrize("mode", ["foreach", "fused"])
+def test_adamw_over_two_meshes_matches_one_device(mode):
+    def body():
+        mesh2 = _mesh2()
+        dense, xs = _two_mesh_params(mesh2)
+        ref = [torch.nn.Parameter(t.clone()) for t in dense]
+        ps = [torch.nn.Parameter(x) for x in xs]
+        kw = {mode: True}
+        opt, ref_opt = torch.optim.AdamW(ps, lr=0.1, **kw), torch.optim.AdamW(ref, lr=0.1, **kw)
+        for step in range(2):
+            for p, r in zip(ps, ref):
+                g = data("any", r.shape, gen(("grad", step, tuple(r.shape))))
+                r.grad = g
+                p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+            opt.step()
+            ref_opt.step()
+        return [p.full_tensor() for p in ps], [r.detach() for r in ref]
+
+    for got, want in run_spmd(body, 4):
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)

@@ -19,10 +19,12 @@ from .mesh import DeviceMesh, resolve_mesh
 from .pieces import check_pieces, check_shape, layout_stride, local_order
 from .placement import (Partial, Placement, Replicate, Shard, chunk, display, local_shape_and_offset,
                         normalize_placements)
-from .propagation import flatten_call, propagate, route, unflatten_call
+from .listops import is_list_op, run_per_mesh
+from .propagation import MeshMismatchError, flatten_call, propagate, route, unflatten_call
 from .redistribute import redistribute_local
 from .redistribute.execute import partition
 from .spec import DTensorSpec
+from .submesh import empty_local, off_mesh_result
 
 __all__ = ["DTensor", "distribute_tensor"]
 
@@ -85,8 +87,8 @@ class DTensor(torch.Tensor):
         order = local_order(local_tensor)
         if shape is not None:
             shape = check_shape(shape, local_tensor)
-        if run_check or (run_check is None and shape is None and sharded
-                         and device_mesh.get_coordinate() is not None):
+        member = device_mesh.get_coordinate() is not None  # ranks outside the mesh take no part
+        if member and (run_check or (run_check is None and shape is None and sharded)):
             shape, order = check_pieces(local_tensor, device_mesh, pl, shape)
         elif shape is None:
             g = list(local_tensor.shape)
@@ -97,14 +99,16 @@ class DTensor(torch.Tensor):
         if stride is None:
             stride = layout_stride(shape, order)
         spec = DTensorSpec.build(device_mesh, pl, shape, stride, local_tensor.dtype)
-        if device_mesh.get_coordinate() is not None:
+        if not member:  # hold nothing (differentiably)
+            local_tensor = local_tensor.reshape(-1)[:0] if spec.ndim else local_tensor.reshape(-1)[:0].sum()
+        else:
             expect = spec.local_shape
             if tuple(local_tensor.shape) != expect:
                 raise ValueError(
                     f"from_local: rank {device_mesh.get_rank()} holds local shape {tuple(local_tensor.shape)} but global "
                     f"shape {tuple(spec.shape)} with {display(pl)} gives it {expect}"
                 )
-        return _FromLocal.apply(local_tensor, spec, bool(run_check))
+        return _FromLocal.apply(local_tensor, spec, bool(run_check) and member)
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """This rank's local shard (autograd: the gradient comes back with ``grad_placements``)."""
@@ -181,16 +185,27 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     flat, treedef = flatten_call(args, kwargs)
     specs: list[DTensorSpec | None] = []
     plain: list[int] | None = None
+    first: DTensor | None = None
     for i, a in enumerate(flat):
         if isinstance(a, DTensor):
             specs.append(a._spec)
+            if first is None:
+                first = a
         else:
             if isinstance(a, torch.Tensor) and a.ndim > 0:  # _is_plain, inlined: the hot loop of every op
                 plain = (plain or []) + [i]
             specs.append(None)
     if plain is not None:
         return _dispatch_with_plain(func, flat, specs, treedef, plain)
-    decision = propagate(func, flat, specs, treedef)
+    try:
+        decision = propagate(func, flat, specs, treedef)
+    except MeshMismatchError:
+        if not is_list_op(func):
+            raise
+        return run_per_mesh(func, args, kwargs, dispatch, DTensor)
+    if first is not None and first._spec.mesh._coord is None:  # this rank is outside the mesh: run nothing
+        return off_mesh_result(func, decision.output, flat[0], first._local_tensor.device, first.dtype,
+                               _returns_self(func), DTensor)
     if not decision.redistribute:
         local = [a if s is None else a._local_tensor for a, s in zip(flat, specs)]
     elif comm.listening():
@@ -434,7 +449,7 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
     coord = device_mesh.get_coordinate()
     local = tensor.detach()
     if coord is None:
-        local = local.new_empty(0)
+        local = empty_local(spec, local.device)
     else:
         if src_data_rank is None:
             shape, offset = spec.local_shape_and_offset()

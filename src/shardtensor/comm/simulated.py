@@ -26,10 +26,11 @@ class CollectiveTimeoutError(TimeoutError):
 
 
 class _Slot:
-    __slots__ = ("data", "count", "readers")
+    __slots__ = ("data", "count", "readers", "arrived")
 
     def __init__(self, n: int) -> None:
         self.data: list[Any] = [None] * n
+        self.arrived = [False] * n
         self.count = 0
         self.readers = 0
 
@@ -89,7 +90,9 @@ class SimTransport(Transport):
         slot = w.slots.get(key)
         if slot is None:
             slot = w.slots[key] = _Slot(n)
-        slot.data[group.index(self.rank)] = payload
+        i = group.index(self.rank)
+        slot.data[i] = payload
+        slot.arrived[i] = True
         slot.count += 1
         if slot.count == n:
             w.cond.notify_all()
@@ -107,7 +110,8 @@ class SimTransport(Transport):
             if left <= 0:
                 raise CollectiveTimeoutError(
                     f"rank {self.rank}: collective over ranks {group} timed out after {w.timeout:.1f}s "
-                    f"({slot.count}/{n} ranks arrived)"
+                    f"({slot.count}/{n} ranks arrived; never arrived: ranks "
+                    f"{[r for r, a in zip(group, slot.arrived) if not a]})"
                 )
             w.cond.wait(min(left, 0.5))
         slot.readers += 1
