@@ -939,7 +939,6 @@ def test_operands_with_different_shard_orders():
 NOT_POINTWISE = [  # ops that still have no sharding rule: the error must name op and placements
     ("fft", lambda a: torch.fft.fft(a), r"fft", ((7, 5),)),
     ("unfold", lambda a: a.unfold(0, 2, 1), r"unfold", ((7, 5),)),
-    ("histc", lambda a: torch.histc(a), r"histc", ((7, 5),)),
     ("cdist", lambda a, b: torch.cdist(a, b), r"cdist", ((7, 5), (3, 5))),
 ]
 

@@ -402,5 +402,5 @@ def _placements(specs) -> str:
 
 
 from .strategy import Candidate, decide  # noqa: E402
-from .rules import (attention, embedding, factory, foreach, indexing, matrix, misc, nn, norm, pointwise,  # noqa: E402,F401
-                    reduction, view)  # (importing registers the rules)
+from .rules import (attention, embedding, factory, foreach, histogram, indexing, matrix, misc, nn, norm,  # noqa: E402,F401
+                    pointwise, reduction, shaping, view)  # (importing registers the rules)

@@ -261,19 +261,31 @@ TAG_RULES.append((torch.Tag.pointwise, pointwise_rule))
 
 @register(aten.copy_.default)
 def copy_rule(call: Call) -> Decision:
-    """``self.copy_(src)``: src moves to self's placements; self keeps its spec.
+    """``self.copy_(src)``: src moves to self's placements (broadcast like the copy); self keeps its spec.
 
-    Where self is Partial and src is not that Partial, src is made Replicate and then
-    partitioned locally (a forward Shard -> Partial has no collective).
+    A src dim that meets a sharded self dim of the same size takes that shard; a broadcast
+    (missing or length-1) dim is Replicate.  Where self is Partial and src is not that Partial,
+    src is made Replicate and then partitioned locally (a forward Shard -> Partial has no collective).
+    A 0-d plain src is a scalar: it is only partitioned.
     """
     dst, src = call.specs[0], call.specs[1]
     if dst is None:
         raise unsupported(call.op, call.specs, "into a plain tensor")
-    if src is None or tuple(src.shape) != tuple(dst.shape):
-        raise unsupported(call.op, call.specs, "with a broadcast or plain source")
-    need = [p if not isinstance(p, Partial) or p == q else Replicate() for p, q in zip(dst.placements, src.placements)]
+    lead = dst.ndim - (src.ndim if src is not None else 0)
+    need: list[Placement] = []
+    for p, q in zip(dst.placements, src.placements if src is not None else dst.placements):
+        if isinstance(p, Shard):
+            d = p.dim - lead
+            need.append(Shard(d) if src is not None and d >= 0 and src.shape[d] == dst.shape[p.dim] else Replicate())
+        elif isinstance(p, Partial) and p == q and src is not None and tuple(src.shape) == tuple(dst.shape):
+            need.append(p)
+        else:
+            need.append(Replicate())
     parts = [(j, p) for j, (p, n) in enumerate(zip(dst.placements, need)) if isinstance(p, Partial) and n != p]
-    want = DTensorSpec.build(dst.mesh, need, src.shape, src.stride, src.dtype, dst.shard_order)
+    want = None
+    if src is not None:
+        order = tuple((d - lead, js) for d, js in dst.shard_order if need[js[0]] == Shard(d - lead))
+        want = DTensorSpec.build(dst.mesh, need, src.shape, src.stride, src.dtype, order)
     inputs = tuple(dst if i == 0 else want if i == 1 else None for i in range(len(call.flat)))
     local_args = None
     if parts:
@@ -286,4 +298,4 @@ def copy_rule(call: Call) -> Decision:
                 t = partition(t, op, dst.mesh.shape[j], coord[j])
             return [flat[0], t, *flat[2:]]
 
-    return Decision(inputs, dst, want != src, local_args)
+    return Decision(inputs, dst, want is not None and want != src, local_args)

@@ -1,0 +1,116 @@
+"""Counting and drawing: ``histc`` on any placement, ``multinomial`` with the batch dim sharded.
+
+| op | required | output |
+|---|---|---|
+| ``histc`` | partials reduced (counting is not linear); shards kept | ``P(sum)`` on every mesh dim that shards the input (local histograms add up), R elsewhere; with ``min == max`` the bounds are the global min and max (two scalar all-reduces) |
+| ``multinomial`` | the categories dim gathered; partials reduced; a sharded batch dim kept | the batch dim's shards, R elsewhere |
+
+``multinomial`` draws as the other random ops do (see ``misc``): one shared seed, the GLOBAL
+random numbers, each rank keeping its rows' part, so the result does not depend on the
+placements.  With replacement a row inverts its CDF at uniform draws; without replacement it
+takes the top ``num_samples`` of ``log(p)`` plus Gumbel noise (the same distribution as
+torch's sequential draws).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ... import comm
+from ...placement import Partial, Placement, Replicate, Shard
+from ...spec import DTensorSpec
+from .. import Call, Decision, register
+from .misc import _generator
+
+aten = torch.ops.aten
+
+__all__ = ["histc_rule", "multinomial_rule"]
+
+
+def _no_partial(s: DTensorSpec) -> DTensorSpec:
+    if not any(isinstance(p, Partial) for p in s.placements):
+        return s
+    return s.with_placements([Replicate() if isinstance(p, Partial) else p for p in s.placements], s.shard_order)
+
+
+def _bounds(x: torch.Tensor, lo: float, hi: float, mesh: Any, dims: list[int]) -> tuple[float, float]:
+    """torch's bounds: the data's global min and max when ``min == max``, widened by 1 if still equal."""
+    if lo == hi:
+        inf = torch.tensor(float("inf"), dtype=torch.float64)
+        a = x.min().to(torch.float64) if x.numel() else inf
+        b = x.max().to(torch.float64) if x.numel() else -inf
+        for j in dims:
+            a, b = comm.all_reduce(a, "min", mesh, j), comm.all_reduce(b, "max", mesh, j)
+        lo, hi = (float(a), float(b)) if torch.isfinite(a) else (0.0, 0.0)
+    if lo == hi:
+        lo, hi = lo - 1, hi + 1
+    return lo, hi
+
+
+@register(aten.histc.default)
+def histc_rule(call: Call) -> Decision:
+    s = _no_partial(call.specs[0])
+    mesh = s.mesh
+    dims = [j for j, p in enumerate(s.placements) if isinstance(p, Shard) and mesh.shape[j] > 1]
+    out_pl: list[Placement] = [Partial("sum") if j in dims else Replicate() for j in range(mesh.ndim)]
+    meta = call.out_meta
+    out = DTensorSpec.build(mesh, out_pl, meta.shape, meta.stride(), meta.dtype)
+
+    def kernel(x: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0) -> torch.Tensor:
+        lo, hi = _bounds(x, float(min), float(max), mesh, dims)
+        return torch.histc(x, bins, lo, hi)
+
+    inputs = tuple(s if i == 0 else None for i in range(len(call.flat)))
+    return Decision(inputs, out, s != call.specs[0], None, kernel)
+
+
+def _check_probabilities(rows: torch.Tensor, num_samples: int, replacement: bool, spec: DTensorSpec) -> None:
+    """torch's checks, agreed over the mesh so that every rank raises together."""
+    bad = 0
+    if rows.numel() and (not torch.isfinite(rows).all() or (rows < 0).any() or (rows.sum(-1) <= 0).any()):
+        bad = 1
+    elif rows.numel() and not replacement and int((rows > 0).sum(-1).min()) < num_samples:
+        bad = 2
+    flag = torch.tensor(bad, dtype=torch.int64)
+    for j in range(spec.mesh.ndim):
+        flag = comm.all_reduce(flag, "max", spec.mesh, j)
+    if int(flag) == 1:
+        raise RuntimeError("multinomial: probability tensor contains either inf, nan or element < 0, or a row "
+                           "sums to 0 (on some rank)")
+    if int(flag) == 2:
+        raise RuntimeError("multinomial: cannot sample n_sample > prob_dist.size(-1) samples without replacement "
+                           "(not enough non-zero categories on some rank)")
+
+
+@register(aten.multinomial.default)
+def multinomial_rule(call: Call) -> Decision:
+    s = call.specs[0]
+    keep: list[Placement] = [p if isinstance(p, Shard) and p.dim == 0 and s.ndim == 2 else Replicate()
+                             for p in s.placements]
+    need = s.with_placements(keep)
+    meta = call.out_meta
+    out = DTensorSpec.build(s.mesh, keep, meta.shape, meta.stride(), meta.dtype)
+    shape = tuple(s.shape) if s.ndim == 2 else (1, s.shape[0])
+    one_row = s.ndim == 1
+
+    def kernel(p: torch.Tensor, num_samples: int, replacement: bool = False, *,
+               generator: torch.Generator | None = None) -> torch.Tensor:
+        rows = p.reshape(-1, p.shape[-1]).to(torch.float64)
+        _check_probabilities(rows, num_samples, replacement, need)
+        g = _generator(s.mesh, generator)
+        n, o = need.local_shape_and_offset()[0][0], need.local_shape_and_offset()[1][0]
+        if one_row:
+            n, o = 1, 0
+        if replacement:
+            u = torch.rand(shape[0], num_samples, generator=g, dtype=torch.float64).narrow(0, o, n)
+            cdf = rows.cumsum(-1)
+            idx = torch.searchsorted(cdf, (u * cdf[:, -1:]).contiguous(), right=True).clamp_(max=shape[1] - 1)
+        else:
+            u = torch.rand(shape, generator=g, dtype=torch.float64).narrow(0, o, n)
+            keys = rows.log() - (-u.clamp_min(1e-300).log()).log()
+            idx = keys.topk(num_samples, dim=-1).indices
+        return idx.reshape(meta.shape if one_row else (p.shape[0], num_samples))
+
+    inputs = tuple(need if i == 0 else None for i in range(len(call.flat)))
+    return Decision(inputs, out, need != s, None, kernel)

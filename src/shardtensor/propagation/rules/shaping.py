@@ -1,0 +1,75 @@
+"""Complex views and constant padding: ops rotary embeddings and convolutions' callers use.
+
+| op | required | output |
+|---|---|---|
+| ``view_as_complex`` | ``S`` on the last dim (the 2 parts) gathered; ``P(sum)``/``P(avg)`` kept (linear), other partials reduced | every other ``S`` kept; complex dtype |
+| ``view_as_real`` | as is (linear partials kept) | ``S`` kept; a new last dim of 2 |
+| ``_conj`` (``conj``) | as is (linear partials kept) | as is; the local result is ``conj_physical`` (a copy: a wrapper tensor carries no conjugate bit) |
+| ``constant_pad_nd`` (``F.pad``) | ``S`` on a padded dim gathered; partials kept where every rank's padding reduces to the value (0 for sum/avg, any for max/min) | input's placements |
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ...placement import NormPartial, Partial, Placement
+from .. import Call, Decision, register
+from .view import follow
+
+aten = torch.ops.aten
+
+__all__ = ["view_as_complex_rule", "view_as_real_rule", "conj_rule", "constant_pad_rule"]
+
+
+def _linear(p: Placement) -> bool:
+    return type(p) is Partial and p.reduce_op in ("sum", "avg")
+
+
+def _as_complex(x: torch.Tensor) -> torch.Tensor:
+    """A gathered last dim may arrive with another layout: make it viewable first."""
+    if x.stride(-1) != 1 or any(s % 2 for s in x.stride()[:-1]):
+        x = x.contiguous()
+    return torch.view_as_complex(x)
+
+
+@register(aten.view_as_complex.default)
+def view_as_complex_rule(call: Call) -> Decision:
+    nd = call.specs[0].ndim
+    return follow(call, 0, {d: d for d in range(nd - 1)}, call.out_meta, partial_ok=_linear, kernel=_as_complex)
+
+
+@register(aten.view_as_real.default)
+def view_as_real_rule(call: Call) -> Decision:
+    nd = call.specs[0].ndim
+    return follow(call, 0, {d: d for d in range(nd)}, call.out_meta, partial_ok=_linear)
+
+
+def _conj_kernel(x: torch.Tensor) -> torch.Tensor:
+    return torch.conj_physical(x)
+
+
+@register(aten._conj.default)
+def conj_rule(call: Call) -> Decision:
+    nd = call.specs[0].ndim
+    d = follow(call, 0, {d: d for d in range(nd)}, call.out_meta, partial_ok=_linear, kernel=_conj_kernel)
+    return replace(d, copies=True)
+
+
+@register(aten.constant_pad_nd.default)
+def constant_pad_rule(call: Call) -> Decision:
+    """Padding runs locally once every padded dim is whole on each rank."""
+    s = call.specs[0]
+    pad = list(call.arg("pad"))
+    value = call.arg("value", 0)
+    padded = {s.ndim - 1 - i // 2 for i, n in enumerate(pad) if n != 0}
+
+    def partial_ok(p: Placement) -> bool:
+        if isinstance(p, NormPartial) or not isinstance(p, Partial):
+            return False
+        if p.reduce_op in ("max", "min"):
+            return True
+        return value == 0 and p.reduce_op in ("sum", "avg")
+
+    return follow(call, 0, {d: d for d in range(s.ndim)}, call.out_meta, gather=sorted(padded),
+                  partial_ok=partial_ok)
