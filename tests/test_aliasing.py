@@ -192,3 +192,20 @@ def test_partial_view_stays_partial_and_aliases():
 
     for pl, total in run_recorded((4,), body)[0]:
         assert pl == (Partial(),) and total == 32.0
+
+
+def test_inplace_that_changes_placements_refuses_a_tensor_with_views():
+    """x.add_(1) on Partial(sum) reduces x into new memory: its views would keep the old terms."""
+    def body(mesh):
+        x = DTensor.from_local(torch.ones(2, 3), mesh, [Partial()])
+        v = x.view(6)
+        with pytest.raises(RuntimeError, match="shares storage with views"):
+            x.add_(1)
+        with pytest.raises(RuntimeError, match="shares storage with views"):
+            v.add_(1)
+        v.mul_(2)  # stays Partial(sum): no new memory, the view and its base agree
+        lone = DTensor.from_local(torch.ones(2, 3), mesh, [Partial()])
+        lone.add_(1)  # no views: reduced in place, as before
+        return x.placements, x.full_tensor().sum().item(), v.full_tensor().sum().item(), lone.full_tensor().sum().item()
+
+    assert run_recorded((4,), body)[0] == [((Partial(),), 48.0, 48.0, 30.0)] * 4

@@ -9,6 +9,10 @@ note; an op that writes into one raises ``RuntimeError`` saying what happened an
 
 Autograd's backward pass makes views of gradients that later accumulate in place; those carry
 no note (nothing in user code aliases them).
+
+The converse: an in-place op that must change its tensor's placements (``x.add_(1)`` on a
+``Partial`` tensor reduces it first) gives the tensor new local memory.  When views share the
+old storage they would keep the old placements, so such an op raises on a tensor that has views.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import torch
 
 from .placement import display
 
-__all__ = ["op_kind", "note_copies", "forget_copies", "check_writes"]
+__all__ = ["op_kind", "note_copies", "forget_copies", "check_writes", "check_placement_change"]
 
 _KIND: dict[int, tuple[bool, tuple[int, ...]]] = {}
 
@@ -41,7 +45,13 @@ def note_copies(func: Any, base: Any, moved: bool, out: Any) -> None:
     ``moved`` (the base was redistributed or the kernel gathered) or ``base`` itself is such a copy."""
     why = getattr(base, "_copied_view", None)
     if why is None:
-        if not moved or torch._C._current_graph_task_id() != -1:
+        if torch._C._current_graph_task_id() != -1:
+            return
+        if not moved:  # a true view: base and view now share storage (see check_placement_change)
+            base._has_views = True
+            for o in out if isinstance(out, (list, tuple)) else (out,):
+                if o is not None:
+                    o._has_views = True
             return
         spec = base._spec
         why = (f"{func} of a DTensor with placements {display(spec.placements, spec.shard_order)} and shape "
@@ -73,3 +83,18 @@ def check_writes(func: Any, writes: tuple[int, ...], args: tuple, kwargs: dict) 
                     "would not reach the base, and the two would silently disagree. Write into the base instead, "
                     "redistribute the base first so the view stays local (e.g. to Replicate), or .clone() the "
                     "view to write into a copy on purpose")
+
+
+def check_placement_change(func: Any, me: Any, new_spec: Any, moved: bool) -> None:
+    """Raise before an in-place op gives ``me`` new placements (new local memory) while it shares
+    storage with views: they would keep the old placements and data and silently disagree."""
+    if not getattr(me, "_has_views", False):
+        return
+    if not moved and (new_spec is None or new_spec.placements == me._spec.placements):
+        return
+    old = display(me._spec.placements, me._spec.shard_order)
+    new = display(new_spec.placements, new_spec.shard_order) if new_spec is not None else "other placements"
+    raise RuntimeError(
+        f"shardtensor: {func} on a DTensor with placements {old} would make it {new}, but it shares storage "
+        "with views that would keep the old placements and silently disagree. Redistribute it first "
+        f"(e.g. x = x.redistribute(mesh, [Replicate()] * mesh.ndim)) or use the out-of-place op")

@@ -13,7 +13,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import comm
-from .aliasing import check_writes, forget_copies, note_copies, op_kind
+from .aliasing import check_placement_change, check_writes, forget_copies, note_copies, op_kind
 from .implicit import implicit_allowed, implicit_replication, plain_tensor_error
 from .mesh import DeviceMesh, resolve_mesh
 from .pieces import check_pieces, check_shape, layout_stride, local_order
@@ -34,7 +34,7 @@ class DTensor(torch.Tensor):
 
     _local_tensor: torch.Tensor
     _spec: DTensorSpec
-    __slots__ = ("_local_tensor", "_spec", "_copied_view")  # _copied_view: see aliasing.py
+    __slots__ = ("_local_tensor", "_spec", "_copied_view", "_has_views")  # the last two: see aliasing.py
 
     @staticmethod
     def __new__(cls, local_tensor: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool = False) -> "DTensor":
@@ -216,8 +216,11 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     if decision.local_args is not None:
         local = decision.local_args(local)
     largs, lkwargs = unflatten_call(local, treedef)
+    inplace = _returns_self(func)
+    if inplace and first is flat[0]:  # before the kernel writes: raising then loses nothing
+        check_placement_change(func, first, decision.output, local[0] is not first._local_tensor)
     out = (decision.kernel or func)(*largs, **lkwargs)
-    if _returns_self(func):
+    if inplace:
         me = flat[0]
         if isinstance(me, DTensor):
             if local[0] is not me._local_tensor:
