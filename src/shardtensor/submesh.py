@@ -5,6 +5,9 @@ as pipeline stages use).  On the other ranks a DTensor holds an empty local tens
 runs no kernel and no collective, and its results are placeholders with the decided specs:
 an empty local tensor (``tensor(0)`` for a 0-d result), ``self`` for an in-place op, and for a
 non-tensor result the neutral answer (``True`` for ``equal``, zero for ``item``).
+
+Every off-mesh local tensor is built here or by ``from_local``/``distribute_tensor``, so it has
+at most one element: dispatch looks up the rank's coordinate only for such small locals.
 """
 from __future__ import annotations
 

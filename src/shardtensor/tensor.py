@@ -203,7 +203,9 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         if not is_list_op(func):
             raise
         return run_per_mesh(func, args, kwargs, dispatch, DTensor)
-    if first is not None and first._spec.mesh._coord is None:  # this rank is outside the mesh: run nothing
+    # a rank outside the mesh holds an empty (or 0-d placeholder) local tensor and runs nothing; the
+    # size test first keeps the rank lookup off the hot path
+    if first is not None and first._local_tensor.numel() <= 1 and first._spec.mesh._coord is None:
         return off_mesh_result(func, decision.output, flat[0], first._local_tensor.device, first.dtype,
                                _returns_self(func), DTensor)
     if not decision.redistribute:
