@@ -209,3 +209,14 @@ def test_inplace_that_changes_placements_refuses_a_tensor_with_views():
         return x.placements, x.full_tensor().sum().item(), v.full_tensor().sum().item(), lone.full_tensor().sum().item()
 
     assert run_recorded((4,), body)[0] == [((Partial(),), 48.0, 48.0, 30.0)] * 4
+
+
+def test_results_of_decomposed_ops_are_their_own_memory():
+    """repeat decomposes into views of its own temporaries: its Partial result may change placement."""
+    def body(mesh):
+        p = DTensor.from_local(torch.ones(2, 3), mesh, [Partial()])
+        r = p.repeat(2, 1)
+        r.add_(1)
+        return r.full_tensor().sum().item()
+
+    assert run_recorded((4,), body)[0] == [60.0] * 4

@@ -41,17 +41,22 @@ def op_kind(func: Any) -> tuple[bool, tuple[int, ...]]:
 
 
 def note_copies(func: Any, base: Any, moved: bool, out: Any) -> None:
-    """Mark the DTensor outputs of view op ``func`` when they do not alias ``base``'s storage:
-    ``moved`` (the base was redistributed or the kernel gathered) or ``base`` itself is such a copy."""
-    why = getattr(base, "_copied_view", None)
+    """Mark the DTensor outputs of view op ``func``: as copies when they do not alias ``base``'s
+    storage (``moved``: the base was redistributed or the kernel gathered, or ``base`` itself is
+    such a copy), else base and outputs as sharing storage.  Nothing is marked inside backward."""
+    why = base._copied_view
+    if why is None and not moved:
+        if torch._C._current_graph_task_id() == -1:
+            base._has_views = True
+            if type(out) is not list and type(out) is not tuple:
+                out._has_views = True
+            else:
+                for o in out:
+                    if o is not None:
+                        o._has_views = True
+        return
     if why is None:
         if torch._C._current_graph_task_id() != -1:
-            return
-        if not moved:  # a true view: base and view now share storage (see check_placement_change)
-            base._has_views = True
-            for o in out if isinstance(out, (list, tuple)) else (out,):
-                if o is not None:
-                    o._has_views = True
             return
         spec = base._spec
         why = (f"{func} of a DTensor with placements {display(spec.placements, spec.shard_order)} and shape "
@@ -62,11 +67,13 @@ def note_copies(func: Any, base: Any, moved: bool, out: Any) -> None:
 
 
 def forget_copies(out: Any) -> Any:
-    """Drop the notes of ``out`` (a non-view op's results that its decomposition built by views of
+    """Drop the marks of ``out`` (a non-view op's results that its decomposition built by views of
     its own temporaries: they alias nothing the caller holds)."""
     for o in out if isinstance(out, (list, tuple)) else (out,):
         if getattr(o, "_copied_view", None) is not None:
-            o._copied_view = None
+            o._copied_view = None  # an instance value hides the class default
+        if getattr(o, "_has_views", False):
+            o._has_views = False
     return out
 
 
@@ -76,7 +83,7 @@ def check_writes(func: Any, writes: tuple[int, ...], args: tuple, kwargs: dict) 
     for i in writes:
         a = args[i] if i < len(args) else kwargs.get(names[i].name)
         for t in a if isinstance(a, (list, tuple)) else (a,):
-            why = getattr(t, "_copied_view", None)
+            why = getattr(t, "_copied_view", None)  # t may be a plain tensor or a number
             if why is not None:
                 raise RuntimeError(
                     f"shardtensor: {func} writes into a tensor that is not a view of its base: {why}. The write "
@@ -88,7 +95,7 @@ def check_writes(func: Any, writes: tuple[int, ...], args: tuple, kwargs: dict) 
 def check_placement_change(func: Any, me: Any, new_spec: Any, moved: bool) -> None:
     """Raise before an in-place op gives ``me`` new placements (new local memory) while it shares
     storage with views: they would keep the old placements and data and silently disagree."""
-    if not getattr(me, "_has_views", False):
+    if not me._has_views:
         return
     if not moved and (new_spec is None or new_spec.placements == me._spec.placements):
         return

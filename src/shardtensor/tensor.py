@@ -34,7 +34,9 @@ class DTensor(torch.Tensor):
 
     _local_tensor: torch.Tensor
     _spec: DTensorSpec
-    __slots__ = ("_local_tensor", "_spec", "_copied_view", "_has_views")  # the last two: see aliasing.py
+    __slots__ = ("_local_tensor", "_spec")
+    _copied_view: str | None = None  # set on views that had to copy (see aliasing.py); a class default
+    _has_views: bool = False  # reads fast where unset, unlike an empty slot
 
     @staticmethod
     def __new__(cls, local_tensor: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool = False) -> "DTensor":
