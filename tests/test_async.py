@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from shardtensor import init_device_mesh, run_spmd
+from shardtensor import Replicate, Shard, comm, distribute_tensor, init_device_mesh, run_spmd
 from shardtensor.async_tensor import AsyncLocalTensor, wait_tensor
 from shardtensor.comm import CollectiveTimeoutError, RankAbortedError
 from shardtensor.comm.base import Completed, Work, reduce_stack
@@ -537,3 +537,16 @@ def _gloo_redistribute_async(rank, world):
 def test_gloo_dtensor_redistribute_async():
     for issued, ok, ok_a2a, _ in run_multiprocess(_gloo_redistribute_async, world_size=4, timeout=120):
         assert issued == "AsyncLocalTensor" and ok and ok_a2a
+
+
+def test_async_collectives_are_recorded_in_a_log_opened_inside_the_rank():
+    """A log opened inside run_spmd keeps its world's events; async ones carry the world too."""
+    def fn():
+        mesh = init_device_mesh("cpu", (WORLD,))
+        x = distribute_tensor(torch.ones(8, 2), mesh, [Shard(0)])
+        with comm.recording() as log:
+            y = x.redistribute(mesh, [Replicate()], async_op=True)
+            y.to_local().wait()
+        return [e.kind for e in log.events if e.rank == mesh.get_rank()]
+
+    assert run_spmd(fn, WORLD) == [["all_gather"]] * WORLD

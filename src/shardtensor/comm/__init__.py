@@ -189,17 +189,15 @@ def _run(kind: str, mesh: "DeviceMesh", mesh_dim: MeshDims, t: torch.Tensor, sen
         out = call(tr, group, False)
         return Completed(out) if async_op else out
     t0 = time.perf_counter()
-    if async_op:
-        def done(out: torch.Tensor) -> torch.Tensor:
-            record(kind, mesh_dim, group, tr.rank, sent, received, t.dtype, tuple(t.shape), time.perf_counter() - t0,
-                   tr.name)
-            return out
 
+    def done(out: torch.Tensor) -> torch.Tensor:  # recorded when complete (at wait() for async work)
+        record(kind, mesh_dim, group, tr.rank, sent, received, t.dtype, tuple(t.shape), time.perf_counter() - t0,
+               tr.name, tr.world_id)
+        return out
+
+    if async_op:
         return call(tr, group, True).then(done)
-    out = call(tr, group, False)
-    record(kind, mesh_dim, group, tr.rank, sent, received, t.dtype, tuple(t.shape), time.perf_counter() - t0, tr.name,
-           tr.world_id)
-    return out
+    return done(call(tr, group, False))
 
 
 def all_gather(t: torch.Tensor, mesh: "DeviceMesh", mesh_dim: MeshDims, async_op: bool = False) -> Any:
