@@ -16,13 +16,7 @@ import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-sys.path.insert(0, os.path.join(ROOT, "src"))
-sys.path.insert(0, HERE)  # spawned children import this module by name
-
-from distributed import run_multiprocess  # noqa: E402
+from _gloo_setup import run_multiprocess  # noqa: E402  (puts src/ and tests/ on sys.path)
 
 WORLD = 4
 

@@ -57,7 +57,7 @@ def run_per_mesh(func: Any, args: tuple, kwargs: dict, call: Callable, wrap: Cal
     for mesh, idx in groups.items():
         part = {}
         for k, v in bound.items():
-            if isinstance(v, (list, tuple)) and len(v) == n and k in names:
+            if isinstance(v, (list, tuple)) and len(v) == n:
                 part[k] = [v[i] for i in idx]
             else:
                 part[k] = v if mesh is None else _onto(v, mesh, func, wrap)

@@ -86,7 +86,7 @@ class DTensor(torch.Tensor):
             placements = [Replicate()] * device_mesh.ndim
         pl = normalize_placements(placements, local_tensor.ndim, device_mesh.ndim)
         sharded = any(isinstance(p, Shard) for p in pl)
-        order = local_order(local_tensor)
+        order = None  # the global dim order, from the pieces when they are gathered
         if shape is not None:
             shape = check_shape(shape, local_tensor)
         member = device_mesh.get_coordinate() is not None  # ranks outside the mesh take no part
@@ -99,7 +99,7 @@ class DTensor(torch.Tensor):
                     g[p.dim] *= device_mesh.size(j)
             shape = tuple(g)
         if stride is None:
-            stride = layout_stride(shape, order)
+            stride = layout_stride(shape, local_order(local_tensor) if order is None else order)
         spec = DTensorSpec.build(device_mesh, pl, shape, stride, local_tensor.dtype)
         if not member:  # hold nothing (differentiably)
             local_tensor = local_tensor.reshape(-1)[:0] if spec.ndim else local_tensor.reshape(-1)[:0].sum()

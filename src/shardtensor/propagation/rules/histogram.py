@@ -2,7 +2,7 @@
 
 | op | required | output |
 |---|---|---|
-| ``histc`` | partials reduced (counting is not linear); shards kept | ``P(sum)`` on every mesh dim that shards the input (local histograms add up), R elsewhere; with ``min == max`` the bounds are the global min and max (two scalar all-reduces) |
+| ``histc`` | partials reduced (counting is not linear); shards kept | ``P(sum)`` on every mesh dim that shards the input (local histograms add up), R elsewhere; with ``min == max`` the bounds are the global min and max (one small all-reduce) |
 | ``multinomial`` | the categories dim gathered; partials reduced; a sharded batch dim kept | the batch dim's shards, R elsewhere |
 
 ``multinomial`` draws as the other random ops do (see ``misc``): one shared seed, the GLOBAL
@@ -21,28 +21,24 @@ from ... import comm
 from ...placement import Partial, Placement, Replicate, Shard
 from ...spec import DTensorSpec
 from .. import Call, Decision, register
-from .misc import _generator
+from .misc import _gather, _generator, _no_partial
 
 aten = torch.ops.aten
 
 __all__ = ["histc_rule", "multinomial_rule"]
 
 
-def _no_partial(s: DTensorSpec) -> DTensorSpec:
-    if not any(isinstance(p, Partial) for p in s.placements):
-        return s
-    return s.with_placements([Replicate() if isinstance(p, Partial) else p for p in s.placements], s.shard_order)
+def _bounds(x: torch.Tensor, lo: float, hi: float, mesh: Any, sharded: bool) -> tuple[float, float]:
+    """torch's bounds: the data's global min and max when ``min == max``, widened by 1 if still equal.
 
-
-def _bounds(x: torch.Tensor, lo: float, hi: float, mesh: Any, dims: list[int]) -> tuple[float, float]:
-    """torch's bounds: the data's global min and max when ``min == max``, widened by 1 if still equal."""
+    One all-reduce (max of ``(-min, max)``) over the mesh when the data is sharded: replicated mesh
+    dims hold the same values, so the whole mesh gives the same extremes."""
     if lo == hi:
-        inf = torch.tensor(float("inf"), dtype=torch.float64)
-        a = x.min().to(torch.float64) if x.numel() else inf
-        b = x.max().to(torch.float64) if x.numel() else -inf
-        for j in dims:
-            a, b = comm.all_reduce(a, "min", mesh, j), comm.all_reduce(b, "max", mesh, j)
-        lo, hi = (float(a), float(b)) if torch.isfinite(a) else (0.0, 0.0)
+        ends = (torch.stack([-x.min(), x.max()]).to(torch.float64) if x.numel()
+                else torch.full((2,), -float("inf"), dtype=torch.float64))
+        if sharded:
+            ends = comm.all_reduce(ends, "max", mesh, None)
+        lo, hi = (-float(ends[0]), float(ends[1])) if torch.isfinite(ends[0]) else (0.0, 0.0)
     if lo == hi:
         lo, hi = lo - 1, hi + 1
     return lo, hi
@@ -50,7 +46,7 @@ def _bounds(x: torch.Tensor, lo: float, hi: float, mesh: Any, dims: list[int]) -
 
 @register(aten.histc.default)
 def histc_rule(call: Call) -> Decision:
-    s = _no_partial(call.specs[0])
+    s = _gather(call.specs[0], lambda d: True, _no_partial)
     mesh = s.mesh
     dims = [j for j, p in enumerate(s.placements) if isinstance(p, Shard) and mesh.shape[j] > 1]
     out_pl: list[Placement] = [Partial("sum") if j in dims else Replicate() for j in range(mesh.ndim)]
@@ -58,7 +54,7 @@ def histc_rule(call: Call) -> Decision:
     out = DTensorSpec.build(mesh, out_pl, meta.shape, meta.stride(), meta.dtype)
 
     def kernel(x: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0) -> torch.Tensor:
-        lo, hi = _bounds(x, float(min), float(max), mesh, dims)
+        lo, hi = _bounds(x, float(min), float(max), mesh, bool(dims))
         return torch.histc(x, bins, lo, hi)
 
     inputs = tuple(s if i == 0 else None for i in range(len(call.flat)))
@@ -72,9 +68,7 @@ def _check_probabilities(rows: torch.Tensor, num_samples: int, replacement: bool
         bad = 1
     elif rows.numel() and not replacement and int((rows > 0).sum(-1).min()) < num_samples:
         bad = 2
-    flag = torch.tensor(bad, dtype=torch.int64)
-    for j in range(spec.mesh.ndim):
-        flag = comm.all_reduce(flag, "max", spec.mesh, j)
+    flag = comm.all_reduce(torch.tensor(bad, dtype=torch.int64), "max", spec.mesh, None)
     if int(flag) == 1:
         raise RuntimeError("multinomial: probability tensor contains either inf, nan or element < 0, or a row "
                            "sums to 0 (on some rank)")
@@ -99,9 +93,7 @@ def multinomial_rule(call: Call) -> Decision:
         rows = p.reshape(-1, p.shape[-1]).to(torch.float64)
         _check_probabilities(rows, num_samples, replacement, need)
         g = _generator(s.mesh, generator)
-        n, o = need.local_shape_and_offset()[0][0], need.local_shape_and_offset()[1][0]
-        if one_row:
-            n, o = 1, 0
+        (n, *_), (o, *_) = ((1,), (0,)) if one_row else need.local_shape_and_offset()
         if replacement:
             u = torch.rand(shape[0], num_samples, generator=g, dtype=torch.float64).narrow(0, o, n)
             cdf = rows.cumsum(-1)

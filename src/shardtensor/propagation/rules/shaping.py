@@ -15,15 +15,12 @@ import torch
 
 from ...placement import NormPartial, Partial, Placement
 from .. import Call, Decision, register
+from .matrix import linear_partial
 from .view import follow
 
 aten = torch.ops.aten
 
 __all__ = ["view_as_complex_rule", "view_as_real_rule", "conj_rule", "constant_pad_rule"]
-
-
-def _linear(p: Placement) -> bool:
-    return type(p) is Partial and p.reduce_op in ("sum", "avg")
 
 
 def _as_complex(x: torch.Tensor) -> torch.Tensor:
@@ -36,13 +33,13 @@ def _as_complex(x: torch.Tensor) -> torch.Tensor:
 @register(aten.view_as_complex.default)
 def view_as_complex_rule(call: Call) -> Decision:
     nd = call.specs[0].ndim
-    return follow(call, 0, {d: d for d in range(nd - 1)}, call.out_meta, partial_ok=_linear, kernel=_as_complex)
+    return follow(call, 0, {d: d for d in range(nd - 1)}, call.out_meta, partial_ok=linear_partial, kernel=_as_complex)
 
 
 @register(aten.view_as_real.default)
 def view_as_real_rule(call: Call) -> Decision:
     nd = call.specs[0].ndim
-    return follow(call, 0, {d: d for d in range(nd)}, call.out_meta, partial_ok=_linear)
+    return follow(call, 0, {d: d for d in range(nd)}, call.out_meta, partial_ok=linear_partial)
 
 
 def _conj_kernel(x: torch.Tensor) -> torch.Tensor:
@@ -52,7 +49,7 @@ def _conj_kernel(x: torch.Tensor) -> torch.Tensor:
 @register(aten._conj.default)
 def conj_rule(call: Call) -> Decision:
     nd = call.specs[0].ndim
-    d = follow(call, 0, {d: d for d in range(nd)}, call.out_meta, partial_ok=_linear, kernel=_conj_kernel)
+    d = follow(call, 0, {d: d for d in range(nd)}, call.out_meta, partial_ok=linear_partial, kernel=_conj_kernel)
     return replace(d, copies=True)
 
 
