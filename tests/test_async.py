@@ -471,7 +471,7 @@ def _redistribute_async(mesh_shape, shape, src, dst):
     from shardtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", mesh_shape)
-    full = torch.randn(shape, generator=torch.Generator().manual_seed(0))  # simulated ranks share torch's generator
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     x = distribute_tensor(full, mesh, src)
     sync = x.redistribute(mesh, dst)
     y = x.redistribute(mesh, dst, async_op=True)

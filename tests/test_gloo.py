@@ -492,6 +492,35 @@ def _from_local_cases(rep, mesh1, mesh2):
     rep.run("from_local", "default, valid uneven locals", _case_from_local_good, mesh1, mesh2, None)
 
 
+def _case_rng(mesh, placements, rank_seeded):
+    """A sharded nn.init equals one device's draw with the same seed, and every rank's generator
+    stays in step (or, seeded per rank on purpose, keeps its own stream)."""
+    import torch
+    from shardtensor import distribute_tensor
+
+    seed = 7 + (mesh.get_rank() if rank_seeded else 0)
+    torch.manual_seed(seed)
+    x = distribute_tensor(torch.zeros(7, 5), mesh, placements)
+    torch.nn.init.normal_(x)
+    later = torch.rand(4)
+    full = x.full_tensor()
+    torch.manual_seed(7)
+    want = torch.zeros(7, 5).normal_()
+    torch.manual_seed(seed)
+    torch.zeros(7, 5).normal_()
+    assert torch.equal(later, torch.rand(4)), "the generator did not advance as one device's"
+    _check_dtensor(x, want, placements, what="nn.init.normal_")
+    assert torch.equal(full, want)
+
+
+def _rng_cases(rep, mesh1, mesh2):
+    from shardtensor import Replicate, Shard
+
+    rep.run("rng", "(4,) S0, same seed", _case_rng, mesh1, [Shard(0)], False)
+    rep.run("rng", "(2,2) S0 S1, same seed", _case_rng, mesh2, [Shard(0), Shard(1)], False)
+    rep.run("rng", "(2,2) R S1, seeded per rank", _case_rng, mesh2, [Replicate(), Shard(1)], True)
+
+
 # -- the one big run ------------------------------------------------------------------------
 
 def _all_checks_worker(rank, world_size):
@@ -521,6 +550,7 @@ def _all_checks_worker(rank, world_size):
     _backward_cases(rep, mesh1, mesh2)
     _elementwise_cases(rep, mesh1, mesh2)
     _from_local_cases(rep, mesh1, mesh2)
+    _rng_cases(rep, mesh1, mesh2)
     return rep.result()
 
 
@@ -579,6 +609,10 @@ def test_elementwise(gloo_report):
 
 def test_from_local_run_check(gloo_report):
     _assert_section(gloo_report, "from_local")
+
+
+def test_rng(gloo_report):
+    _assert_section(gloo_report, "rng")
 
 
 # ---------------------------------------------------------------------------------------

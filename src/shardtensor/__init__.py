@@ -4,6 +4,7 @@ from .mesh import DeviceMesh, init_device_mesh
 from .placement import Partial, Placement, Replicate, Shard
 from .spec import DTensorSpec
 from .tensor import DTensor, distribute_tensor
+from .factories import empty, full, ones, rand, randn, zeros
 from .implicit import MixedTensorError, implicit_replication
 from . import debug
 from .debug import CommTrace, visualize_sharding
@@ -17,6 +18,6 @@ __all__ = [
     "distribute_tensor", "explain_redistribute", "init_device_mesh", "run_spmd", "visualize_sharding",
     "MixedTensorError", "implicit_replication",
 ]
-__all__ += ["distribute_module"]
+__all__ += ["distribute_module", "empty", "full", "ones", "rand", "randn", "zeros"]
 __all__ += ["MixedPrecisionPolicy", "fully_shard"]
 __version__ = "0.1.0"

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 
 from .base import DEFAULT_TIMEOUT_S, Completed, Group, Transport, Work, reduce_stack
+from ..rng import rank_generators
 
 
 class RankAbortedError(RuntimeError):
@@ -215,7 +216,8 @@ def run_spmd(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float
     """Run ``fn(*args, **kwargs)`` once per rank of a simulated world; return results in rank order.
 
     Inside ``fn`` the code is ordinary SPMD code: ``init_device_mesh("cpu", (2, 2))`` builds
-    a mesh over the simulated ranks.  If a rank raises, the other ranks stop at their next
+    a mesh over the simulated ranks.  Each rank has its own default random generators, copies
+    of the caller's (see :mod:`shardtensor.rng`).  If a rank raises, the other ranks stop at their next
     collective and the first error is re-raised here with its rank in the message.
     """
     if not callable(fn):
@@ -226,10 +228,13 @@ def run_spmd(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float
     results: list[Any] = [None] * world_size
     errors: dict[int, BaseException] = {}
 
+    cpu_state = torch.get_rng_state()  # each rank starts from the caller's generator, as a forked process
+
     def body(rank: int) -> None:
         _ctx.transport = SimTransport(world, rank)
         try:
-            results[rank] = fn(*args, **kwargs)
+            with rank_generators(cpu_state):
+                results[rank] = fn(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             errors[rank] = e
             world.fail(rank)

@@ -5,9 +5,9 @@
 | ``histc`` | partials reduced (counting is not linear); shards kept | ``P(sum)`` on every mesh dim that shards the input (local histograms add up), R elsewhere; with ``min == max`` the bounds are the global min and max (one small all-reduce) |
 | ``multinomial`` | the categories dim gathered; partials reduced; a sharded batch dim kept | the batch dim's shards, R elsewhere |
 
-``multinomial`` draws as the other random ops do (see ``misc``): one shared seed, the GLOBAL
-random numbers, each rank keeping its rows' part, so the result does not depend on the
-placements.  With replacement a row inverts its CDF at uniform draws; without replacement it
+``multinomial`` draws the GLOBAL uniform numbers as the other random ops do (see
+``shardtensor.rng``), each rank keeping its rows' part, so the result does not depend on the
+placements (it is not torch's own stream of draws).  With replacement a row inverts its CDF at uniform draws; without replacement it
 takes the top ``num_samples`` of ``log(p)`` plus Gumbel noise (the same distribution as
 torch's sequential draws).
 """
@@ -21,7 +21,8 @@ from ... import comm
 from ...placement import Partial, Placement, Replicate, Shard
 from ...spec import DTensorSpec
 from .. import Call, Decision, register
-from .misc import _gather, _generator, _no_partial
+from ... import rng
+from .misc import _gather, _no_partial
 
 aten = torch.ops.aten
 
@@ -92,14 +93,14 @@ def multinomial_rule(call: Call) -> Decision:
                generator: torch.Generator | None = None) -> torch.Tensor:
         rows = p.reshape(-1, p.shape[-1]).to(torch.float64)
         _check_probabilities(rows, num_samples, replacement, need)
-        g = _generator(s.mesh, generator)
         (n, *_), (o, *_) = ((1,), (0,)) if one_row else need.local_shape_and_offset()
+        u_shape = (shape[0], num_samples) if replacement else shape
+        u = rng.draw(s.mesh, generator, p.device,
+                     lambda g: torch.rand(u_shape, generator=g, dtype=torch.float64, device=p.device)).narrow(0, o, n)
         if replacement:
-            u = torch.rand(shape[0], num_samples, generator=g, dtype=torch.float64).narrow(0, o, n)
             cdf = rows.cumsum(-1)
             idx = torch.searchsorted(cdf, (u * cdf[:, -1:]).contiguous(), right=True).clamp_(max=shape[1] - 1)
         else:
-            u = torch.rand(shape, generator=g, dtype=torch.float64).narrow(0, o, n)
             keys = rows.log() - (-u.clamp_min(1e-300).log()).log()
             idx = keys.topk(num_samples, dim=-1).indices
         return idx.reshape(meta.shape if one_row else (p.shape[0], num_samples))

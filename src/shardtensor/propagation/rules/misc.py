@@ -12,23 +12,14 @@
 | ``equal`` | same non-partial placements: compared shard by shard, then a min all-reduce; otherwise both gathered to R | a Python bool |
 | ``_local_scalar_dense`` (``.item()``) | R | a Python scalar |
 
-Random ops (``rand_like``, ``randn_like``, ``randint_like``, ``bernoulli``, ``bernoulli_``,
-``uniform_``, ``normal_``, ``exponential_``, ``geometric_``, ``log_normal_``, ``cauchy_``,
-``random_``) follow one rule, so a result never depends on the placements:
-
-    The rank at mesh coordinate (0, ..., 0) draws one 62-bit seed from the op's generator
-    (the default CPU generator when none is given) and broadcasts it over the mesh; every rank
-    builds a ``torch.Generator`` seeded with it, generates the GLOBAL random tensor, and keeps
-    its own local piece.
-
-Hence, from the same generator state, the global value is the same for every placement and
-mesh layout, Replicate pieces agree on every rank, and only the first rank's generator
-advances (so simulated ranks sharing one default generator stay deterministic).  Values
-differ from a dense ``torch.rand_like`` with the same seed (they come from the drawn seed),
-and every rank materializes the global tensor once.  Outputs take the input's placements with
-Partial turned into Replicate; an in-place fill of a Partial tensor raises.  ``bernoulli(p)``
-compares the global uniform piece with the local probabilities (``P(sum)`` probabilities are
-reduced first).
+Random ops (``rand_like``, ``randn_like``, ``randint_like``, ``uniform_``, ``normal_``,
+``exponential_``, ``geometric_``, ``log_normal_``, ``cauchy_``, ``random_``, ``bernoulli_(p)``)
+draw the GLOBAL tensor exactly as one device would, from the op's generator, and keep this
+rank's block (see ``shardtensor.rng``): with the same seed the value equals the dense call's,
+for every placement and mesh, and every rank's generator stays in step.  Outputs take the
+input's placements with Partial turned into Replicate; an in-place fill of a Partial tensor
+raises.  The dropout family (``bernoulli.p``, ``bernoulli.default``, ``bernoulli_.float``,
+``native_dropout``) is in ``rules.nn``.
 """
 from __future__ import annotations
 
@@ -36,6 +27,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ... import rng
 from ...placement import Partial, Placement, Replicate, Shard
 from ...spec import DTensorSpec
 from .. import Call, Decision, register, unflatten_call, unsupported
@@ -297,20 +289,6 @@ def item_rule(call: Call) -> Decision:
 
 # -- random --------------------------------------------------------------------------------
 
-def shared_seed(mesh, generator: torch.Generator | None) -> int:
-    """One seed drawn on mesh coordinate (0, ..., 0) from ``generator`` and broadcast to all."""
-    from ... import comm
-
-    coord = mesh.get_coordinate()
-    if all(c == 0 for c in coord):
-        seed = torch.randint(0, 2 ** 62, (1,), generator=generator, dtype=torch.int64)
-    else:
-        seed = torch.zeros(1, dtype=torch.int64)
-    for j in range(mesh.ndim):
-        seed = comm.broadcast(seed, 0, mesh, j)
-    return int(seed.item())
-
-
 def _piece(full: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
     shape, off = spec.local_shape_and_offset()
     for d, (n, o) in enumerate(zip(shape, off)):
@@ -319,8 +297,15 @@ def _piece(full: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
     return full
 
 
-def _generator(mesh, generator: torch.Generator | None) -> torch.Generator:
-    return torch.Generator().manual_seed(shared_seed(mesh, generator))
+def _global_fill(spec: DTensorSpec, like: torch.Tensor, dtype: torch.dtype, generator: torch.Generator | None,
+                 fill: Callable[[torch.Tensor, torch.Generator], Any]) -> torch.Tensor:
+    """This rank's block of ``fill`` run on the global tensor, drawn as one device would (see ``rng``)."""
+    def one_device(g: torch.Generator) -> torch.Tensor:
+        full = torch.empty_strided(tuple(spec.shape), tuple(spec.stride), dtype=dtype, device=like.device)
+        fill(full, g)
+        return full
+
+    return _piece(rng.draw(spec.mesh, generator, like.device, one_device), spec)
 
 
 def _random_out(s: DTensorSpec, meta: torch.Tensor) -> DTensorSpec:
@@ -328,40 +313,38 @@ def _random_out(s: DTensorSpec, meta: torch.Tensor) -> DTensorSpec:
     return DTensorSpec.build(s.mesh, pl, meta.shape, meta.stride(), meta.dtype, s.shard_order)
 
 
-LIKE_RANDOM = {aten.rand_like.default: "rand", aten.randn_like.default: "randn"}
+LIKE_FILL = {aten.rand_like.default: "uniform_", aten.randn_like.default: "normal_"}
 RANDINT_LIKE = [op for op in (getattr(aten.randint_like, o, None) for o in
                               ("default", "low_dtype", "generator", "low_generator_dtype")) if op is not None]
 
 
-@register(*LIKE_RANDOM, *RANDINT_LIKE)
+@register(*LIKE_FILL, *RANDINT_LIKE)
 def random_like_rule(call: Call) -> Decision:
-    """``rand_like`` & co.: the global random tensor from a shared seed, this rank's piece kept."""
+    """``rand_like`` & co. are ``empty_like`` plus a fill (as in ATen): the global fill's block."""
     s = call.specs[0]
-    meta = call.out_meta
-    out = _random_out(s, meta)
+    out = _random_out(s, call.out_meta)
     op = call.op
-    shape, dtype = tuple(meta.shape), meta.dtype
 
     def kernel(x: torch.Tensor, *args: Any, generator: torch.Generator | None = None, **kw: Any) -> torch.Tensor:
-        g = _generator(out.mesh, generator)
-        if op in LIKE_RANDOM:
-            full = getattr(torch, LIKE_RANDOM[op])(shape, generator=g, dtype=dtype)
-        else:
-            low, high = (0, args[0]) if len(args) == 1 else args[:2]
-            full = torch.randint(low, high, shape, generator=g, dtype=dtype)
-        return _piece(full, out).clone()
+        def fill(full: torch.Tensor, g: torch.Generator) -> None:
+            if op in LIKE_FILL:
+                getattr(full, LIKE_FILL[op])(generator=g)
+            else:
+                low, high = (0, args[0]) if len(args) == 1 else args[:2]
+                full.random_(low, high, generator=g)
+
+        return _global_fill(out, x, out.dtype, generator, fill).clone()
 
     return Decision(tuple(call.specs), out, False, None, kernel)
 
 
-RANDOM_FILL = [aten.uniform_.default, aten.normal_.default, aten.bernoulli_.float, aten.exponential_.default,
-               aten.geometric_.default, aten.log_normal_.default, aten.cauchy_.default,
-               *[getattr(aten.random_, o) for o in ("default", "from", "to")]]
+RANDOM_FILL = [aten.uniform_.default, aten.normal_.default, aten.exponential_.default, aten.geometric_.default,
+               aten.log_normal_.default, aten.cauchy_.default, *[getattr(aten.random_, o) for o in ("default", "from", "to")]]
 
 
 @register(*RANDOM_FILL)
 def random_fill_rule(call: Call) -> Decision:
-    """In-place random fills: the op runs on a global buffer with the shared-seed generator."""
+    """In-place random fills: this rank's block of the fill of the global tensor."""
     s = call.specs[0]
     if any(p.is_partial() for p in s.placements):
         raise RuntimeError(f"shardtensor: {call.op} on a Partial tensor {s.placements} would change its value; "
@@ -369,49 +352,30 @@ def random_fill_rule(call: Call) -> Decision:
     op = call.op
 
     def kernel(x: torch.Tensor, *args: Any, generator: torch.Generator | None = None, **kw: Any) -> torch.Tensor:
-        g = _generator(s.mesh, generator)
-        full = op(torch.empty(tuple(s.shape), dtype=x.dtype), *args, generator=g, **kw)
-        return x.copy_(_piece(full, s))
+        return x.copy_(_global_fill(s, x, x.dtype, generator, lambda full, g: op(full, *args, generator=g, **kw)))
 
     return Decision(tuple(call.specs), s, False, None, kernel)
 
 
-@register(aten.bernoulli.default, aten.bernoulli.p, aten.bernoulli_.Tensor)
+@register(aten.bernoulli_.Tensor)
 def bernoulli_rule(call: Call) -> Decision:
-    """Bernoulli draws: ``u < p`` with ``u`` the shared-seed global uniform piece.
-
-    ``bernoulli(p)`` takes probabilities from its input (partials reduced first);
-    ``bernoulli(x, p)`` is a fill; ``x.bernoulli_(p)`` needs ``p`` placed like ``x``.
-    """
+    """``x.bernoulli_(p)``: ``u < p`` with ``u`` this rank's block of one global uniform draw;
+    ``p`` is placed like ``x``.  (``bernoulli.p``, ``bernoulli.default`` and ``bernoulli_.float``
+    are the dropout family, in ``rules.nn``.)"""
     s = call.specs[0]
     op = call.op
-    changes: dict[int, DTensorSpec] = {}
-    if op is aten.bernoulli_.Tensor:
-        if any(p.is_partial() for p in s.placements):
-            raise RuntimeError(f"shardtensor: {op} on a Partial tensor {s.placements} would change its value")
-        ppos = call.pos("p")
-        if ppos is None:
-            raise unsupported(op, call.specs, "with a plain probability tensor")
-        ps = call.specs[ppos]
-        if tuple(ps.shape) != tuple(s.shape):
-            raise unsupported(op, call.specs, "with a broadcast probability tensor")
-        changes[ppos] = ps.with_placements(s.placements, s.shard_order)
-        out = s
-    elif op is aten.bernoulli.default:
-        changes[0] = _gather(s, lambda d: True, _no_partial)
-        out = _random_out(changes[0], call.out_meta)
-    else:
-        out = _random_out(s, call.out_meta)
-    shape = tuple(s.shape)
+    if any(p.is_partial() for p in s.placements):
+        raise RuntimeError(f"shardtensor: {op} on a Partial tensor {s.placements} would change its value")
+    ppos = call.pos("p")
+    if ppos is None:
+        raise unsupported(op, call.specs, "with a plain probability tensor")
+    ps = call.specs[ppos]
+    if tuple(ps.shape) != tuple(s.shape):
+        raise unsupported(op, call.specs, "with a broadcast probability tensor")
 
-    def kernel(x: torch.Tensor, p: Any = None, generator: torch.Generator | None = None) -> torch.Tensor:
-        g = _generator(s.mesh, generator)
-        if op is aten.bernoulli.p:
-            return _piece(torch.empty(shape, dtype=x.dtype).bernoulli_(p, generator=g), out).clone()
-        u = _piece(torch.rand(shape, generator=g, dtype=torch.float64), out)
-        if op is aten.bernoulli.default:
-            return (u < x).to(x.dtype)
+    def kernel(x: torch.Tensor, p: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        u = _global_fill(s, x, torch.float64, generator, lambda full, g: full.uniform_(generator=g))
         return x.copy_(u < p)
 
-    inputs, moved = _inputs(call, changes)
-    return Decision(inputs, out, moved, None, kernel)
+    inputs, moved = _inputs(call, {ppos: ps.with_placements(s.placements, s.shard_order)})
+    return Decision(inputs, s, moved, None, kernel)

@@ -38,15 +38,13 @@ On CPU ``F.rms_norm`` (and ``aten._fused_rms_norm``, CompositeImplicitAutograd t
 decomposed (``pow``, ``mean.dim``, ``add_``, ``rsqrt``, ``mul`` and their backward), so the
 pointwise/reduction rules rule it; the ``_fused_rms_norm`` rules serve devices with a fused kernel.
 
-RNG rule (dropout, bernoulli).  Every random op draws one 62-bit seed per call: the rank at
-mesh coordinate 0 draws it from the op's generator (the default one unless given) and
-broadcasts it over the whole mesh (in a real multi-process world every rank draws too, so
-the per-rank generators stay in lockstep; simulated ranks share one generator, so only rank 0
-draws).  The mask element at global flat index ``i`` is then a counter-based hash of
+RNG rule (dropout, bernoulli).  Every random op draws one 2-int seed per call from the op's
+generator, as ``shardtensor.rng`` draws (the same seed on every rank, every rank's generator in
+step).  The mask element at global flat index ``i`` is then a counter-based hash of
 ``(seed, i)`` (lowbias32 rounds, exact in int64), so each rank computes just its own piece of
 one global mask: Replicate mesh dims agree, Shard mesh dims hold their slice, and the result
 is the same valid dense dropout for every placement of the input given the same generator
-state.  It does not reproduce dense torch's own stream.  Cost: one 16-byte broadcast per call.
+state.  It does not reproduce dense torch's own stream.  Cost: one 16-byte all-reduce per call.
 """
 from __future__ import annotations
 
@@ -56,7 +54,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ... import comm
+from ... import comm, rng
 from ...placement import Partial, Placement, Replicate, Shard
 from ...spec import DTensorSpec, contiguous_stride
 from .. import Call, Decision, register, unsupported
@@ -378,17 +376,11 @@ def _lowbias32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def draw_seed(mesh, generator: torch.Generator | None = None) -> tuple[int, int]:
-    """One seed per call, the same on every rank of ``mesh`` (drawn at coordinate 0, broadcast)."""
-    from ...comm.simulated import current_sim_transport
-
-    first = mesh.group_ranks(None).index(mesh.transport.rank) == 0
-    if first or current_sim_transport() is None:
-        t = torch.randint(0, 2 ** 31, (2,), generator=generator, dtype=torch.int64)
-    else:
-        t = torch.zeros(2, dtype=torch.int64)
-    if mesh.size() > 1:
-        t = comm.broadcast(t, 0, mesh, None)
+def draw_seed(mesh, generator: torch.Generator | None = None,
+              device: torch.device | None = None) -> tuple[int, int]:
+    """One seed per call, the same on every rank of ``mesh``, drawn as ``shardtensor.rng`` draws."""
+    t = rng.draw(mesh, generator, device, lambda g: torch.randint(0, 2 ** 31, (2,), generator=g, dtype=torch.int64,
+                                                                  device=g.device))
     return int(t[0]), int(t[1])
 
 
@@ -430,7 +422,7 @@ def native_dropout_rule(call: Call) -> Decision:
     def kernel(inp, p, train=None):
         q = 1.0 - p
         scale = 0.0 if q == 0 else 1.0 / q
-        mask = mask_piece(want, draw_seed(mesh), inp.device) < q
+        mask = mask_piece(want, draw_seed(mesh, None, inp.device), inp.device) < q
         return inp.mul(mask).mul_(scale), mask
 
     return _decide(call, [Candidate({0: pl}, [pl, pl])], kernel=kernel)
@@ -444,7 +436,7 @@ def bernoulli_inplace_rule(call: Call) -> Decision:
     mesh = call.mesh
 
     def kernel(self, p=0.5, *, generator=None):
-        u = mask_piece(s, draw_seed(mesh, generator), self.device)
+        u = mask_piece(s, draw_seed(mesh, generator, self.device), self.device)
         fill = _identity_term(s) if any(q.is_partial() for q in s.placements) else None
         if fill is not None:
             return self.fill_(fill)
@@ -464,7 +456,7 @@ def bernoulli_rule(call: Call) -> Decision:
 
     def kernel(self, *args, generator=None):
         p = self if probs else (args[0] if args else 0.5)
-        u = mask_piece(want, draw_seed(mesh, generator), self.device)
+        u = mask_piece(want, draw_seed(mesh, generator, self.device), self.device)
         return (u < p).to(self.dtype)
 
     return _decide(call, [Candidate({0: pl}, pl)], kernel=kernel)
