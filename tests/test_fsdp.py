@@ -490,14 +490,29 @@ def _tp_batch(step: int):
     return torch.randn(BATCH, 6, generator=g), torch.randn(BATCH, 6, generator=g)
 
 
-def _tp_body(steps: int):
+def _tp_reference(steps: int):
+    model = _tp_build()
+    o = torch.optim.Adam(model.parameters(), lr=0.01)
+    losses = []
+    for s in range(steps):
+        x, y = _tp_batch(s)
+        o.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        o.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _tp_body(steps: int, form: str = "torch"):
+    """torch's 2-D recipe (TP on mesh["tp"], then fully_shard on mesh["dp"]) or the ("dp", "tp") form."""
     from shardtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp = mesh.get_local_rank("dp")
     model = _tp_build()
     parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
-    fully_shard(model, mesh=mesh)
+    fully_shard(model, mesh=mesh["dp"] if form == "torch" else mesh)
     o = torch.optim.Adam(model.parameters(), lr=0.01)
     losses = []
     for s in range(steps):
@@ -508,33 +523,96 @@ def _tp_body(steps: int):
         loss.backward()
         o.step()
         losses.append(loss.item())
-    layout = {n: (p.placements, p.shard_order, tuple(p.to_local().shape)) for n, p in model.named_parameters()}
+    layout = {n: (p.placements, p.shard_order, tuple(p.to_local().shape), p.device_mesh.mesh_dim_names)
+              for n, p in model.named_parameters()}
     return losses, {n: p.full_tensor() for n, p in model.named_parameters()}, layout
 
 
-def test_fsdp_x_tp_2d():
+@pytest.mark.parametrize("form", ["torch", "dp_tp"])
+def test_fsdp_x_tp_2d(form):
     pytest.importorskip("shardtensor.parallel")
     steps = 3
-    out = run_spmd(_tp_body, WORLD, steps)
-    model = _tp_build()
-    o = torch.optim.Adam(model.parameters(), lr=0.01)
-    ref_losses = []
-    for s in range(steps):
-        x, y = _tp_batch(s)
-        o.zero_grad()
-        loss = ((model(x) - y) ** 2).mean()
-        loss.backward()
-        o.step()
-        ref_losses.append(loss.item())
-    ref = (ref_losses, {n: p.detach() for n, p in model.named_parameters()})
+    out = run_spmd(_tp_body, WORLD, steps, form)
     # each dp rank's loss appears on its 2 tp ranks: the mean over all 4 is the dp mean
-    assert_matches([(r[0], r[1]) for r in out], ref, tol=1e-5)
+    assert_matches([(r[0], r[1]) for r in out], _tp_reference(steps), tol=1e-5)
     layout = [r[2] for r in out]
     assert layout[0]["up.weight"][0] == (Shard(0), Shard(0))
     assert layout[0]["up.weight"][1] == ((0, (1, 0)),)          # tp splits first, dp nests inside
     assert [lay["up.weight"][2][0] for lay in layout] == [4, 4, 3, 3]   # rank = 2*dp + tp
     assert layout[0]["down.weight"][0] == (Shard(0), Shard(1))
-    assert layout[0]["norm.weight"][0] == (Shard(0), Replicate())
+    assert layout[0]["up.weight"][3] == ("dp", "tp")
+    if form == "torch":  # a plain parameter stays on the FSDP mesh, as in torch
+        assert layout[0]["norm.weight"][0] == (Shard(0),) and layout[0]["norm.weight"][3] == ("dp",)
+    else:
+        assert layout[0]["norm.weight"][0] == (Shard(0), Replicate())
+
+
+def _hsdp_body(steps: int, mesh_shape, names, tp: bool):
+    """HSDP: fully_shard on a 2-D (replicate, shard) mesh; with ``tp`` a third mesh dim for TP."""
+    from shardtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    model = _tp_build()
+    if tp:
+        parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        dp_mesh = mesh["rep", "shard"]
+    else:
+        dp_mesh = mesh
+    fully_shard(model.up, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    coord = mesh.get_coordinate()
+    part, parts = coord[0] * mesh_shape[1] + coord[1], mesh_shape[0] * mesh_shape[1]
+    o = torch.optim.Adam(model.parameters(), lr=0.01)
+    losses = []
+    with comm.recording() as log:
+        for s in range(steps):
+            x, y = _tp_batch(s)
+            n = BATCH // parts
+            o.zero_grad()
+            loss = ((model(x[part * n:(part + 1) * n]) - y[part * n:(part + 1) * n]) ** 2).mean()
+            loss.backward()
+            o.step()
+            losses.append(loss.item())
+    me = comm.current_transport().rank
+    kinds = sorted({(e.kind, e.mesh_dim) for e in log.of_rank(me) if e.kind in ("all_gather", "reduce_scatter")
+                    or (e.kind == "all_reduce" and e.group_size == mesh_shape[0] and e.dtype == torch.float32)})
+    layout = {n: p.placements for n, p in model.named_parameters()}
+    return losses, {n: p.full_tensor() for n, p in model.named_parameters()}, layout, kinds
+
+
+@pytest.mark.parametrize("tp", [False, True])
+def test_hsdp_replicates_over_dim_0_and_shards_over_dim_1(tp):
+    """torch's meaning of a 2-D fully_shard mesh; gradients are averaged over both dims."""
+    steps = 3
+    shape, names = ((2, 2, 2), ("rep", "shard", "tp")) if tp else ((2, 2), ("rep", "shard"))
+    out = run_spmd(_hsdp_body, math.prod(shape), steps, shape, names, tp)
+    assert_matches([(r[0], r[1]) for r in out], _tp_reference(steps), tol=1e-5)
+    layout, kinds = out[0][2], out[0][3]
+    assert layout["norm.weight"] == (Replicate(), Shard(0))
+    assert layout["up.weight"] == ((Replicate(), Shard(0), Shard(0)) if tp else (Replicate(), Shard(0)))
+    # gathers and reduce-scatters over the shard dim only; the replicas' average is one all-reduce over dim 0
+    assert ("all_gather", 1) in kinds and ("reduce_scatter", 1) in kinds and ("all_reduce", 0) in kinds
+    assert not any(k in ("all_gather", "reduce_scatter") and d == 0 for k, d in kinds)
+
+
+def test_tp_params_on_an_unrelated_mesh_or_a_3d_fsdp_mesh_raise():
+    from shardtensor import distribute_tensor
+
+    def body():
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        other = init_device_mesh("cpu", (4,))
+        m = nn.Linear(4, 4)
+        m.bias = nn.Parameter(distribute_tensor(m.bias.detach(), other, [Shard(0)]))
+        weight = m.weight
+        with pytest.raises(ValueError, match="same parent mesh"):
+            fully_shard(m, mesh=mesh["dp"])
+        assert m.weight is weight and not isinstance(m, FSDPModule)  # the weight before it is untouched
+        cube = init_device_mesh("cpu", (1, 2, 2))
+        with pytest.raises(NotImplementedError, match="1-D mesh .FSDP. or a 2-D mesh .HSDP"):
+            fully_shard(nn.Linear(2, 2), mesh=cube)
+        return True
+
+    assert all(run_spmd(body, WORLD))
 
 
 def _tp_2d_param_body(steps: int):
@@ -590,7 +668,9 @@ def test_tp_params_on_the_2d_mesh():
 # ---------------------------------------------------------------------------------------
 
 def gloo_rank(rank: int, world_size: int):
-    return rank_train("mlp", "adam", 3)
+    return (rank_train("mlp", "adam", 3), _tp_body(3, "torch")[:2],
+            _hsdp_body(3, (2, 2), ("rep", "shard"), False)[:2])
+
 
 
 def test_gloo_four_processes():
@@ -601,4 +681,6 @@ def test_gloo_four_processes():
     if not gloo_available():
         pytest.skip("gloo is not available")
     results = run_multiprocess(gloo_rank, WORLD, timeout=90)
-    assert_matches(results, reference("mlp", "adam", 3))
+    assert_matches([r[0] for r in results], reference("mlp", "adam", 3))
+    assert_matches([r[1] for r in results], _tp_reference(3))  # torch's 2-D recipe
+    assert_matches([r[2] for r in results], _tp_reference(3))  # HSDP

@@ -45,6 +45,8 @@ class DeviceMesh:
         self._groups: dict[int, list[Group]] = {}
         self._key = (device_type, self._shape, self._all, mesh_dim_names)
         self._hash = hash(self._key)
+        self._root: DeviceMesh | None = None  # the mesh this one was cut from by mesh[...], and its dims there
+        self._root_dims: tuple[int, ...] = tuple(range(ranks.ndim))
         if _prepare:
             transport.prepare_groups(self._all_groups())
 
@@ -127,7 +129,10 @@ class DeviceMesh:
         keep = sorted(dims)
         sub = sub.permute([keep.index(d) for d in dims]) if keep != dims else sub
         names_out = tuple(self.mesh_dim_names[d] for d in dims) if self.mesh_dim_names else None
-        return DeviceMesh(self.device_type, sub, mesh_dim_names=names_out, _prepare=False)
+        out = DeviceMesh(self.device_type, sub, mesh_dim_names=names_out, _prepare=False)
+        out._root = self._root if self._root is not None else self
+        out._root_dims = tuple(self._root_dims[d] for d in dims)
+        return out
 
     # -- what the comm layer needs -----------------------------------------------------
     def group_ranks(self, mesh_dim: int | tuple[int, ...] | None) -> Group:
@@ -206,6 +211,19 @@ _current = _Current()
 def current_mesh() -> DeviceMesh | None:
     """The mesh of the innermost ``with mesh:`` block of this thread (simulated rank), or None."""
     return _current.stack[-1] if _current.stack else None
+
+
+def joined_mesh(a: DeviceMesh, b: DeviceMesh) -> DeviceMesh | None:
+    """The mesh over ``a``'s dims then ``b``'s, cut from the mesh ``a`` was cut from (torch's 2-D
+    recipe: ``mesh["dp"]`` and ``mesh["tp"]`` give back ``mesh``); None if ``b`` is no other part
+    of that mesh.  ``b`` is matched by value: equal meshes may be different objects."""
+    root = a._root if a._root is not None else a
+    rest = [d for d in range(root.ndim) if d not in a._root_dims]
+    for dims in itertools.permutations(rest, b.ndim):
+        if root[dims] == b:
+            full = a._root_dims + dims
+            return root if full == tuple(range(root.ndim)) else root[full]
+    return None
 
 
 def resolve_mesh(device_mesh: Any, who: str) -> DeviceMesh:

@@ -147,8 +147,8 @@ class RankResult:
 
 
 def parallelize(model: TinyLM, mesh) -> TinyLM:
-    """TP on ``mesh["tp"]`` (the blocks' plan, the head column-wise with a replicated output), then
-    FSDP on the whole (dp, tp) mesh: every block, then the root."""
+    """torch's 2-D recipe: TP on ``mesh["tp"]`` (the blocks' plan, the head column-wise with a
+    replicated output), then FSDP on ``mesh["dp"]``: every block, then the root."""
     from .fsdp import fully_shard
     from .parallel import ColwiseParallel, parallelize_module
     from .placement import Replicate
@@ -157,8 +157,8 @@ def parallelize(model: TinyLM, mesh) -> TinyLM:
         parallelize_module(blk, mesh["tp"], tp_plan())
     parallelize_module(model, mesh["tp"], {"head": ColwiseParallel(output_layouts=Replicate())})
     for blk in model.blocks:
-        fully_shard(blk, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(blk, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
     return model
 
 

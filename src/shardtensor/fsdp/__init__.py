@@ -19,10 +19,14 @@ backward           unsharded gradients -> ``chunk_cat`` (cast to ``reduce_dtype`
                    reduce-scatter (average over dp) -> ``param.grad`` = sharded DTensor
 =================  =============================================================================
 
-Layout.  Let ``U`` be the tensor the forward computes with: the whole parameter on a 1-D
-mesh, or on a 2-D ``(dp, tp)`` mesh the parameter's TP-local piece (TP parameters are
-DTensors on ``mesh["tp"]``, e.g. from ``parallelize_module``, or on the 2-D mesh with
-Replicate on dp).  FSDP always chunks dim 0 of ``U`` over dp: rank ``r`` keeps rows
+Meshes.  A 1-D mesh is FSDP.  A 2-D mesh is HSDP as in torch (replicate over dim 0, shard
+over dim 1: gradients are reduce-scattered over dim 1, then all-reduced over dim 0), except a
+2-D mesh with dims named ``("dp", "tp")``, which is FSDP on dp with TP on tp.  TP parameters
+(DTensors on ``mesh["tp"]``, e.g. from ``parallelize_module``) joined with a ``fully_shard`` on
+``mesh["dp"]`` (torch's 2-D recipe) live on the mesh both were cut from.
+
+Layout.  Let ``U`` be the tensor the forward computes with: the whole parameter, or a TP
+parameter's TP-local piece.  FSDP always chunks dim 0 of ``U`` over dp: rank ``r`` keeps rows
 ``[r*c, r*c + rows)`` with ``c = ceil(U.size(0) / W)``, stored in a zero-padded ``(c, ...)``
 block so that every rank sends the same number of elements.  The sharded parameter is a
 DTensor on the FSDP mesh with ``Shard(0)`` on dp and the TP placement on tp; when the TP
@@ -38,7 +42,7 @@ optimizer steps the sharded DTensor parameters directly.  Mixed precision: shard
 parameters and gradients keep their dtype; ``param_dtype`` is used for the all-gather and
 the compute, ``reduce_dtype`` (default: ``param_dtype``) for the reduce-scatter.
 
-Not supported: HSDP (replicate x shard meshes), ``set_requires_gradient_sync``, prefetching.
+Not supported yet: ``set_requires_gradient_sync``, prefetching.
 """
 from .api import FSDPModule, MixedPrecisionPolicy, fully_shard
 

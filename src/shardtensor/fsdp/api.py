@@ -180,7 +180,9 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_af
     """Shard ``module``'s parameters (those no child ``fully_shard`` manages) along dim 0 over dp.
 
     Apply bottom-up: blocks first, then the root.  Parameters become ``nn.Parameter(DTensor)``
-    with ``Shard(0)`` on the dp mesh dim (on a 2-D (dp, tp) mesh: plus their TP placement).
+    with ``Shard(0)`` on the dp mesh dim.  ``mesh``: 1-D for FSDP; 2-D for HSDP (replicate over
+    dim 0, shard over dim 1); TP parameters on ``parent["tp"]`` with ``mesh=parent["dp"]`` (torch's
+    2-D recipe) keep their TP placement on the parent mesh.
     Each forward all-gathers the module's parameters with one collective; backward reduces
     their gradients with one reduce-scatter (average over dp) into ``param.grad``.
     ``reshard_after_forward`` frees the unsharded parameters after forward (re-gathered
@@ -200,12 +202,10 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_af
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a shardtensor DeviceMesh, got {type(mesh).__name__}")
     info = MeshInfo.of(mesh)
-    params = []
-    for p, owners in _managed_params(module):
-        fp = FSDPParam(p, owners, info)
-        for mod, name in owners:
+    params = [FSDPParam(p, owners, info) for p, owners in _managed_params(module)]
+    for fp in params:  # only once every parameter is accepted: a refusal leaves the module as it was
+        for mod, name in fp.owners:
             mod._parameters[name] = fp.sharded
-        params.append(fp)
     reduce_dtype = mp_policy.reduce_dtype if mp_policy.reduce_dtype is not None else mp_policy.param_dtype
     group = ParamGroup(params, info, mp_policy.param_dtype, reduce_dtype)
     state = FSDPState(module, group, reshard_after_forward, mp_policy)

@@ -10,7 +10,7 @@ the autograd version counters of the tensors the forward saved.
 
 ``_Unshard`` is the autograd edge: sharded parameters in, unsharded views out; its backward
 packs the unsharded gradients with ``chunk_cat`` (cast to the reduce dtype inside the copy),
-runs one reduce-scatter (average over dp) and returns the sharded gradients as DTensors with
+runs one reduce-scatter (average over dp; on HSDP then one all-reduce over the replicas) and returns the sharded gradients as DTensors with
 the sharded parameters' specs, so autograd accumulates them into ``param.grad``.
 """
 from __future__ import annotations
@@ -136,13 +136,7 @@ class ParamGroup:
         flat = torch.empty((W, n_out), dtype=rdtype, device=grads_in[0].device)
         with torch.no_grad():
             chunk_cat(grads_in, 0, W, out=flat)
-            if rdtype in (torch.float32, torch.bfloat16, torch.float64):
-                red = comm.reduce_scatter(flat, "avg", self.info.mesh, self.info.dp_dim)
-            else:
-                pre, post = _divide_factors(W)
-                flat.div_(pre)
-                red = comm.reduce_scatter(flat, "sum", self.info.mesh, self.info.dp_dim)
-                red.div_(post)
+            red = self._average(flat)
         off = 0
         for i, p, _ in todo:
             piece = red.narrow(0, off, p.rows * p.row_numel).view(p.rows, *p.rest)
@@ -151,6 +145,21 @@ class ParamGroup:
                 piece = piece.to(p.orig_dtype)
             out[i] = p.wrap_grad(piece)
         return out
+
+    def _average(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's block of the ``(W, n)`` gradients averaged over dp (reduce-scatter) and, on
+        HSDP, over the replicas (all-reduce); integer and low-precision sums are divided in two
+        steps to keep them in range."""
+        info = self.info
+        if flat.dtype in (torch.float32, torch.bfloat16, torch.float64):
+            red = comm.reduce_scatter(flat, "avg", info.mesh, info.dp_dim)
+            return red if info.rep_dim is None else comm.all_reduce(red, "avg", info.mesh, info.rep_dim)
+        pre, post = _divide_factors(info.world * info.replicas)
+        flat.div_(pre)
+        red = comm.reduce_scatter(flat, "sum", info.mesh, info.dp_dim)
+        if info.rep_dim is not None:
+            red = comm.all_reduce(red, "sum", info.mesh, info.rep_dim)
+        return red.div_(post)
 
     @staticmethod
     def _local_grad(p: FSDPParam, g: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..mesh import DeviceMesh
+from ..mesh import DeviceMesh, joined_mesh
 from ..placement import Partial, Placement, Replicate, Shard, chunk, display
 from ..spec import DTensorSpec
 from ..tensor import DTensor
@@ -20,30 +20,40 @@ __all__ = ["FSDPParam", "MeshInfo"]
 
 @dataclass(frozen=True, eq=False)
 class MeshInfo:
-    """The mesh sharded parameters live on, its data-parallel dim and (2-D) its tp dim."""
+    """The mesh ``fully_shard`` got: its shard dim, HSDP's replicate dim, and for the (dp, tp)
+    form its tp dim and sub-mesh."""
 
     mesh: DeviceMesh
     dp_dim: int
-    tp_dim: int | None
-    tp_mesh: DeviceMesh | None
+    rep_dim: int | None = None
+    tp_dim: int | None = None
+    tp_mesh: DeviceMesh | None = None
 
     @staticmethod
     def of(mesh: DeviceMesh) -> "MeshInfo":
+        """1-D: FSDP.  2-D: HSDP as in torch (replicate over dim 0, shard over dim 1), except a
+        mesh with dims named ``("dp", "tp")``: FSDP on dp with the TP parameters on ``mesh["tp"]``."""
         if mesh.ndim == 1:
-            return MeshInfo(mesh, 0, None, None)
+            return MeshInfo(mesh, 0)
         if mesh.ndim != 2:
-            raise NotImplementedError(f"fully_shard supports 1-D (dp) and 2-D (dp, tp) meshes, got shape {mesh.shape}")
+            raise NotImplementedError(
+                f"fully_shard takes a 1-D mesh (FSDP) or a 2-D mesh (HSDP: replicate over dim 0, shard over "
+                f"dim 1), got shape {mesh.shape}; for FSDP x TP pass the dp part, e.g. mesh['dp']")
         names = mesh.mesh_dim_names
-        if names is not None and ("dp" in names) != ("tp" in names):
-            raise ValueError(f"a 2-D fully_shard mesh needs dims named ('dp', 'tp') (or unnamed dims, dp first), "
-                             f"got {names}")
-        dp = names.index("dp") if names is not None and "dp" in names else 0
-        tp = 1 - dp
-        return MeshInfo(mesh, dp, tp, mesh[names[tp] if names is not None and "tp" in names else tp])
+        if names is not None and "tp" in names:
+            if "dp" not in names:
+                raise ValueError(f"a 2-D fully_shard mesh with a 'tp' dim needs a 'dp' dim too, got {names}")
+            dp = names.index("dp")
+            return MeshInfo(mesh, dp, None, 1 - dp, mesh["tp"])
+        return MeshInfo(mesh, 1, 0)
 
     @property
     def world(self) -> int:
         return self.mesh.size(self.dp_dim)
+
+    @property
+    def replicas(self) -> int:
+        return 1 if self.rep_dim is None else self.mesh.size(self.rep_dim)
 
     @property
     def rank(self) -> int:
@@ -69,16 +79,12 @@ class FSDPParam:
         self.orig_dtype = param.dtype
         self.requires_grad = param.requires_grad
         self.tp_spec: DTensorSpec | None = None
-        tp_pl: Placement | None = None
         if isinstance(param, DTensor):
-            self.tp_spec, tp_pl = self._tp_spec_of(param, info)
+            self.tp_spec = DTensorSpec.build(param.device_mesh, param.placements, param.shape, None, param.dtype)
             unsharded = param._local_tensor.detach()
-            global_shape = tuple(param.shape)
         else:
-            if info.tp_dim is not None:
-                tp_pl = Replicate()
             unsharded = param.detach()
-            global_shape = tuple(param.shape)
+        global_shape = tuple(param.shape)
         if unsharded.ndim == 0:
             raise ValueError(f"fully_shard cannot shard the 0-d parameter {self.fqn}; make it 1-d (shape (1,))")
         self.unsharded_shape = tuple(unsharded.shape)
@@ -91,13 +97,15 @@ class FSDPParam:
         self.padded_numel = self.c * self.row_numel
         self.padded = torch.zeros((self.c, *self.rest), dtype=unsharded.dtype, device=unsharded.device)
         self.padded[: self.rows].copy_(unsharded[off: off + self.rows])
-        placements: list[Placement] = [Shard(0)] * info.mesh.ndim
+        mesh, dp, tp, tp_pl = self._layout(param, info)
+        placements: list[Placement] = [Replicate()] * mesh.ndim
+        placements[dp] = Shard(0)
         order = None
-        if info.tp_dim is not None:
-            placements[info.tp_dim] = tp_pl
+        if tp is not None:
+            placements[tp] = tp_pl
             if tp_pl == Shard(0):
-                order = ((0, (info.tp_dim, info.dp_dim)),)
-        self.spec = DTensorSpec.build(info.mesh, placements, global_shape, None, param.dtype, order)
+                order = ((0, (tp, dp)),)
+        self.spec = DTensorSpec.build(mesh, placements, global_shape, None, param.dtype, order)
         local = self.padded.narrow(0, 0, self.rows)
         if self.spec.local_shape != tuple(local.shape):
             raise AssertionError(f"FSDP layout of {self.fqn}: spec {self.spec} gives local shape "
@@ -110,29 +118,43 @@ class FSDPParam:
         mod, name = self.owners[0]
         return f"{type(mod).__name__}.{name}"
 
-    @staticmethod
-    def _tp_spec_of(param: DTensor, info: MeshInfo) -> tuple[DTensorSpec, Placement]:
-        """The spec the forward sees (the parameter's own: on ``mesh['tp']`` or on the 2-D mesh
-        with Replicate on dp) and the TP placement."""
-        if info.tp_dim is None:
-            raise NotImplementedError(
-                f"fully_shard on the 1-D mesh {info.mesh} got a parameter that is already a DTensor on "
-                f"{param.device_mesh} {display(param.placements)}; for FSDP x TP pass the 2-D (dp, tp) mesh")
-        pl = param.placements
-        if param.device_mesh == info.mesh:
-            if not isinstance(pl[info.dp_dim], Replicate):
-                raise ValueError(f"fully_shard: a parameter on the 2-D mesh must be Replicate on the dp dim, "
-                                 f"got {display(pl)}")
-            tp_pl = pl[info.tp_dim]
-        elif param.device_mesh == info.tp_mesh:
-            tp_pl = pl[0]
-        else:
-            raise ValueError(f"fully_shard: parameter on {param.device_mesh} is neither on the FSDP mesh {info.mesh} "
-                             f"nor on its tp sub-mesh {info.tp_mesh}")
-        if isinstance(tp_pl, Partial):
-            raise ValueError(f"fully_shard: a parameter cannot be {tp_pl!r} on the tp mesh dim")
-        spec = DTensorSpec.build(param.device_mesh, pl, param.shape, None, param.dtype)
-        return spec, tp_pl
+    def _layout(self, param: nn.Parameter, info: MeshInfo) -> tuple[DeviceMesh, int, int | None, Placement | None]:
+        """The sharded parameter's mesh, its dp dim, its tp dim and TP placement (None: no TP).
+
+        A plain parameter lives on the FSDP mesh.  A DTensor parameter on a 1-D TP mesh lives on
+        the FSDP mesh's dims plus the TP mesh's, cut from the mesh both came from (torch's 2-D
+        recipe); on the ("dp", "tp") form, on that mesh.
+        """
+        pl = param.placements if isinstance(param, DTensor) else None
+        if info.tp_dim is not None:  # the (dp, tp) form
+            if pl is None:
+                return info.mesh, info.dp_dim, info.tp_dim, Replicate()
+            if param.device_mesh == info.mesh:
+                if not isinstance(pl[info.dp_dim], Replicate):
+                    raise ValueError(f"fully_shard: a parameter on the 2-D mesh must be Replicate on the dp dim, "
+                                     f"got {display(pl)}")
+                tp_pl = pl[info.tp_dim]
+            elif param.device_mesh == info.tp_mesh:
+                tp_pl = pl[0]
+            else:
+                raise ValueError(f"fully_shard: parameter {self.fqn} on {param.device_mesh} is neither on the FSDP "
+                                 f"mesh {info.mesh} nor on its tp sub-mesh {info.tp_mesh}")
+            return info.mesh, info.dp_dim, info.tp_dim, self._tp_placement(tp_pl)
+        if pl is None:
+            return info.mesh, info.dp_dim, None, None
+        tp_mesh = param.device_mesh
+        joined = joined_mesh(info.mesh, tp_mesh) if tp_mesh.ndim == 1 else None
+        if joined is None:
+            raise ValueError(
+                f"fully_shard: parameter {self.fqn} is a DTensor on {tp_mesh} {display(pl)}, which is not a 1-D mesh "
+                f"cut from the same parent mesh as the FSDP mesh {info.mesh}; build both from one mesh, as in "
+                "parallelize_module(m, mesh['tp'], plan) then fully_shard(m, mesh=mesh['dp'])")
+        return joined, info.dp_dim, info.mesh.ndim, self._tp_placement(pl[0])
+
+    def _tp_placement(self, p: Placement) -> Placement:
+        if isinstance(p, Partial):
+            raise ValueError(f"fully_shard: parameter {self.fqn} cannot be {p!r} on the tp mesh dim")
+        return p
 
     def sync_padded(self) -> None:
         """Re-point the sharded parameter at ``padded`` if something replaced its local tensor."""
