@@ -145,3 +145,66 @@ def test_run_check_names_the_field_and_the_ranks(field):
 
     for msg in run_recorded((4,), body)[0]:
         assert msg is not None and field in msg and "rank 1" in msg and "rank 3" in msg
+
+
+# -- placements show a nested shard order ---------------------------------------------------
+
+def test_placements_repr_shows_a_nested_shard_order_and_passes_it_back():
+    import copy
+    import pickle
+
+    def body():
+        mesh = init_device_mesh("cpu", (2, 2))
+        x = distribute_tensor(torch.arange(16.).reshape(8, 2), mesh, [Shard(0), Shard(0)])
+        y = x.redistribute(mesh, [Shard(0), Shard(0)], shard_order={0: [1, 0]})
+        z = x.redistribute(mesh, y.placements)  # the order travels with the placements
+        pl = y.placements
+        return (repr(x.placements), repr(pl), pl == (Shard(0), Shard(0)), hash(pl) == hash((Shard(0), Shard(0))),
+                z.shard_order == y.shard_order, torch.equal(z.to_local(), y.to_local()),
+                repr(pickle.loads(pickle.dumps(pl))), repr(copy.deepcopy(pl)), "[1]" in repr(y))
+
+    for r in run_spmd(body, 4):
+        assert r[0] == "(Shard(dim=0), Shard(dim=0))"  # the default order shows nothing extra
+        assert r[1] == r[6] == r[7] == "(Shard(dim=0)[1], Shard(dim=0)[0])"
+        assert all(r[2:6]) and r[8]
+
+
+# -- local_map ------------------------------------------------------------------------------
+
+def test_local_map_runs_on_local_tensors_forward_and_backward():
+    from shardtensor.experimental import local_map
+
+    w_full = torch.randn(8, 6, generator=torch.Generator().manual_seed(3))
+    x_full = torch.randn(5, 6, generator=torch.Generator().manual_seed(4))
+
+    @local_map(out_placements=[Shard(1)], in_placements=([Replicate()], [Shard(0)]),
+               in_grad_placements=([Partial()], None), redistribute_inputs=True)
+    def local_linear(x, w):
+        assert not isinstance(x, DTensor) and not isinstance(w, DTensor)
+        return x @ w.t()
+
+    def body():
+        mesh = init_device_mesh("cpu", (4,))
+        x = distribute_tensor(x_full, mesh, [Shard(0)]).requires_grad_()  # redistributed to Replicate
+        w = distribute_tensor(w_full, mesh, [Shard(0)]).requires_grad_()
+        y = local_linear(x, w)
+        y.full_tensor().pow(2).sum().backward()
+        strict = local_map(lambda a: a * 2, out_placements=[Shard(0)], in_placements=([Replicate()],))
+        with pytest.raises(ValueError, match="redistribute_inputs=True"):
+            strict(distribute_tensor(x_full, mesh, [Shard(0)]))
+        two = local_map(lambda a: (a + 1, a.sum(), "tag"), out_placements=([Shard(0)], [Partial()], None))
+        a, s, tag = two(distribute_tensor(torch.ones(7, 2), mesh, [Shard(0)]))
+        plain = local_map(lambda a: a + 1, out_placements=[Shard(0)])(torch.ones(2))
+        return (y.placements, y.full_tensor(), x.grad.full_tensor(), w.grad.full_tensor(), tuple(a.shape),
+                s.full_tensor(), tag, type(plain))
+
+    xr, wr = x_full.clone().requires_grad_(), w_full.clone().requires_grad_()
+    yr = xr @ wr.t()
+    yr.pow(2).sum().backward()
+    for pl, y, gx, gw, a_shape, s, tag, plain in run_spmd(body, 4):
+        assert pl == (Shard(1),)
+        torch.testing.assert_close(y, yr.detach())
+        torch.testing.assert_close(gx, xr.grad)
+        torch.testing.assert_close(gw, wr.grad)
+        assert a_shape == (7, 2) and s.item() == 14.0 and tag == "tag"  # uneven output: real global shape
+        assert plain is torch.Tensor  # no DTensor argument: func runs as is

@@ -513,12 +513,35 @@ def _case_rng(mesh, placements, rank_seeded):
     assert torch.equal(full, want)
 
 
+def _case_loss_parallel(mesh, placements):
+    """Cross-entropy on class-sharded logits inside loss_parallel equals dense, with its gradient."""
+    import torch
+    import torch.nn.functional as F
+    from shardtensor import distribute_tensor
+    from shardtensor.parallel import loss_parallel
+
+    x = _dense((6, 11), 21)
+    t = torch.arange(6) % 11
+    xd = distribute_tensor(x, mesh, placements).requires_grad_()
+    with loss_parallel():
+        loss = F.cross_entropy(xd, t, label_smoothing=0.1)
+        loss.backward()
+    xr = x.clone().requires_grad_()
+    want = F.cross_entropy(xr, t, label_smoothing=0.1)
+    want.backward()
+    got, grad = loss.full_tensor(), xd.grad.full_tensor()
+    torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, xr.grad, rtol=1e-5, atol=1e-6)
+
+
 def _rng_cases(rep, mesh1, mesh2):
     from shardtensor import Replicate, Shard
 
     rep.run("rng", "(4,) S0, same seed", _case_rng, mesh1, [Shard(0)], False)
     rep.run("rng", "(2,2) S0 S1, same seed", _case_rng, mesh2, [Shard(0), Shard(1)], False)
     rep.run("rng", "(2,2) R S1, seeded per rank", _case_rng, mesh2, [Replicate(), Shard(1)], True)
+    rep.run("loss_parallel", "(4,) S1", _case_loss_parallel, mesh1, [Shard(1)])
+    rep.run("loss_parallel", "(2,2) S0 S1", _case_loss_parallel, mesh2, [Shard(0), Shard(1)])
 
 
 # -- the one big run ------------------------------------------------------------------------
@@ -613,6 +636,10 @@ def test_from_local_run_check(gloo_report):
 
 def test_rng(gloo_report):
     _assert_section(gloo_report, "rng")
+
+
+def test_loss_parallel(gloo_report):
+    _assert_section(gloo_report, "loss_parallel")
 
 
 # ---------------------------------------------------------------------------------------

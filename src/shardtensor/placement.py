@@ -224,6 +224,30 @@ def compute_local_shape(global_shape, mesh_shape, coordinate, placements, order=
     return local_shape_and_offset(global_shape, mesh_shape, coordinate, placements, order)[0]
 
 
+class OrderedPlacements(tuple):
+    """A DTensor's placements when its nested shard order is not the default one.
+
+    Equal to (and hashes as) the plain tuple, so comparisons with ``(Shard(0), Shard(0))`` hold;
+    its repr marks each mesh dim's position in its tensor dim's split order
+    (``(Shard(dim=0)[1], Shard(dim=0)[0])``: mesh dim 1 splits dim 0 first), and passing it back
+    as ``placements=`` (to ``redistribute``, ``from_local``, ``distribute_tensor``) keeps the order.
+    """
+
+    shard_order: ShardOrder
+
+    def __new__(cls, placements: Sequence[Placement], shard_order: ShardOrder) -> "OrderedPlacements":
+        out = super().__new__(cls, placements)
+        out.shard_order = shard_order
+        return out
+
+    def __getnewargs__(self) -> tuple:  # type: ignore[override]
+        return tuple(self), self.shard_order
+
+    def __repr__(self) -> str:
+        pos = {j: i for _, js in self.shard_order for i, j in enumerate(js) if len(js) > 1}
+        return "(" + ", ".join(repr(p) + (f"[{pos[j]}]" if j in pos else "") for j, p in enumerate(self)) + ")"
+
+
 def display(placements: Sequence[Placement], order: ShardOrder | None = None) -> str:
     """Compact form: ``S(0)[1]S(0)[0]`` marks each mesh dim's position in a nested tensor dim."""
     order = order if order is not None else default_shard_order(placements)

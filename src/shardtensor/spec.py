@@ -45,6 +45,8 @@ class DTensorSpec:
         if not isinstance(mesh, DeviceMesh):
             raise TypeError(f"device_mesh must be a DeviceMesh, got {mesh!r}")
         shape = torch.Size(shape)
+        if shard_order is None:  # a DTensor's OrderedPlacements passed back carries its order
+            shard_order = getattr(placements, "shard_order", None)
         pl = normalize_placements(placements, len(shape), mesh.ndim)
         order = default_shard_order(pl) if shard_order is None else validate_shard_order(pl, shard_order)
         if stride is None:

@@ -17,8 +17,8 @@ from .aliasing import check_placement_change, check_writes, forget_copies, note_
 from .implicit import implicit_allowed, implicit_replication, plain_tensor_error
 from .mesh import DeviceMesh, resolve_mesh
 from .pieces import check_pieces, check_shape, layout_stride, local_order
-from .placement import (Partial, Placement, Replicate, Shard, chunk, display, local_shape_and_offset,
-                        normalize_placements)
+from .placement import (OrderedPlacements, Partial, Placement, Replicate, Shard, chunk, display,
+                        local_shape_and_offset, normalize_placements)
 from .listops import is_list_op, run_per_mesh
 from .propagation import MeshMismatchError, flatten_call, propagate, route, unflatten_call
 from .redistribute import redistribute_local
@@ -50,12 +50,17 @@ class DTensor(torch.Tensor):
 
     def __repr__(self) -> str:  # noqa: D105
         return (f"DTensor(local_tensor={self._local_tensor}, device_mesh={self._spec.mesh}, "
-                f"placements={self._spec.placements})")
+                f"placements={self.placements!r})")
 
     # -- public surface -----------------------------------------------------------------
     @property
     def placements(self) -> tuple[Placement, ...]:
-        return self._spec.placements
+        """The placements; with a nested shard order other than the default, an
+        ``OrderedPlacements`` whose repr shows it (equal to the plain tuple)."""
+        spec = self._spec
+        if all(len(js) == 1 for _, js in spec.shard_order) or spec.is_default_order:
+            return spec.placements
+        return OrderedPlacements(spec.placements, spec.shard_order)
 
     @property
     def device_mesh(self) -> DeviceMesh:

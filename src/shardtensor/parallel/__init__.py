@@ -19,12 +19,16 @@ PrepareModuleOutput   --                  --                               outpu
 Plain ``torch.Tensor`` inputs are taken as this rank's local piece in the declared layout;
 their global shape comes from the module (``in_features``) where it can, otherwise from one
 small all-gather of the local sizes, so uneven shards (e.g. 14 features over 4 ranks) work.
+
+``loss_parallel()`` computes ``F.cross_entropy`` on class-sharded logits from per-row statistics
+(``loss.py``).
 """
 from .api import distribute_module, parallelize_module
+from .loss import loss_parallel
 from .style import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput,
                     PrepareModuleOutput, RowwiseParallel, SequenceParallel)
 
 __all__ = [
     "ColwiseParallel", "ParallelStyle", "PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput",
-    "RowwiseParallel", "SequenceParallel", "distribute_module", "parallelize_module",
+    "RowwiseParallel", "SequenceParallel", "distribute_module", "loss_parallel", "parallelize_module",
 ]

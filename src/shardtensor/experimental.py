@@ -1,0 +1,93 @@
+"""``local_map`` and ``implicit_replication``, as in ``torch.distributed.tensor.experimental``."""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .implicit import implicit_replication
+from .mesh import DeviceMesh
+from .placement import Placement, display
+from .tensor import DTensor
+
+__all__ = ["implicit_replication", "local_map"]
+
+PlacementType = Sequence[Placement] | None
+
+
+def local_map(func: Callable[..., Any] | None = None, out_placements: Any = None, in_placements: Any = None,
+              in_grad_placements: Any = None, device_mesh: DeviceMesh | None = None, *,
+              redistribute_inputs: bool = False) -> Any:
+    """Run ``func`` on the local tensors of its DTensor arguments and wrap its outputs as DTensors.
+
+    ``in_placements`` gives, per flattened argument, the placements a DTensor argument must
+    have (``None`` for other arguments); one that differs is redistributed with
+    ``redistribute_inputs=True`` and refused otherwise.  ``out_placements`` gives the placements
+    of each output (one placements sequence for a single output, a tuple of them for several,
+    ``None`` for an output that is not a tensor).  ``in_grad_placements`` are the placements of
+    the gradients flowing back to the inputs (default, or ``None`` entries: the inputs'); a
+    replicated input whose local gradients are only this rank's terms needs ``[Partial()]``
+    there, as in torch.  Without DTensor arguments
+    ``func`` runs as is.  Outputs whose placements shard a dim get their global shape from one
+    small all-gather of the local sizes, so uneven outputs are right.  Without ``func``,
+    returns a decorator.
+    """
+    if func is None:
+        return functools.partial(local_map, out_placements=out_placements, in_placements=in_placements,
+                                 in_grad_placements=in_grad_placements, device_mesh=device_mesh,
+                                 redistribute_inputs=redistribute_inputs)
+    if not callable(func):
+        raise TypeError(f"local_map: func must be callable, got {func!r}")
+
+    @functools.wraps(func)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        flat, tree = tree_flatten(args)
+        mesh = device_mesh
+        if in_placements is not None and len(in_placements) != len(flat):
+            raise ValueError(f"local_map: in_placements has {len(in_placements)} entries for {len(flat)} "
+                             "flattened arguments")
+        local = []
+        for i, a in enumerate(flat):
+            if not isinstance(a, DTensor):
+                local.append(a)
+                continue
+            mesh = mesh if mesh is not None else a.device_mesh
+            if a.device_mesh != mesh:
+                raise ValueError(f"local_map: argument {i} lives on {a.device_mesh}, expected {mesh}")
+            want = None if in_placements is None else in_placements[i]
+            if want is not None and tuple(want) != tuple(a.placements):
+                if not redistribute_inputs:
+                    raise ValueError(f"local_map: argument {i} has placements {display(a.placements)}, "
+                                     f"in_placements asks for {display(want)}; pass redistribute_inputs=True "
+                                     "to redistribute it")
+                a = a.redistribute(mesh, want)
+            grad = None if in_grad_placements is None else in_grad_placements[i]
+            local.append(a.to_local(grad_placements=grad))
+        out = func(*tree_unflatten(local, tree), **kwargs)
+        if mesh is None:
+            return out
+        return _wrap_outputs(out, out_placements, mesh)
+
+    return wrapped
+
+
+def _wrap_outputs(out: Any, out_placements: Any, mesh: DeviceMesh) -> Any:
+    single = out_placements is None or all(isinstance(p, Placement) for p in out_placements)
+    if isinstance(out, (tuple, list)) and not single:
+        if len(out) != len(out_placements):
+            raise ValueError(f"local_map: func returned {len(out)} outputs for {len(out_placements)} out_placements")
+        return type(out)(_wrap_one(o, p, mesh) for o, p in zip(out, out_placements))
+    return _wrap_one(out, out_placements, mesh)
+
+
+def _wrap_one(out: Any, placements: PlacementType, mesh: DeviceMesh) -> Any:
+    if placements is None:
+        if isinstance(out, torch.Tensor):
+            raise ValueError("local_map: an output is a tensor but its out_placements entry is None")
+        return out
+    if not isinstance(out, torch.Tensor) or isinstance(out, DTensor):
+        raise ValueError(f"local_map: out_placements {display(placements)} given for an output of type "
+                         f"{type(out).__name__}, expected a plain torch.Tensor")
+    return DTensor.from_local(out, mesh, placements)
