@@ -3,6 +3,8 @@
     python benchmarks/train_step.py              # 4 gloo processes, 3 warm-up + 10 timed steps each
     python benchmarks/train_step.py --quick      # 1 warm-up + 3 timed steps
 
+Also times shardtensor with FSDP's prefetch of the next all-gather switched off.
+
 Four gloo processes on localhost (``OMP_NUM_THREADS=1``), mesh (2, 2) = ("dp", "tp").  Both
 libraries get the same model (``shardtensor.train.TinyLM``, same initial values), the same TP
 plan (q/k/v and MLP up column-wise, attention out and MLP down row-wise, head column-wise with a
@@ -60,7 +62,15 @@ def _rank(rank: int, world: int, warmup: int, iters: int):
     from shardtensor import init_device_mesh
     from shardtensor.train import parallelize
 
+    from shardtensor.fsdp import FSDPModule
+
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    m0 = parallelize(build_model(0), mesh)
+    for mod in m0.modules():  # the same without prefetching the next all-gather
+        if isinstance(mod, FSDPModule):
+            mod.set_modules_to_forward_prefetch([])
+            mod.set_modules_to_backward_prefetch([])
+    no_prefetch = step_loop(m0, mesh.get_local_rank("dp"), lambda t: t)
     m = parallelize(build_model(0), mesh)
     ours = step_loop(m, mesh.get_local_rank("dp"), lambda t: t)
 
@@ -81,7 +91,7 @@ def _rank(rank: int, world: int, warmup: int, iters: int):
         t_fully_shard(blk, mesh=tmesh["dp"])
     t_fully_shard(tm, mesh=tmesh["dp"])
     theirs = step_loop(tm, tmesh.get_local_rank("dp"), lambda t: t)
-    return ours, theirs
+    return ours, theirs, no_prefetch
 
 
 def main() -> int:
@@ -93,15 +103,17 @@ def main() -> int:
     from distributed import run_multiprocess
 
     res = run_multiprocess(_rank, 4, timeout=600, args=(warmup, iters), env={"OMP_NUM_THREADS": "1"})
-    (t_ours, l_ours), (t_theirs, l_theirs) = res[0]
-    mo, mt = statistics.median(t_ours), statistics.median(t_theirs)
+    (t_ours, l_ours), (t_theirs, l_theirs), (t_np, l_np) = res[0]
+    mo, mt, mn = statistics.median(t_ours), statistics.median(t_theirs), statistics.median(t_np)
     print(f"demo model (TinyLM), mesh (2, 2) dp x tp, 4 gloo processes, {warmup} warm-up + {iters} timed steps")
     print(f"{'':24} {'median step':>12}")
     print(f"{'shardtensor':24} {mo * 1e3:10.1f} ms")
+    print(f"{'  without prefetch':24} {mn * 1e3:10.1f} ms")
     print(f"{'PyTorch FSDP2 + TP':24} {mt * 1e3:10.1f} ms")
     print(f"{'ratio ours / PyTorch':24} {mo / mt:10.2f}")
+    print(f"{'ratio prefetch / none':24} {mo / mn:10.2f}")
     print("losses (ours | PyTorch):", " ".join(f"{a:.4f}|{b:.4f}" for a, b in zip(l_ours, l_theirs)))
-    worst = max(abs(a - b) for a, b in zip(l_ours, l_theirs))
+    worst = max(abs(a - b) for a, b in [*zip(l_ours, l_theirs), *zip(l_np, l_theirs)])
     print(f"max |loss difference| {worst:.1e}")
     return 0 if worst < 1e-3 else 1
 

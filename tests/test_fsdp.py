@@ -684,3 +684,89 @@ def test_gloo_four_processes():
     assert_matches([r[0] for r in results], reference("mlp", "adam", 3))
     assert_matches([r[1] for r in results], _tp_reference(3))  # torch's 2-D recipe
     assert_matches([r[2] for r in results], _tp_reference(3))  # HSDP
+
+
+# ---------------------------------------------------------------------------------------
+# gradient accumulation without communication
+# ---------------------------------------------------------------------------------------
+
+def _accumulate_body(micro: int, form: str):
+    """``micro`` backwards, all but the last without gradient sync; grads and reduce-scatter counts."""
+    mesh = init_device_mesh("cpu", (WORLD,)) if form == "1d" else \
+        init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    if form == "1d":
+        model = wrap("mlp", build("mlp"), mesh)
+        part, parts = mesh.get_local_rank(), WORLD
+    else:
+        from shardtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        model = _tp_build()
+        parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        fully_shard(model.up, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        part, parts = mesh.get_local_rank("dp"), 2
+    counts = []
+    for s in range(micro):
+        x, y = batch("mlp", s) if form == "1d" else _tp_batch(s)
+        n = x.shape[0] // parts
+        model.set_requires_gradient_sync(s == micro - 1)
+        with comm.recording() as log:
+            out = model(x[part * n:(part + 1) * n])
+            ((out - y[part * n:(part + 1) * n]) ** 2).mean().backward()
+        counts.append(sum(e.kind == "reduce_scatter" for e in log.of_rank(comm.current_transport().rank)))
+        if s < micro - 1:
+            assert all(p.grad is None for p in model.parameters())
+    return counts, {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("form", ["1d", "2d"])
+def test_set_requires_gradient_sync_accumulates_without_communication(form):
+    micro = 3
+    out = run_spmd(_accumulate_body, WORLD, micro, form)
+    model = build("mlp") if form == "1d" else _tp_build()
+    for s in range(micro):
+        x, y = batch("mlp", s) if form == "1d" else _tp_batch(s)
+        ((model(x) - y) ** 2).mean().backward()
+    for counts, grads in out:
+        assert counts[:-1] == [0] * (micro - 1) and counts[-1] > 0
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+# ---------------------------------------------------------------------------------------
+# prefetch: the next all-gather is issued before it is needed, results unchanged
+# ---------------------------------------------------------------------------------------
+
+def _prefetch_body(steps: int, prefetch: bool):
+    mesh = init_device_mesh("cpu", (WORLD,))
+    model = wrap("tiny", build("tiny"), mesh)
+    groups = [m._fsdp_state.group for m in model.modules() if isinstance(m, FSDPModule)]
+    if not prefetch:
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_modules_to_forward_prefetch([])
+                m.set_modules_to_backward_prefetch([])
+    o = make_opt("adam", model.parameters())
+    hits = []
+    for s in range(steps):
+        x, y = batch("tiny", s)
+        n = BATCH // WORLD
+        r = mesh.get_local_rank()
+        before = sum(g.prefetch_hits for g in groups)
+        o.zero_grad()
+        loss_fn("tiny", model, x[r * n:(r + 1) * n], y[r * n:(r + 1) * n]).backward()
+        o.step()
+        hits.append(sum(g.prefetch_hits for g in groups) - before)
+    return hits, {k: p.full_tensor() for k, p in model.named_parameters()}
+
+
+def test_prefetch_overlaps_the_next_gather_and_changes_no_value():
+    """Each all-gather but the first of a forward or backward is issued one module early.
+    Values are bit for bit those without prefetch."""
+    with_p = run_spmd(_prefetch_body, WORLD, 3, True)
+    without = run_spmd(_prefetch_body, WORLD, 3, False)
+    for (hits, params), (hits0, params0) in zip(with_p, without):
+        # backward from the first step on: root's backward re-gathers block 1, block 1's block 0;
+        # forward from the second step (the first records the order): root -> block 0 -> block 1
+        assert hits0 == [0, 0, 0] and hits == [2, 4, 4]
+        assert all(torch.equal(params[k], params0[k]) for k in params)

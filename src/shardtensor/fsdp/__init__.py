@@ -42,7 +42,16 @@ optimizer steps the sharded DTensor parameters directly.  Mixed precision: shard
 parameters and gradients keep their dtype; ``param_dtype`` is used for the all-gather and
 the compute, ``reduce_dtype`` (default: ``param_dtype``) for the reduce-scatter.
 
-Not supported yet: ``set_requires_gradient_sync``, prefetching.
+Prefetch.  The first forward records the order of the modules' forwards.  From then on each
+module's pre-forward issues the next module's all-gather asynchronously right after its own,
+and each module's pre-backward issues the re-gather of the module whose backward comes next
+(reverse post-forward order), so the collective runs while this module computes.
+``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch`` set the modules
+explicitly (``[]``: none).  A prefetch a forward leaves unused is dropped at the next forward.
+
+Gradient accumulation: ``module.set_requires_gradient_sync(False)`` makes backward keep each
+rank's unsharded local gradients in a buffer with no collective; the next backward with sync
+on reduce-scatters their sum once.
 """
 from .api import FSDPModule, MixedPrecisionPolicy, fully_shard
 

@@ -45,6 +45,12 @@ class FSDPState:
         self.handle: Unsharded | None = None
         self._graph_built = False
         self._callback_queued = False
+        self.root: FSDPState = self
+        self.order: list[FSDPState] | None = None  # root only: pre-forward order of the first forward
+        self.post_order: list[FSDPState] = []  # root only: its post-forward order (reversed: backward's)
+        self.recording = False
+        self.forward_prefetch: list[FSDPState] | None = None  # None: the next state in forward order
+        self.backward_prefetch: list[FSDPState] | None = None  # None: the next one in backward
 
     def states_in_tree(self) -> list["FSDPState"]:
         return [m._fsdp_state for m in self.module.modules() if isinstance(m, FSDPModule)]
@@ -55,13 +61,19 @@ class FSDPState:
             for s in self.states_in_tree():
                 if s.is_root is None:
                     s.is_root = False
+                    s.root = self
             self.is_root = True
         if self.is_root:
             self._callback_queued = False
+            self._begin_forward()
+        if self.root.recording:
+            self.root.order.append(self)  # type: ignore[union-attr]
         if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), self.mp.param_dtype)
         handle = self.group.unshard()
         self.handle = handle
+        for s in self._prefetch_targets(forward=True):
+            s.group.prefetch()
         tensors = unsharded_with_grad(handle)
         self._graph_built = any(t.requires_grad for t in tensors)
         for p, t in zip(self.group.params, tensors):
@@ -69,7 +81,29 @@ class FSDPState:
                 mod._parameters[name] = t
         return args, kwargs
 
+    # -- prefetch: the next all-gather overlaps this module's compute ---------------------
+    def _begin_forward(self) -> None:
+        """Root, at each forward: record the order once; drop prefetches a forward left unused."""
+        if self.order is None:
+            self.order, self.post_order, self.recording = [], [], True
+        for s in self.states_in_tree():
+            s.group.drop_prefetch()
+
+    def _prefetch_targets(self, forward: bool) -> list["FSDPState"]:
+        explicit = self.forward_prefetch if forward else self.backward_prefetch
+        if explicit is not None:
+            return explicit
+        order = self.root.order if forward else self.root.post_order
+        if self.root.recording or not order or self not in order:
+            return []
+        i = order.index(self) + (1 if forward else -1)  # backward runs in reverse post-forward order
+        return [order[i]] if 0 <= i < len(order) else []
+
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if self.root.recording:
+            self.root.post_order.append(self)
+            if self.is_root:
+                self.recording = False  # the order is known after the first forward
         for p in self.group.params:
             for mod, name in p.owners:
                 mod._parameters[name] = p.sharded
@@ -92,6 +126,9 @@ class FSDPState:
         def hook(grad: torch.Tensor) -> None:
             if handle.freed:
                 handle.gather()
+            for s in self._prefetch_targets(forward=False):
+                if s.handle is not None and s.handle.freed:
+                    s.handle.start()
             if self.is_root and not self._callback_queued:
                 self._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
@@ -128,8 +165,31 @@ class FSDPModule:
         st = self._fsdp_state
         st.handle = st.group.unshard()
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool) -> None:
-        self._fsdp_state.reshard_after_forward = bool(reshard_after_forward)
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        for m in self._fsdp_modules(recurse):
+            m._fsdp_state.reshard_after_forward = bool(reshard_after_forward)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """With ``False``, backward reduces no gradient: each rank adds its unsharded local
+        gradients to a buffer (gradient accumulation without communication), and the next
+        backward with ``True`` reduce-scatters the sum.  ``param.grad`` changes only then."""
+        for m in self._fsdp_modules(recurse):
+            m._fsdp_state.group.sync = bool(requires_gradient_sync)
+
+    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """All-gather ``modules``' parameters right after this module's (default: the next
+        module in forward order, as recorded in the first forward)."""
+        self._fsdp_state.forward_prefetch = [_state_of(m, "set_modules_to_forward_prefetch") for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """Re-gather ``modules``' parameters when this module's backward starts (default: the
+        module whose backward comes next, by the first forward's post-forward order)."""
+        self._fsdp_state.backward_prefetch = [_state_of(m, "set_modules_to_backward_prefetch") for m in modules]
+
+    def _fsdp_modules(self, recurse: bool) -> list["FSDPModule"]:
+        if not recurse:
+            return [self]
+        return [m for m in self.modules() if isinstance(m, FSDPModule)]  # type: ignore[attr-defined]
 
     @property
     def fsdp_mesh(self) -> DeviceMesh:
@@ -139,6 +199,12 @@ class FSDPModule:
         """The unsharded tensors of the latest forward (their storage is empty once resharded)."""
         h = self._fsdp_state.handle
         return [] if h is None else list(h.views)
+
+
+def _state_of(m: Any, who: str) -> FSDPState:
+    if not isinstance(m, FSDPModule):
+        raise TypeError(f"{who}: expected modules that fully_shard was applied to, got {type(m).__name__}")
+    return m._fsdp_state
 
 
 _CLASSES: dict[type, type] = {}

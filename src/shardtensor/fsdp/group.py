@@ -46,16 +46,30 @@ class Unsharded:
         self.nbytes = [b.untyped_storage().nbytes() for b in self.buffers]
         self.views = [p.unsharded_view(b) for p, b in zip(group.params, self.buffers)]
         self.freed = True
+        self.pending: tuple | None = None
 
     def gather(self) -> None:
-        """(Re)fill the buffers: copy-in, one all-gather over dp, copy-out."""
+        """(Re)fill the buffers: copy-in, one all-gather over dp, copy-out (finishes a prefetch)."""
+        if self.pending is None:
+            self.start()
+        else:
+            self.group.prefetch_hits += 1
+        self.group.all_gather_finish(self.pending)
+        self.pending = None
+        self.freed = False
+
+    def start(self) -> None:
+        """Copy-in and issue the all-gather without waiting for it (a prefetch)."""
+        if self.pending is not None:
+            return
         for raw, n in zip(self.raw, self.nbytes):
             if raw.untyped_storage().nbytes() != n:
                 raw.untyped_storage().resize_(n)
-        self.group.all_gather_into(self.raw)
-        self.freed = False
+        self.pending = self.group.all_gather_start(self.raw)
 
     def free(self) -> None:
+        if self.pending is not None:
+            self.gather()  # a collective in flight completes before its buffers go
         if self.freed:
             return
         for raw in self.raw:
@@ -72,6 +86,9 @@ class ParamGroup:
         self.info = info
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
+        self.sync = True
+        self.prefetched: Unsharded | None = None
+        self.prefetch_hits = 0  # gathers that found their all-gather already issued (a prefetch)
         self.live: weakref.WeakSet[Unsharded] = weakref.WeakSet()
 
     def compute_dtype(self, p: FSDPParam) -> torch.dtype:
@@ -81,15 +98,31 @@ class ParamGroup:
 
     # -- all-gather ------------------------------------------------------------------------
     def unshard(self) -> Unsharded:
-        h = Unsharded(self)
+        """The unsharded buffers for one forward call: the prefetched ones, or gathered now."""
+        h, self.prefetched = self.prefetched, None
+        if h is None:
+            h = Unsharded(self)
         h.gather()
         self.live.add(h)
         return h
 
-    def all_gather_into(self, outs: Sequence[torch.Tensor]) -> None:
+    def prefetch(self) -> None:
+        """Start the next forward's all-gather now, so it overlaps the current module's compute."""
+        if self.prefetched is None:
+            self.prefetched = Unsharded(self)
+            self.prefetched.start()
+
+    def drop_prefetch(self) -> None:
+        """Forget a prefetch the forward never used (its data may be stale by the next one)."""
+        if self.prefetched is not None:
+            self.prefetched.free()
+            self.prefetched = None
+
+    def all_gather_start(self, outs: Sequence[torch.Tensor]) -> tuple | None:
+        """Copy-in and the all-gather issued asynchronously; ``all_gather_finish`` completes it."""
         items = [(p, o) for p, o in zip(self.params, outs) if p.padded_numel > 0]
         if not items:
-            return
+            return None
         W = self.info.world
         dtypes = {o.dtype for _, o in items}
         with torch.no_grad():
@@ -110,21 +143,45 @@ class ParamGroup:
                 flat = torch.empty(sum(sizes), dtype=torch.uint8, device=items[0][1].device)
                 chunk_cat(srcs, 0, 1, out=flat.view(1, -1))
                 dst = [o.view(-1).view(torch.uint8).view(W, n) for (_, o), n in zip(items, sizes)]
-            stack = comm.all_gather(flat, self.info.mesh, self.info.dp_dim)
-            split_with_sizes_copy(stack, sizes, dim=1, out=dst)
+        return comm.all_gather(flat, self.info.mesh, self.info.dp_dim, async_op=True), sizes, dst
+
+    @staticmethod
+    def all_gather_finish(pending: tuple | None) -> None:
+        """Wait for the all-gather and copy-out into the unsharded buffers."""
+        if pending is None:
+            return
+        work, sizes, dst = pending
+        with torch.no_grad():
+            split_with_sizes_copy(work.wait(), sizes, dim=1, out=dst)
 
     # -- reduce-scatter --------------------------------------------------------------------
     def reduce_grads(self, params: Sequence[FSDPParam], grads: Sequence[torch.Tensor | None]) -> list[DTensor | None]:
-        """Sharded gradients (average over dp) of the unsharded ``grads`` (``None`` stays ``None``)."""
+        """Sharded gradients (average over dp) of the unsharded ``grads`` (``None`` stays ``None``).
+
+        Without gradient sync (``set_requires_gradient_sync(False)``) the unsharded local
+        gradients are added to each parameter's ``accumulated`` buffer and nothing is returned;
+        the next synchronized backward reduces them together with its own.
+        """
+        local = [None if g is None else self._local_grad(p, g) for p, g in zip(params, grads)]
+        if not self.sync:
+            for p, g in zip(params, local):
+                if g is not None:
+                    dtype = self.reduce_dtype or g.dtype
+                    p.accumulated = g.to(dtype, copy=True) if p.accumulated is None else p.accumulated.add_(g)
+            return [None] * len(params)
+        for i, p in enumerate(params):
+            if p.accumulated is not None:
+                local[i] = p.accumulated if local[i] is None else p.accumulated.add_(local[i])
+                p.accumulated = None
         out: list[DTensor | None] = [None] * len(params)
         todo = []
-        for i, (p, g) in enumerate(zip(params, grads)):
+        for i, (p, g) in enumerate(zip(params, local)):
             if g is None:
                 continue
             if p.padded_numel == 0:
                 out[i] = p.wrap_grad(torch.zeros((p.rows, *p.rest), dtype=p.orig_dtype, device=p.padded.device))
                 continue
-            todo.append((i, p, self._local_grad(p, g)))
+            todo.append((i, p, g))
         if not todo:
             return out
         W = self.info.world

@@ -78,6 +78,7 @@ class FSDPParam:
         self.orig_id = id(param)
         self.orig_dtype = param.dtype
         self.requires_grad = param.requires_grad
+        self.accumulated: torch.Tensor | None = None  # unsharded local gradients of unsynchronized backwards
         self.tp_spec: DTensorSpec | None = None
         if isinstance(param, DTensor):
             self.tp_spec = DTensorSpec.build(param.device_mesh, param.placements, param.shape, None, param.dtype)
