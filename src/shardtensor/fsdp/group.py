@@ -10,8 +10,9 @@ the autograd version counters of the tensors the forward saved.
 
 ``_Unshard`` is the autograd edge: sharded parameters in, unsharded views out; its backward
 packs the unsharded gradients with ``chunk_cat`` (cast to the reduce dtype inside the copy),
-runs one reduce-scatter (average over dp; on HSDP then one all-reduce over the replicas) and returns the sharded gradients as DTensors with
-the sharded parameters' specs, so autograd accumulates them into ``param.grad``.
+runs one reduce-scatter (average over dp; on HSDP then one all-reduce over the replicas) and
+returns the sharded gradients as DTensors with the sharded parameters' specs, so autograd
+accumulates them into ``param.grad``.
 """
 from __future__ import annotations
 

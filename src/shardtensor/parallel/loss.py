@@ -122,7 +122,7 @@ class _ShardedCrossEntropy(torch.autograd.Function):
         sums = comm.all_reduce(torch.stack(rows), "sum", mesh, group)
         lse = sums[0].log()
         nll = (lse - sums[1]) * valid
-        total_w = float(n_classes) if weight is None else float(weight.sum())
+        total_w = n_classes if weight is None else weight.to(acc).sum()  # a tensor: no host sync
         smooth = (total_w * lse - sums[2]) * valid if smoothing else torch.zeros_like(nll)
         if weight is None:
             wt = valid.to(acc)

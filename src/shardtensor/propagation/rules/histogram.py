@@ -7,9 +7,9 @@
 
 ``multinomial`` draws the GLOBAL uniform numbers as the other random ops do (see
 ``shardtensor.rng``), each rank keeping its rows' part, so the result does not depend on the
-placements (it is not torch's own stream of draws).  With replacement a row inverts its CDF at uniform draws; without replacement it
-takes the top ``num_samples`` of ``log(p)`` plus Gumbel noise (the same distribution as
-torch's sequential draws).
+placements (it is not torch's own stream of draws).  With replacement a row inverts its CDF
+at uniform draws; without replacement it takes the top ``num_samples`` of ``log(p)`` plus
+Gumbel noise (the same distribution as torch's sequential draws).
 """
 from __future__ import annotations
 
