@@ -1,6 +1,11 @@
 """FSDP copy-in bandwidth: shardtensor's ``chunk_cat`` vs ``torch._chunk_cat`` vs a plain memcpy.
 
     python benchmarks/chunk_cat.py [--quick] [--mb 240] [--tensors 50] [--chunks 8] [--iters N]
+    python benchmarks/chunk_cat.py --device cuda [--quick]
+
+``--device cuda`` runs the GPU cases instead (see ``cuda_main``): CUDA-event timings of the
+one-launch Triton kernels against ``torch._chunk_cat(out=)``, ``torch.split_with_sizes_copy(out=)``,
+a device memcpy and our per-tensor ``copy_`` path, plus the CPU wall time of one call.
 
 Inputs: ``--tensors`` float32 tensors of about ``--mb`` MB in total, sizes along the chunked dim
 chosen (fixed seed) so that most of them need padding.  ``dim 0``: 2-D tensors ``(s_i, 512)``;
@@ -31,7 +36,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 import torch  # noqa: E402
 
-from shardtensor.kernels import chunk_cat  # noqa: E402
+from shardtensor.kernels import chunk_cat, split_with_sizes_copy  # noqa: E402
+from shardtensor.kernels import chunk_cat as _cc_module  # noqa: E402
 
 METHODS = ("memcpy", "torch", "torch out=", "ours", "ours out=")
 
@@ -92,14 +98,118 @@ def run_case(dim: int, threads: int, args: argparse.Namespace) -> Dict[str, obje
     return {"dim": dim, "threads": threads, "in_mb": in_bytes / 1e6, "out_mb": nbytes / 1e6, "gbs": gbs}
 
 
+# -- CUDA ------------------------------------------------------------------------------------
+
+CUDA_CASES = (  # name, tensor count, MB per tensor, dim, chunks, input dtype, output dtype
+    ("50 x 4.8 MB fp32, dim 0, 8 chunks", 50, 4.8, 0, 8, torch.float32, torch.float32),
+    ("50 x 4.8 MB bf16 -> fp32 out", 50, 4.8, 0, 8, torch.bfloat16, torch.float32),
+    ("50 x 2.4 MB bf16, dim 0, 8 chunks", 50, 2.4, 0, 8, torch.bfloat16, torch.bfloat16),
+    ("300 x 16 KB fp32, 8 chunks", 300, 0.016, 0, 8, torch.float32, torch.float32),
+    ("28 x 12 MB fp32, 64 chunks", 28, 12.0, 0, 64, torch.float32, torch.float32),
+)
+
+
+def _cuda_inputs(n: int, mb: float, dtype: torch.dtype, k: int, seed: int = 0) -> List[torch.Tensor]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        numel = max(1, int(mb * 1e6 / torch.finfo(dtype).bits * 8 * rng.uniform(0.8, 1.2)))
+        cols = 256 if numel >= 256 * 4 * k else 1
+        rows = max(1, numel // cols)
+        if rows % k == 0:
+            rows += 1
+        out.append(torch.randn(rows, cols, device="cuda").to(dtype))
+    return out
+
+
+def cuda_time(fns: Dict[str, Callable[[], object]], iters: int) -> Dict[str, tuple]:
+    """Per method: (GPU ms per call from CUDA events, CPU wall us per call), methods interleaved."""
+    gpu: Dict[str, List[float]] = {name: [] for name in fns}
+    cpu: Dict[str, List[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
+    torch.cuda.synchronize()
+    for _ in range(iters):
+        for name, fn in fns.items():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            a.record()
+            fn()
+            b.record()
+            cpu[name].append((time.perf_counter() - t0) * 1e6)
+            torch.cuda.synchronize()
+            gpu[name].append(a.elapsed_time(b))
+    return {name: (sorted(gpu[name])[len(gpu[name]) // 2], sorted(cpu[name])[len(cpu[name]) // 2]) for name in fns}
+
+
+def _cuda_chunk_cat_case(case: tuple, iters: int) -> list:
+    name, n, mb, dim, k, dt, odt = case
+    tensors = _cuda_inputs(n, mb, dt, k)
+    ref = torch._chunk_cat(tensors, dim, k).to(odt)
+    t_out, o_out, f_out = (torch.empty_like(ref) for _ in range(3))
+    src, buf = torch.empty_like(ref), torch.empty_like(ref)
+    fns = {
+        "memcpy": lambda: buf.copy_(src),
+        "torch out=": lambda: torch._chunk_cat(tensors, dim, k, out=t_out),
+        "ours out=": lambda: chunk_cat(tensors, dim, k, out=o_out),
+        "per-tensor copy_": lambda: _cc_module._chunk_cat_strided(tensors, dim, k, out=f_out),
+    }
+    res = cuda_time(fns, iters)
+    assert torch.equal(o_out, ref) and torch.equal(f_out, ref) and torch.equal(t_out, ref)
+    gbs = {m: ref.numel() * ref.element_size() / (res[m][0] * 1e-3) / 1e9 for m in fns}
+    return [name, f"{gbs['memcpy']:.0f}", f"{gbs['torch out=']:.0f}", f"{gbs['ours out=']:.0f}",
+            f"{gbs['per-tensor copy_']:.0f}", f"{gbs['ours out='] / gbs['torch out=']:.2f}",
+            f"{gbs['ours out='] / gbs['memcpy']:.2f}", f"{res['torch out='][1]:.0f}", f"{res['ours out='][1]:.0f}"]
+
+
+def _cuda_split_case(iters: int) -> list:
+    g = torch.Generator().manual_seed(1)
+    sizes = [int(s) for s in torch.randint(1_000, 200_000, (100,), generator=g)]
+    x = torch.randn(2, sum(sizes), device="cuda")
+    outs_t = [torch.empty(2, s, device="cuda") for s in sizes]
+    outs_o = [torch.empty(2, s, device="cuda") for s in sizes]
+    outs_f = [torch.empty(2, s, device="cuda") for s in sizes]
+    src, buf = torch.empty_like(x), torch.empty_like(x)
+    fns = {
+        "memcpy": lambda: buf.copy_(src),
+        "torch out=": lambda: torch.split_with_sizes_copy(x, sizes, 1, out=outs_t),
+        "ours out=": lambda: split_with_sizes_copy(x, sizes, 1, out=outs_o),
+        "per-tensor copy_": lambda: _cc_module._split_strided(x, 1, sizes, outs_f),
+    }
+    res = cuda_time(fns, iters)
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(outs_t, outs_o, outs_f))
+    gbs = {m: x.numel() * 4 / (res[m][0] * 1e-3) / 1e9 for m in fns}
+    return ["split_with_sizes_copy, 100 pieces, dim 1", f"{gbs['memcpy']:.0f}", f"{gbs['torch out=']:.0f}",
+            f"{gbs['ours out=']:.0f}", f"{gbs['per-tensor copy_']:.0f}", f"{gbs['ours out='] / gbs['torch out=']:.2f}",
+            f"{gbs['ours out='] / gbs['memcpy']:.2f}", f"{res['torch out='][1]:.0f}", f"{res['ours out='][1]:.0f}"]
+
+
+def cuda_main(args: argparse.Namespace) -> None:
+    """The GPU table: GB/s of output written (CUDA events, median of interleaved calls)."""
+    iters = 5 if args.quick else 20
+    rows = [_cuda_chunk_cat_case(c, iters) for c in CUDA_CASES] + [_cuda_split_case(iters)]
+    head = ["case", "memcpy", "torch out=", "ours out=", "per-tensor copy_", "ours/torch", "ours/memcpy",
+            "torch CPU us", "ours CPU us"]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+    for r in rows:
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    print(f"\nGB/s of output written; {torch.cuda.get_device_name()}, torch {torch.__version__}, median of {iters} "
+          "interleaved calls; CPU us = host wall time of one call.")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--quick", action="store_true", help="small size (8 MB, 10 tensors), few iterations")
     p.add_argument("--mb", type=float, default=240.0)
     p.add_argument("--tensors", type=int, default=50)
     p.add_argument("--chunks", type=int, default=8)
     p.add_argument("--iters", type=int, default=10)
     args = p.parse_args()
+    if args.device == "cuda":
+        cuda_main(args)
+        return
     if args.quick:
         args.mb, args.tensors, args.iters = 8.0, 10, 5
     rows = [run_case(dim, threads, args) for dim in (0, 1) for threads in (1, 2)]

@@ -21,7 +21,8 @@ import torch
 
 from shardtensor import Replicate, Shard, comm, distribute_tensor, init_device_mesh, run_spmd
 from shardtensor.async_tensor import AsyncLocalTensor, wait_tensor
-from shardtensor.comm import CollectiveTimeoutError, RankAbortedError
+from shardtensor.comm import (CollectiveMismatchError, CollectiveTimeoutError, RankAbortedError,
+                              StuckRanksError)
 from shardtensor.comm.base import Completed, Work, reduce_stack
 
 try:
@@ -335,7 +336,84 @@ def test_sim_missing_rank_times_out():
     assert results[3] is None
     for dt, msg in results[:3]:
         assert 0.45 < dt < 5
-        assert "timed out after 0.5s (3/4 ranks arrived; never arrived: ranks [3])" in msg
+        assert "all_to_all #0 over ranks (0, 1, 2, 3) timed out after 0.5s: ranks [3] never arrived (3/4 did)" in msg
+
+
+def test_sim_sleeping_rank_cannot_hang_run_spmd():
+    """A rank that never reaches the collective (it sleeps): run_spmd returns soon after the
+    timeout with the waiter's error, naming the missing rank and the collective, and a note
+    saying where the sleeper is."""
+    release = threading.Event()
+
+    def fn():
+        mesh = init_device_mesh("cpu", (WORLD,))
+        if mesh.get_rank() == 2:
+            release.wait(60)  # stands for a rank stuck in user code
+        comm.all_reduce(torch.ones(2), "sum", mesh, 0)
+
+    start = time.monotonic()
+    try:
+        with pytest.raises(CollectiveTimeoutError) as info:
+            run_spmd(fn, WORLD, timeout=1.0)
+        assert time.monotonic() - start < 6
+        msg = str(info.value)
+        assert "all_reduce #0 over ranks (0, 1, 2, 3) timed out after 1.0s: ranks [2] never arrived" in msg
+        notes = " ".join(getattr(info.value, "__notes__", []))
+        assert "ranks [2] were still running after the world failed" in notes and "in fn" in notes
+    finally:
+        release.set()
+
+
+def test_sim_spinning_rank_after_the_others_returned():
+    """The other ranks returned and one spins outside any collective: StuckRanksError names it."""
+    release = threading.Event()
+
+    def fn():
+        mesh = init_device_mesh("cpu", (2,))
+        while mesh.get_rank() == 1 and not release.is_set():
+            pass
+        return mesh.get_rank()
+
+    start = time.monotonic()
+    try:
+        with pytest.raises(StuckRanksError, match=r"ranks \[1\] were still running 0.5s after another rank returned"):
+            run_spmd(fn, 2, timeout=0.5)
+        assert time.monotonic() - start < 5
+    finally:
+        release.set()
+
+
+def test_sim_ranks_issuing_different_collectives_fail_at_once():
+    """Rank 1 all-gathers where rank 0 all-reduces: an error naming both, not mixed payloads."""
+
+    def fn():
+        mesh = init_device_mesh("cpu", (2,))
+        if mesh.get_rank() == 0:
+            return comm.all_reduce(torch.ones(2), "sum", mesh, 0)
+        time.sleep(0.2)
+        return comm.all_gather(torch.ones(2), mesh, 0)
+
+    start = time.monotonic()
+    with pytest.raises(CollectiveMismatchError, match="rank 1 called all_gather where rank 0 called all_reduce"):
+        run_spmd(fn, 2, timeout=30)
+    assert time.monotonic() - start < 5
+
+
+def test_sim_backward_runs_on_the_rank_thread():
+    """Each simulated rank runs autograd single-threaded, so on CUDA its backward (and the
+    collectives inside it) stays on the rank's own thread instead of torch's shared device thread."""
+
+    def fn():
+        seen = []
+        x = torch.ones(2, requires_grad=True)
+        y = x * 2
+        y.register_hook(lambda g: seen.append(threading.current_thread().name) or g)
+        y.sum().backward()
+        return torch.autograd.is_multithreading_enabled(), seen, threading.current_thread().name
+
+    for enabled, seen, me in run_spmd(fn, 2):
+        assert enabled is False and seen == [me]
+    assert torch.autograd.is_multithreading_enabled()
 
 
 def test_sim_ops_wait_once_through_async_tensor():

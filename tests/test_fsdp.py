@@ -490,10 +490,10 @@ def _tp_batch(step: int):
     return torch.randn(BATCH, 6, generator=g), torch.randn(BATCH, 6, generator=g)
 
 
-def _tp_reference(steps: int, only_up: bool = False):
+def _tp_reference(steps: int, only_up: bool = False, device: str = "cpu"):
     """Single-device training of TPMLP: Adam on every parameter, or (``only_up``) SGD on ``up``
     alone with the rest frozen; per-step losses and the trained parameters."""
-    model = _tp_build()
+    model = _tp_build().to(device)
     if only_up:
         model.down.requires_grad_(False)
         model.norm.requires_grad_(False)
@@ -502,7 +502,7 @@ def _tp_reference(steps: int, only_up: bool = False):
         o = torch.optim.Adam(model.parameters(), lr=0.01)
     losses = []
     for s in range(steps):
-        x, y = _tp_batch(s)
+        x, y = (t.to(device) for t in _tp_batch(s))
         o.zero_grad()
         loss = ((model(x) - y) ** 2).mean()
         loss.backward()
@@ -511,19 +511,19 @@ def _tp_reference(steps: int, only_up: bool = False):
     return losses, {n: p.detach() for n, p in model.named_parameters() if not only_up or n.startswith("up.")}
 
 
-def _tp_body(steps: int, form: str = "torch"):
+def _tp_body(steps: int, form: str = "torch", device: str = "cpu"):
     """torch's 2-D recipe (TP on mesh["tp"], then fully_shard on mesh["dp"]) or the ("dp", "tp") form."""
     from shardtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(device, (2, 2), mesh_dim_names=("dp", "tp"))
     dp = mesh.get_local_rank("dp")
-    model = _tp_build()
+    model = _tp_build().to(device)
     parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
     fully_shard(model, mesh=mesh["dp"] if form == "torch" else mesh)
     o = torch.optim.Adam(model.parameters(), lr=0.01)
     losses = []
     for s in range(steps):
-        x, y = _tp_batch(s)
+        x, y = (t.to(device) for t in _tp_batch(s))
         n = BATCH // 2
         o.zero_grad()
         loss = ((model(x[dp * n:(dp + 1) * n]) - y[dp * n:(dp + 1) * n]) ** 2).mean()

@@ -56,12 +56,29 @@ def _plan(args, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def _check_device(parser: argparse.ArgumentParser, device: str) -> None:
+    """``--device`` names a device this process has (a usage error, exit 2, otherwise)."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        parser.error(f"--device {device!r}: {e}")
+    if dev.type not in ("cpu", "cuda"):
+        parser.error(f"--device {device!r}: the demo runs on cpu or cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available here (torch.cuda.is_available() is False); "
+                     "use --device cpu")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardtensor", description="SPMD sharded tensors for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a tiny transformer with FSDP x TP on a (2, 2) mesh; losses vs one device")
-    demo.add_argument("--backend", choices=("sim", "gloo"), default="sim",
-                      help="sim: 4 ranks as threads in this process (default); gloo: 4 real processes")
+    demo.add_argument("--backend", choices=("sim", "gloo", "nccl"), default="sim",
+                      help="sim: 4 ranks as threads in this process (default); gloo: 4 real processes "
+                           "(or torchrun's); nccl: under torchrun, one GPU per rank")
+    demo.add_argument("--device", default="cpu", help="cpu (default) or cuda: where parameters and activations live")
     demo.add_argument("--steps", type=int, default=6, help="training steps (default 6)")
     demo.add_argument("--png", metavar="FILE", help="also plot the parameter pieces per rank to this PNG")
     sub.add_parser("tour", help="tour of placements, redistribution and elementwise ops on a (2, 2) mesh")
@@ -70,7 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from .train import main as train_main
 
-        return train_main(backend=args.backend, steps=args.steps, png=args.png)
+        _check_device(parser, args.device)
+        if args.backend == "nccl" and "RANK" not in os.environ:
+            parser.error("--backend nccl runs under torchrun, one process per GPU: "
+                         "torchrun --nproc-per-node <GPUs> -m shardtensor demo --backend nccl --device cuda")
+
+        return train_main(backend=args.backend, steps=args.steps, png=args.png, device=args.device)
     if args.command == "tour":
         from .demo import main as tour_main
 

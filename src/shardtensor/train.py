@@ -33,6 +33,7 @@ class Config:
     steps: int = 6
     lr: float = 1e-2
     seed: int = 0
+    device: str = "cpu"
 
 
 class Attention(nn.Module):
@@ -45,7 +46,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = (m(x).view(b, t, -1, self.hd).transpose(1, 2) for m in (self.q, self.k, self.v))
-        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
         att = (q @ k.transpose(-2, -1)) / math.sqrt(self.hd)
         att = torch.softmax(att.masked_fill(~mask, float("-inf")), dim=-1)
         return self.o((att @ v).transpose(1, 2).reshape(b, t, -1))
@@ -83,7 +84,7 @@ class TinyLM(nn.Module):
         self.head = nn.Linear(DIM, VOCAB)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1]))
+        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
         for blk in self.blocks:
             x = blk(x)
         return self.head(self.ln_f(x))
@@ -118,11 +119,11 @@ def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def reference_losses(cfg: Config) -> list[float]:
     """The same model and data on one device, whole batch."""
-    model = build_model(cfg.seed)
+    model = build_model(cfg.seed).to(cfg.device)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     out = []
     for s in range(cfg.steps):
-        x, y = batch(s, cfg.seed)
+        x, y = (t.to(cfg.device) for t in batch(s, cfg.seed))
         opt.zero_grad()
         loss = loss_of(model, x, y)
         loss.backward()
@@ -169,16 +170,16 @@ def train_rank(cfg: Config, ref: list[float], show: bool) -> RankResult:
     from .placement import display
 
     torch.manual_seed(cfg.seed)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(torch.device(cfg.device).type, (2, 2), mesh_dim_names=("dp", "tp"))
     dp = mesh.get_local_rank("dp")
     rank = mesh.get_rank()
-    model = parallelize(build_model(cfg.seed), mesh)
+    model = parallelize(build_model(cfg.seed).to(cfg.device), mesh)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     half = BATCH // 2
     res = RankResult([])
     t0 = time.perf_counter()
     for s in range(cfg.steps):
-        x, y = batch(s, cfg.seed)
+        x, y = (t.to(cfg.device) for t in batch(s, cfg.seed))
         with comm.CommLog(rank=rank) as log:
             opt.zero_grad()
             loss = loss_of(model, x[dp * half:(dp + 1) * half], y[dp * half:(dp + 1) * half])
@@ -253,15 +254,28 @@ def _draw(results: list[RankResult], path: str) -> None:
     plt.close(fig)
 
 
+def _process_device(device: str, local_rank: int) -> str:
+    """A process's device: ``cuda`` becomes ``cuda:<local rank mod GPU count>`` (ranks may share a GPU)."""
+    if torch.device(device).type != "cuda" or torch.device(device).index is not None:
+        return device
+    if not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: CUDA is not available in this process (torch.cuda.is_available() "
+                           "is False); run with --device cpu")
+    index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return f"cuda:{index}"
+
+
 def _gloo_rank(rank: int, world: int, port: int, cfg: Config, ref: list[float], q) -> None:
     import torch.distributed as dist
+    from dataclasses import replace
     from datetime import timedelta
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
-        res = train_rank(cfg, ref, show=rank == 0)
+        res = train_rank(replace(cfg, device=_process_device(cfg.device, rank)), ref, show=rank == 0)
         q.put((rank, res, None))
     except BaseException as e:  # noqa: BLE001
         q.put((rank, None, repr(e)))
@@ -297,37 +311,61 @@ def _spawn_gloo(cfg: Config, ref: list[float]) -> list[RankResult]:
     return [out[r] for r in range(4)]
 
 
-def main(backend: str = "sim", steps: int = 6, png: str | None = None) -> int:
-    """Entry of ``shardtensor demo``; exit code 0 when the losses match single-device training."""
-    cfg = Config(steps=steps)
-    ref = reference_losses(cfg)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        import torch.distributed as dist
+def _torchrun(cfg: Config, backend: str, png: str | None) -> int:
+    """Under ``torchrun``: this process is one rank; ``backend`` is gloo (also for CUDA tensors) or nccl."""
+    import torch.distributed as dist
+    from dataclasses import replace
 
-        if not dist.is_initialized():
+    device = _process_device(cfg.device, int(os.environ.get("LOCAL_RANK", "0")))
+    cfg = replace(cfg, device=device)
+    if not dist.is_initialized():
+        if backend == "nccl":
+            dist.init_process_group("nccl", device_id=torch.device(device))
+        else:
             dist.init_process_group("gloo")
-        rank = dist.get_rank()
-        if rank == 0:
-            print("shardtensor demo -- tiny transformer, FSDP (dp) x TP (tp) on a (2, 2) mesh, torchrun", flush=True)
-        res = train_rank(cfg, ref, show=rank == 0)
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, res)
-        ok = True
-        if rank == 0:
-            ok = report(gathered, ref, f"torch.distributed ({dist.get_backend()})", png)
-        dist.destroy_process_group()
-        return 0 if ok else 1
-    if backend == "gloo":
-        print("shardtensor demo -- tiny transformer, FSDP (dp) x TP (tp) on a (2, 2) mesh, 4 gloo processes",
+    rank = dist.get_rank()
+    ref = reference_losses(cfg)
+    if rank == 0:
+        print(f"shardtensor demo -- tiny transformer, FSDP (dp) x TP (tp) on a (2, 2) mesh, torchrun, {device}",
               flush=True)
+    res = train_rank(cfg, ref, show=rank == 0)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, res)
+    ok = True
+    if rank == 0:
+        ok = report(gathered, ref, f"torch.distributed ({dist.get_backend()}, {device})", png)
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+def main(backend: str = "sim", steps: int = 6, png: str | None = None, device: str = "cpu") -> int:
+    """Entry of ``shardtensor demo``; exit code 0 when the losses match single-device training.
+
+    ``backend``: ``sim`` (4 rank threads), ``gloo`` (4 spawned processes, or torchrun's), or
+    ``nccl`` (torchrun only, one GPU per rank).  ``device``: ``cpu`` or ``cuda`` (ranks share the
+    GPUs there are, round robin).
+    """
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: CUDA is not available (torch.cuda.is_available() is False); "
+                           "run with --device cpu")
+    cfg = Config(steps=steps, device=device)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _torchrun(cfg, "gloo" if backend == "sim" else backend, png)
+    if backend == "nccl":
+        raise RuntimeError("--backend nccl runs under torchrun (one process per GPU): "
+                           "torchrun --nproc-per-node 4 -m shardtensor demo --backend nccl --device cuda")
+    ref = reference_losses(cfg)
+    if backend == "gloo":
+        print(f"shardtensor demo -- tiny transformer, FSDP (dp) x TP (tp) on a (2, 2) mesh, 4 gloo processes, "
+              f"{device}", flush=True)
         results = _spawn_gloo(cfg, ref)
-        return 0 if report(results, ref, "4 gloo processes", png) else 1
+        return 0 if report(results, ref, f"4 gloo processes, {device}", png) else 1
     from .comm import run_spmd
 
-    print("shardtensor demo -- tiny transformer, FSDP (dp) x TP (tp) on a (2, 2) mesh, simulated world (4 ranks)",
-          flush=True)
+    print(f"shardtensor demo -- tiny transformer, FSDP (dp) x TP (tp) on a (2, 2) mesh, simulated world (4 ranks), "
+          f"{device}", flush=True)
     results = run_spmd(lambda: train_rank(cfg, ref, show=_is_rank0()), 4, timeout=600)
-    return 0 if report(results, ref, "simulated world", png) else 1
+    return 0 if report(results, ref, f"simulated world, {device}", png) else 1
 
 
 def _is_rank0() -> bool:

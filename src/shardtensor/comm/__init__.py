@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 
 from .base import DEFAULT_TIMEOUT_S, Completed, Group, Transport, Work, reduce_stack
-from .simulated import CollectiveTimeoutError, RankAbortedError, SimTransport, SimWorld, current_sim_transport, run_spmd
+from .simulated import (CollectiveMismatchError, CollectiveTimeoutError, RankAbortedError, SimTransport, SimWorld,
+                        StuckRanksError, current_sim_transport, run_spmd)
 
 if TYPE_CHECKING:
     from ..mesh import DeviceMesh
@@ -25,7 +26,8 @@ if TYPE_CHECKING:
 __all__ = [
     "CommEvent", "CommLog", "Transport", "add_listener", "remove_listener", "record", "current_transport",
     "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "all_to_all_v", "broadcast", "barrier", "run_spmd",
-    "RankAbortedError", "CollectiveTimeoutError", "reduce_stack", "DEFAULT_TIMEOUT_S", "scope", "listening",
+    "RankAbortedError", "CollectiveTimeoutError", "CollectiveMismatchError", "StuckRanksError", "reduce_stack",
+    "DEFAULT_TIMEOUT_S", "scope", "listening",
     "current_scope", "recording", "Work", "Completed", "current_world", "selected",
 ]
 

@@ -7,8 +7,12 @@ waiting rank wakes and raises, and the caller gets the first real error, naming 
 from __future__ import annotations
 
 import itertools
+import os
+import sys
+import sysconfig
 import threading
 import time
+import traceback
 from collections import defaultdict
 from typing import Any, Callable
 
@@ -26,10 +30,19 @@ class CollectiveTimeoutError(TimeoutError):
     """A collective did not complete within the timeout."""
 
 
-class _Slot:
-    __slots__ = ("data", "count", "readers", "arrived")
+class CollectiveMismatchError(RuntimeError):
+    """Ranks of one group issued different collectives at the same place in the group's order."""
 
-    def __init__(self, n: int) -> None:
+
+class StuckRanksError(TimeoutError):
+    """Ranks still ran after the world failed or its other ranks finished, past the timeout."""
+
+
+class _Slot:
+    __slots__ = ("kind", "data", "count", "readers", "arrived")
+
+    def __init__(self, kind: str, n: int) -> None:
+        self.kind = kind
         self.data: list[Any] = [None] * n
         self.arrived = [False] * n
         self.count = 0
@@ -51,11 +64,13 @@ class SimWorld:
         self.cond = threading.Condition()
         self.slots: dict[tuple, _Slot] = {}
         self.failed_rank: int | None = None
+        self.failed_at = 0.0
 
     def fail(self, rank: int) -> None:
         with self.cond:
             if self.failed_rank is None:
                 self.failed_rank = rank
+                self.failed_at = time.monotonic()
             self.cond.notify_all()
 
 
@@ -71,26 +86,32 @@ class SimTransport(Transport):
         self.world_id = world.id
         self._seq: dict[Group, int] = defaultdict(int)
 
-    def _exchange(self, group: Group, payload: Any) -> list[Any]:
+    def _exchange(self, kind: str, group: Group, payload: Any) -> list[Any]:
         """Deposit ``payload`` and return every group member's payload, in group order."""
         if len(group) == 1:
             return [payload]
         key = self._next_key(group)
         deadline = time.monotonic() + self.world.timeout
         with self.world.cond:
-            return self._collect_locked(key, group, self._deposit_locked(key, group, payload), deadline)
+            return self._collect_locked(key, group, self._deposit_locked(kind, key, group, payload), deadline)
 
     def _next_key(self, group: Group) -> tuple:
         key = (group, self._seq[group])
         self._seq[group] += 1
         return key
 
-    def _deposit_locked(self, key: tuple, group: Group, payload: Any) -> _Slot:
+    def _deposit_locked(self, kind: str, key: tuple, group: Group, payload: Any) -> _Slot:
         w = self.world
         n = len(group)
         slot = w.slots.get(key)
         if slot is None:
-            slot = w.slots[key] = _Slot(n)
+            slot = w.slots[key] = _Slot(kind, n)
+        elif slot.kind != kind:  # the ranks left SPMD order: fail now rather than mix payloads
+            first = group[slot.arrived.index(True)]
+            raise CollectiveMismatchError(
+                f"rank {self.rank} called {kind} where rank {first} called {slot.kind} "
+                f"(collective #{key[1]} over ranks {group}); every rank of a group must issue the same "
+                "collectives in the same order")
         i = group.index(self.rank)
         slot.data[i] = payload
         slot.arrived[i] = True
@@ -104,23 +125,22 @@ class SimTransport(Transport):
         n = len(group)
         while slot.count < n:
             if w.failed_rank is not None:
-                raise RankAbortedError(
-                    f"rank {self.rank}: collective over ranks {group} aborted because rank {w.failed_rank} failed"
-                )
+                raise RankAbortedError(f"rank {self.rank}: {slot.kind} over ranks {group} aborted because "
+                                       f"rank {w.failed_rank} failed")
             left = deadline - time.monotonic()
             if left <= 0:
+                missing = [r for r, a in zip(group, slot.arrived) if not a]
                 raise CollectiveTimeoutError(
-                    f"rank {self.rank}: collective over ranks {group} timed out after {w.timeout:.1f}s "
-                    f"({slot.count}/{n} ranks arrived; never arrived: ranks "
-                    f"{[r for r, a in zip(group, slot.arrived) if not a]})"
-                )
+                    f"rank {self.rank}: {slot.kind} #{key[1]} over ranks {group} timed out after "
+                    f"{w.timeout:.1f}s: ranks {missing} never arrived ({slot.count}/{n} did). Raise "
+                    "run_spmd(timeout=...) or SHARDTENSOR_COMM_TIMEOUT if they were only slow")
             w.cond.wait(min(left, 0.5))
         slot.readers += 1
         if slot.readers == n:
             del w.slots[key]
         return slot.data
 
-    def _work(self, group: Group, payload: Any, post: Callable[[list[Any]], torch.Tensor]) -> Work:
+    def _work(self, kind: str, group: Group, payload: Any, post: Callable[[list[Any]], torch.Tensor]) -> Work:
         """Deposit ``payload`` now, fixing its place in the group's order; collect at ``wait()``.
 
         The wait blocks until every member has deposited, under ``_exchange``'s failure and
@@ -132,7 +152,7 @@ class SimTransport(Transport):
         w = self.world
         n = len(group)
         with w.cond:
-            slot = self._deposit_locked(key, group, payload)
+            slot = self._deposit_locked(kind, key, group, payload)
 
         def collect() -> list[Any]:
             deadline = time.monotonic() + w.timeout
@@ -141,47 +161,43 @@ class SimTransport(Transport):
 
         return Work(collect, lambda: slot.count >= n, post)
 
+    def _run(self, kind: str, group: Group, payload: Any, post: Callable[[list[Any]], Any], async_op: bool) -> Any:
+        """One collective: ``post`` of every member's payload, now or at the ``Work``'s wait."""
+        if async_op:
+            return self._work(kind, group, payload, post)
+        return post(self._exchange(kind, group, payload))
+
     @staticmethod
     def _own(t: torch.Tensor) -> torch.Tensor:
         return t.detach().clone(memory_format=torch.contiguous_format)
 
     def all_gather(self, t, group, *, async_op=False):
-        if async_op:
-            return self._work(group, self._own(t), lambda parts: _stack_same(parts, group))
-        return _stack_same(self._exchange(group, self._own(t)), group)
+        return self._run("all_gather", group, self._own(t), lambda parts: _stack_same(parts, group), async_op)
 
     def all_reduce(self, t, op, group, *, async_op=False):
-        if async_op:
-            return self._work(group, self._own(t), lambda parts: _reduce_parts(parts, op, group))
-        return _reduce_parts(self._exchange(group, self._own(t)), op, group)
+        return self._run("all_reduce", group, self._own(t), lambda parts: _reduce_parts(parts, op, group), async_op)
 
     def reduce_scatter(self, t, op, group, *, async_op=False):
         me = group.index(self.rank)
-        if async_op:
-            return self._work(group, self._own(t), lambda parts: reduce_stack(torch.stack([p[me] for p in parts]), op))
-        parts = self._exchange(group, self._own(t))
-        return reduce_stack(torch.stack([p[me] for p in parts]), op)
+        return self._run("reduce_scatter", group, self._own(t),
+                         lambda parts: reduce_stack(torch.stack([p[me] for p in parts]), op), async_op)
 
     def all_to_all(self, t, group, *, async_op=False):
         me = group.index(self.rank)
-        if async_op:
-            return self._work(group, self._own(t), lambda parts: torch.stack([p[me] for p in parts]))
-        parts = self._exchange(group, self._own(t))
-        return torch.stack([p[me] for p in parts])
+        return self._run("all_to_all", group, self._own(t), lambda parts: torch.stack([p[me] for p in parts]),
+                         async_op)
 
     def all_to_all_v(self, sends, recv_shapes, group, *, async_op=False):
         me = group.index(self.rank)
         payload = [x.detach().clone() for x in sends]
-        if async_op:
-            return self._work(group, payload, lambda parts: [p[me] for p in parts])
-        return [p[me] for p in self._exchange(group, payload)]
+        return self._run("all_to_all_v", group, payload, lambda parts: [p[me] for p in parts], async_op)
 
     def broadcast(self, t, src, group):
-        parts = self._exchange(group, self._own(t) if group.index(self.rank) == src else None)
+        parts = self._exchange("broadcast", group, self._own(t) if group.index(self.rank) == src else None)
         return parts[src].clone()
 
     def barrier(self, group):
-        self._exchange(group, None)
+        self._exchange("barrier", group, None)
 
 
 def _reduce_parts(parts: list[torch.Tensor], op: str, group: Group) -> torch.Tensor:
@@ -215,10 +231,18 @@ def current_sim_transport() -> Transport | None:
 def run_spmd(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` once per rank of a simulated world; return results in rank order.
 
-    Inside ``fn`` the code is ordinary SPMD code: ``init_device_mesh("cpu", (2, 2))`` builds
-    a mesh over the simulated ranks.  Each rank has its own default random generators, copies
-    of the caller's (see :mod:`shardtensor.rng`).  If a rank raises, the other ranks stop at their next
-    collective and the first error is re-raised here with its rank in the message.
+    Inside ``fn`` the code is ordinary SPMD code: ``init_device_mesh("cpu", (2, 2))`` (or
+    ``"cuda"``) builds a mesh over the simulated ranks.  Each rank has its own default random
+    generators, copies of the caller's (see :mod:`shardtensor.rng`), and runs its autograd
+    backward on its own thread (torch would run every rank's CUDA backward on one shared engine
+    thread, where a collective inside backward waits forever for ranks queued behind it).
+
+    Nothing hangs: a collective waits at most ``timeout`` seconds (default
+    ``SHARDTENSOR_COMM_TIMEOUT``, 120) and then fails naming the ranks that never arrived.  If a
+    rank raises, the other ranks stop at their next collective and the first error is re-raised
+    here with its rank in the message.  A rank still running a few seconds after the world failed,
+    or ``timeout`` seconds after another rank returned, is left behind (a daemon thread) and named,
+    with the line it is at, in the error.
     """
     if not callable(fn):
         raise TypeError(f"run_spmd needs a callable, got {fn!r}")
@@ -233,7 +257,7 @@ def run_spmd(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float
     def body(rank: int) -> None:
         _ctx.transport = SimTransport(world, rank)
         try:
-            with rank_generators(cpu_state):
+            with rank_generators(cpu_state), torch.autograd.set_multithreading_enabled(False):
                 results[rank] = fn(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             errors[rank] = e
@@ -247,8 +271,7 @@ def run_spmd(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float
     for t in threads:
         t.start()
     try:
-        for t in threads:
-            t.join()
+        stuck = _join(threads, world)
     finally:
         torch.set_num_threads(old_threads)
     if errors:
@@ -256,8 +279,60 @@ def run_spmd(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float
         rank = world.failed_rank if world.failed_rank in real else min(real or errors)
         err = errors[rank]
         _tag_rank(err, rank, world_size)
+        if stuck and hasattr(err, "add_note"):
+            err.add_note(_stuck_text(threads, stuck, "after the world failed"))
         raise err
+    if stuck:
+        raise StuckRanksError(_stuck_text(threads, stuck, f"{world.timeout:.1f}s after another rank returned"))
     return results
+
+
+_GRACE_S = 5.0
+"""How long ranks may run on after the world failed before they are left behind."""
+
+
+def _join(threads: list[threading.Thread], world: SimWorld) -> list[int]:
+    """Wait for the rank threads; return the ranks given up on (see ``run_spmd``)."""
+    first_end: float | None = None
+    while True:
+        alive = [r for r, t in enumerate(threads) if t.is_alive()]
+        if not alive:
+            return []
+        now = time.monotonic()
+        if first_end is None and len(alive) < len(threads):
+            first_end = now
+        if world.failed_rank is not None:
+            deadline = world.failed_at + min(world.timeout, _GRACE_S)
+        elif first_end is not None:
+            deadline = first_end + world.timeout + 1.0  # a waiting peer's own timeout fires first
+        else:
+            deadline = float("inf")
+        if now > deadline:
+            return alive
+        threads[alive[0]].join(0.05)
+
+
+def _stuck_text(threads: list[threading.Thread], stuck: list[int], when: str) -> str:
+    """Name the ranks left behind and the line each is running."""
+    frames = sys._current_frames()
+    where = []
+    for r in stuck:
+        frame = frames.get(threads[r].ident or -1)
+        where.append(f"rank {r} at {_where(frame)}")
+    return (f"ranks {stuck} were still running {when}, outside any collective ({'; '.join(where)}); "
+            "their threads were left behind")
+
+
+def _where(frame: Any) -> str:
+    """The innermost line outside Python's standard library (and the innermost one, if it differs)."""
+    if frame is None:
+        return "an unknown line"
+    stack = traceback.extract_stack(frame)
+    std = sysconfig.get_paths()["stdlib"]
+    mine = next((f for f in reversed(stack) if not f.filename.startswith(std)), stack[-1])
+    text = f"{mine.filename}:{mine.lineno} in {mine.name}"
+    inner = stack[-1]
+    return text if inner is mine else f"{text}, inside {os.path.basename(inner.filename)}:{inner.lineno} {inner.name}"
 
 
 def _tag_rank(err: BaseException, rank: int, world_size: int) -> None:

@@ -166,7 +166,10 @@ class TorchDistTransport(Transport):
     def barrier(self, group):
         if len(group) > 1:
             pg, _ = self._pg(group)
-            dist.barrier(group=pg)
+            if self.backend == "nccl":  # NCCL's barrier runs on a device: name it, as torch asks
+                dist.barrier(group=pg, device_ids=[torch.cuda.current_device()])
+            else:
+                dist.barrier(group=pg)
 
 
 def _pending(work: dist.Work, out: torch.Tensor, keep: torch.Tensor | None = None,

@@ -36,7 +36,7 @@ def _bounds(x: torch.Tensor, lo: float, hi: float, mesh: Any, sharded: bool) -> 
     dims hold the same values, so the whole mesh gives the same extremes."""
     if lo == hi:
         ends = (torch.stack([-x.min(), x.max()]).to(torch.float64) if x.numel()
-                else torch.full((2,), -float("inf"), dtype=torch.float64))
+                else torch.full((2,), -float("inf"), dtype=torch.float64, device=x.device))
         if sharded:
             ends = comm.all_reduce(ends, "max", mesh, None)
         lo, hi = (-float(ends[0]), float(ends[1])) if torch.isfinite(ends[0]) else (0.0, 0.0)
@@ -69,7 +69,7 @@ def _check_probabilities(rows: torch.Tensor, num_samples: int, replacement: bool
         bad = 1
     elif rows.numel() and not replacement and int((rows > 0).sum(-1).min()) < num_samples:
         bad = 2
-    flag = comm.all_reduce(torch.tensor(bad, dtype=torch.int64), "max", spec.mesh, None)
+    flag = comm.all_reduce(torch.tensor(bad, dtype=torch.int64, device=rows.device), "max", spec.mesh, None)
     if int(flag) == 1:
         raise RuntimeError("multinomial: probability tensor contains either inf, nan or element < 0, or a row "
                            "sums to 0 (on some rank)")

@@ -272,7 +272,7 @@ def equal_rule(call: Call) -> Decision:
         def kernel(x: torch.Tensor, y: torch.Tensor) -> bool:
             from ... import comm
 
-            same = torch.tensor([1 if torch.equal(x, y) else 0], dtype=torch.int32)
+            same = torch.tensor([1 if torch.equal(x, y) else 0], dtype=torch.int32, device=x.device)
             return bool(comm.all_reduce(same, "min", mesh, None).item())
 
         return Decision(tuple(call.specs), None, False, None, kernel)
