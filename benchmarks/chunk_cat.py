@@ -26,6 +26,7 @@ The machine is a shared CPU box: only ratios within one run mean anything.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import random
 import sys
@@ -37,7 +38,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import torch  # noqa: E402
 
 from shardtensor.kernels import chunk_cat, split_with_sizes_copy  # noqa: E402
-from shardtensor.kernels import chunk_cat as _cc_module  # noqa: E402
+
+_cc_module = importlib.import_module("shardtensor.kernels.chunk_cat")  # the module, not the function
 
 METHODS = ("memcpy", "torch", "torch out=", "ours", "ours out=")
 
@@ -100,6 +102,8 @@ def run_case(dim: int, threads: int, args: argparse.Namespace) -> Dict[str, obje
 
 # -- CUDA ------------------------------------------------------------------------------------
 
+DEVICE = "cuda"
+
 CUDA_CASES = (  # name, tensor count, MB per tensor, dim, chunks, input dtype, output dtype
     ("50 x 4.8 MB fp32, dim 0, 8 chunks", 50, 4.8, 0, 8, torch.float32, torch.float32),
     ("50 x 4.8 MB bf16 -> fp32 out", 50, 4.8, 0, 8, torch.bfloat16, torch.float32),
@@ -118,7 +122,7 @@ def _cuda_inputs(n: int, mb: float, dtype: torch.dtype, k: int, seed: int = 0) -
         rows = max(1, numel // cols)
         if rows % k == 0:
             rows += 1
-        out.append(torch.randn(rows, cols, device="cuda").to(dtype))
+        out.append(torch.randn(rows, cols, device=DEVICE).to(dtype))
     return out
 
 
@@ -165,10 +169,10 @@ def _cuda_chunk_cat_case(case: tuple, iters: int) -> list:
 def _cuda_split_case(iters: int) -> list:
     g = torch.Generator().manual_seed(1)
     sizes = [int(s) for s in torch.randint(1_000, 200_000, (100,), generator=g)]
-    x = torch.randn(2, sum(sizes), device="cuda")
-    outs_t = [torch.empty(2, s, device="cuda") for s in sizes]
-    outs_o = [torch.empty(2, s, device="cuda") for s in sizes]
-    outs_f = [torch.empty(2, s, device="cuda") for s in sizes]
+    x = torch.randn(2, sum(sizes), device=DEVICE)
+    outs_t = [torch.empty(2, s, device=DEVICE) for s in sizes]
+    outs_o = [torch.empty(2, s, device=DEVICE) for s in sizes]
+    outs_f = [torch.empty(2, s, device=DEVICE) for s in sizes]
     src, buf = torch.empty_like(x), torch.empty_like(x)
     fns = {
         "memcpy": lambda: buf.copy_(src),

@@ -118,3 +118,65 @@ def test_nccl_world_size_one(tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env(), cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "NCCL OK" in res.stdout
+
+
+# -- the one-launch Triton copy kernels on CUDA, against the CPU kernels ---------------------
+
+_CC_CASES = [  # shapes, dim, chunks, input dtype, output dtype
+    ([(5, 3), (7,), (2, 4, 3), (1,)], 0, 4, torch.float32, torch.float32),
+    ([(1000, 7), (3,), (513, 2)], 0, 8, torch.bfloat16, torch.float32),
+    ([(9, 2), (4,)], 0, 3, torch.bfloat16, torch.bfloat16),
+    ([(2, 5, 3), (2, 7), (2, 1, 4)], 1, 2, torch.float32, torch.float32),
+    ([(40_000, 3), (40_000, 5)], 1, 2, torch.float32, torch.float32),  # 80,000 rows: two launches
+    ([(6, 4), (3,)], 0, 2, torch.int64, torch.int64),
+]
+
+
+@pytest.mark.parametrize("case", range(len(_CC_CASES)))
+def test_triton_chunk_cat_on_cuda_matches_the_cpu_kernel(case, monkeypatch):
+    from shardtensor.kernels import chunk_cat, gpu
+
+    shapes, dim, k, dt, odt = _CC_CASES[case]
+    g = torch.Generator().manual_seed(case)
+    cpu = [(torch.randn(s, generator=g) * 50).to(dt) for s in shapes]
+    cpu.append((torch.randn(shapes[0][::-1], generator=g) * 50).to(dt).transpose(0, -1))  # non-contiguous
+    want = chunk_cat(cpu, dim, k, out=torch.empty(0, dtype=odt))
+    calls = []
+    monkeypatch.setattr(gpu, "chunk_cat", lambda *a, f=gpu.chunk_cat: (calls.append(1), f(*a))[1])
+    out = torch.full(want.shape, 7, dtype=odt, device="cuda")
+    chunk_cat([t.cuda() for t in cpu], dim, k, out=out)
+    assert calls and torch.equal(out.cpu(), want)
+
+
+def test_triton_split_with_sizes_copy_on_cuda_matches_the_cpu_kernel():
+    from shardtensor.kernels import split_with_sizes_copy
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 1000, 2, generator=g)
+    sizes = [400, 0, 511, 89]
+    want = [torch.empty(0) for _ in sizes]
+    split_with_sizes_copy(x, sizes, 1, out=want)
+    outs = [torch.full_like(w, 9.0, device="cuda") for w in want]
+    split_with_sizes_copy(x.cuda(), sizes, 1, out=outs)
+    assert all(torch.equal(o.cpu(), w) for o, w in zip(outs, want))
+
+
+def test_triton_kernels_raise_before_any_write_on_cuda():
+    from shardtensor.kernels import chunk_cat
+
+    out = torch.full((2, 7), 3.0, device="cuda")
+    with pytest.raises(RuntimeError, match="elements"):
+        chunk_cat([torch.ones(5, device="cuda")], 0, 2, out=out)
+    assert torch.equal(out, torch.full((2, 7), 3.0, device="cuda"))
+
+
+def test_fsdp_packs_through_the_triton_kernels_on_cuda(monkeypatch):
+    from shardtensor.kernels import gpu
+
+    calls = {"cc": 0, "split": 0}
+    cc, sp = gpu.chunk_cat, gpu.split_with_sizes_copy
+    monkeypatch.setattr(gpu, "chunk_cat", lambda *a: (calls.__setitem__("cc", calls["cc"] + 1), cc(*a))[1])
+    monkeypatch.setattr(gpu, "split_with_sizes_copy",
+                        lambda *a: (calls.__setitem__("split", calls["split"] + 1), sp(*a))[1])
+    run_spmd(_tp_body, 4, 1, "torch", "cuda", timeout=60)
+    assert calls["cc"] > 0 and calls["split"] > 0, calls

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 import warnings
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -143,6 +144,7 @@ class _Plan(NamedTuple):
     ``out``'s and ``tensors[i]``'s storage offsets.  ``zeros``: ``(size, stride, offset)`` in ``out``.
     """
 
+    dim: int
     shape: Tuple[int, ...]
     numel: int
     dtype: torch.dtype
@@ -195,7 +197,7 @@ def _make_plan(tensors: List[torch.Tensor], dim: int, k: int) -> _Plan:
             zeros.append(((n_lead, k - q, width), (row_stride, total, 1), q * total + col))
         col += width
     shape = lead + (k, total)
-    return _Plan(shape, n_lead * k * total, tensors[0].dtype, tensors[0].device, tuple(copies), tuple(zeros))
+    return _Plan(d, shape, n_lead * k * total, tensors[0].dtype, tensors[0].device, tuple(copies), tuple(zeros))
 
 
 def _get_plan(tensors: List[torch.Tensor], dim: int, k: int) -> _Plan:
@@ -241,14 +243,45 @@ def chunk_cat(tensors: Sequence[torch.Tensor], dim: int, num_chunks: int,
         out = torch.empty(plan.shape, dtype=plan.dtype, device=plan.device)
     else:
         _check_chunk_cat_out(out, plan)
-    base = out.storage_offset()
     with torch.no_grad():
-        dsts = [out.as_strided(size, dst_stride, base + dst_off) for _, size, dst_stride, dst_off, _, _ in plan.copies]
-        srcs = [tensors[i].as_strided(size, src_stride, tensors[i].storage_offset() + src_off)
-                for i, size, _, _, src_stride, src_off in plan.copies]
-        torch._foreach_copy_(dsts, srcs)
-        if plan.zeros:
-            torch._foreach_zero_([out.as_strided(size, stride, base + off) for size, stride, off in plan.zeros])
+        if _one_launch(plan.device, [*tensors, out]):
+            from . import gpu
+
+            gpu.chunk_cat(tensors, plan.dim, num_chunks, out)
+        else:
+            _write_strided(plan, tensors, out)
+    return out
+
+
+def _one_launch(device: torch.device, tensors: Sequence[torch.Tensor]) -> bool:
+    """Use the one-launch Triton kernels (``.gpu``)?  ``SHARDTENSOR_TRITON``: ``auto`` (default: on
+    CUDA when Triton imports), ``1`` (on any device: CPU tensors need ``TRITON_INTERPRET=1``), ``0``."""
+    mode = os.environ.get("SHARDTENSOR_TRITON", "auto")
+    if mode == "0" or (mode != "1" and device.type != "cuda"):
+        return False
+    from . import gpu
+
+    return gpu.available() and gpu.supports(tensors)
+
+
+def _write_strided(plan: _Plan, tensors: List[torch.Tensor], out: torch.Tensor) -> None:
+    """The per-tensor path: one strided ``copy_`` per band piece and the padding zeroed (module doc)."""
+    base = out.storage_offset()
+    dsts = [out.as_strided(size, dst_stride, base + dst_off) for _, size, dst_stride, dst_off, _, _ in plan.copies]
+    srcs = [tensors[i].as_strided(size, src_stride, tensors[i].storage_offset() + src_off)
+            for i, size, _, _, src_stride, src_off in plan.copies]
+    torch._foreach_copy_(dsts, srcs)
+    if plan.zeros:
+        torch._foreach_zero_([out.as_strided(size, stride, base + off) for size, stride, off in plan.zeros])
+
+
+def _chunk_cat_strided(tensors: Sequence[torch.Tensor], dim: int, num_chunks: int, out: torch.Tensor) -> torch.Tensor:
+    """``chunk_cat(out=)`` on the per-tensor path whatever the device (benchmarks compare the two)."""
+    tensors = _as_tensor_list(tensors)
+    plan = _get_plan(tensors, dim, num_chunks)
+    _check_chunk_cat_out(out, plan)
+    with torch.no_grad():
+        _write_strided(plan, tensors, out)
     return out
 
 
@@ -321,12 +354,23 @@ def split_with_sizes_copy(tensor: torch.Tensor, split_sizes: Sequence[int], dim:
         if o.device != tensor.device:
             raise RuntimeError(f"split_with_sizes_copy expects out[{i}] on device {tensor.device}, got {o.device}")
     shape = list(tensor.shape)
+    for o, s in zip(out, sizes):
+        shape[d] = s
+        _resize_output(o, tuple(shape))
     with torch.no_grad():
-        off = 0
-        for o, s in zip(out, sizes):
-            shape[d] = s
-            _resize_output(o, tuple(shape))
-            if s:
-                o.copy_(tensor.narrow(d, off, s))
-            off += s
+        if all(o.is_contiguous() for o in out) and _one_launch(tensor.device, [tensor, *out]):
+            from . import gpu
+
+            gpu.split_with_sizes_copy(tensor, d, sizes, out)
+        else:
+            _split_strided(tensor, d, sizes, out)
     return None
+
+
+def _split_strided(tensor: torch.Tensor, d: int, sizes: Sequence[int], out: Sequence[torch.Tensor]) -> None:
+    """One ``copy_`` per piece from a ``narrow`` view (the per-tensor path; ``out`` already sized)."""
+    off = 0
+    for o, s in zip(out, sizes):
+        if s:
+            o.copy_(tensor.narrow(d, off, s))
+        off += s
