@@ -2,6 +2,7 @@
 
     python benchmarks/dispatch.py            # every op, meshes (4,) and (2, 2)
     python benchmarks/dispatch.py --quick    # fewer iterations (smoke run)
+    python benchmarks/dispatch.py --device cuda   # the same on CUDA tensors (host wall time per op)
 
 Both libraries run on torch's ``fake`` process-group backend (world 4, this process is rank 0;
 collectives return at once without moving data), one intra-op thread, 64x64 fp32 inputs.
@@ -31,13 +32,16 @@ import warnings
 import torch.nn.functional as F
 
 
-def _timeit(fn: Callable[[], object], iters: int, repeats: int = 5, before: Callable[[], None] | None = None) -> float:
+def _timeit(fn: Callable[[], object], iters: int, repeats: int = 5, before: Callable[[], None] | None = None,
+            after: Callable[[], None] = lambda: None) -> float:
+    """Median over ``repeats`` of the host time per call; ``after`` (a CUDA sync) runs between repeats."""
     for _ in range(max(3, iters // 10)):
         if before:
             before()
         fn()
     samples = []
     for _ in range(repeats):
+        after()
         if before:
             t_total = 0.0
             for _ in range(iters):
@@ -54,13 +58,13 @@ def _timeit(fn: Callable[[], object], iters: int, repeats: int = 5, before: Call
     return statistics.median(samples)
 
 
-def _cases(two_d: bool):
+def _cases(two_d: bool, device: str = "cpu"):
     """(name, fn, [(tensor, placements spec string)...]) — placements as ('S0','R'...) per mesh dim."""
     g = torch.Generator().manual_seed(0)
-    a = torch.randn(64, 64, generator=g)
-    b = torch.randn(64, 64, generator=g)
-    w = torch.randn(64, generator=g)
-    bias = torch.randn(64, generator=g)
+    a = torch.randn(64, 64, generator=g).to(device)
+    b = torch.randn(64, 64, generator=g).to(device)
+    w = torch.randn(64, generator=g).to(device)
+    bias = torch.randn(64, generator=g).to(device)
     if not two_d:
         S0, S1, R = ("S0",), ("S1",), ("R",)
         rows = S0
@@ -98,6 +102,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="where the tensors live; on cuda the times are host wall time per call")
     args = ap.parse_args()
     iters = args.iters or (50 if args.quick else 400)
     miss_iters = max(10, iters // 8)
@@ -126,7 +132,8 @@ def main() -> int:
         except AttributeError:
             pass
 
-    print(f"torch {torch.__version__}, fake process group (world 4, rank 0), 1 thread, 64x64 fp32; "
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    print(f"torch {torch.__version__}, {args.device}, fake process group (world 4, rank 0), 1 thread, 64x64 fp32; "
           f"{iters} iterations (hit), {miss_iters} (miss), median of 5 repeats")
     header = (f"{'mesh':7} {'op':13} {'local':>8} {'ours hit':>9} {'dt hit':>8} {'ours miss':>10} {'dt miss':>9}"
               f" {'hit/dt':>7} {'hit/local':>9} {'miss/dt':>8}")
@@ -135,9 +142,9 @@ def main() -> int:
     bad = 0
     ratios = []
     for mesh_shape in [(4,), (2, 2)]:
-        ours_mesh = st.init_device_mesh("cpu", mesh_shape)
-        dt_mesh = t_init("cpu", mesh_shape)
-        for name, fn, inputs in _cases(len(mesh_shape) == 2):
+        ours_mesh = st.init_device_mesh(args.device, mesh_shape)
+        dt_mesh = t_init(args.device, mesh_shape)
+        for name, fn, inputs in _cases(len(mesh_shape) == 2, args.device):
             ours_in = [st.distribute_tensor(t, ours_mesh, _placements(st, pl)) for t, pl in inputs]
             dt_in = [tdt.distribute_tensor(t, dt_mesh, _placements(tdt, pl)) for t, pl in inputs]
             local_in = [x.to_local() for x in ours_in]
@@ -150,11 +157,11 @@ def main() -> int:
             r_dt = fn(*dt_in)
             if [str(p) for p in r_ours.placements] != [str(p) for p in _norm(r_dt.placements)]:
                 print(f"   note: placements differ: ours {r_ours.placements}, DTensor {tuple(r_dt.placements)}")
-            t_local = _timeit(lambda: fn(*local_in), iters)
-            t_ours = _timeit(lambda: fn(*ours_in), iters)
-            t_dt = _timeit(lambda: fn(*dt_in), iters)
-            t_ours_miss = _timeit(lambda: fn(*ours_in), miss_iters, before=clear_cache)
-            t_dt_miss = _timeit(lambda: fn(*dt_in), miss_iters, before=dt_clear)
+            t_local = _timeit(lambda: fn(*local_in), iters, after=sync)
+            t_ours = _timeit(lambda: fn(*ours_in), iters, after=sync)
+            t_dt = _timeit(lambda: fn(*dt_in), iters, after=sync)
+            t_ours_miss = _timeit(lambda: fn(*ours_in), miss_iters, before=clear_cache, after=sync)
+            t_dt_miss = _timeit(lambda: fn(*dt_in), miss_iters, before=dt_clear, after=sync)
             r = (t_ours / t_dt, t_ours / t_local, t_ours_miss / t_dt_miss)
             ratios.append(r)
             print(f"{str(mesh_shape):7} {name:13} {t_local*1e6:7.1f}u {t_ours*1e6:8.1f}u {t_dt*1e6:7.1f}u "

@@ -129,6 +129,9 @@ _CC_CASES = [  # shapes, dim, chunks, input dtype, output dtype
     ([(2, 5, 3), (2, 7), (2, 1, 4)], 1, 2, torch.float32, torch.float32),
     ([(40_000, 3), (40_000, 5)], 1, 2, torch.float32, torch.float32),  # 80,000 rows: two launches
     ([(6, 4), (3,)], 0, 2, torch.int64, torch.int64),
+    ([(1001, 4), (64, 4), (4096,)], 0, 8, torch.float32, torch.float32),  # 16-byte accesses (VEC 4)
+    ([(1001, 8), (4096,)], 0, 8, torch.bfloat16, torch.float32),  # widening with 16-byte stores
+    ([(2048, 16), (512,)], 0, 8, torch.bfloat16, torch.bfloat16),  # VEC 8, 2048-wide blocks
 ]
 
 
@@ -139,20 +142,26 @@ def test_triton_chunk_cat_on_cuda_matches_the_cpu_kernel(case, monkeypatch):
     shapes, dim, k, dt, odt = _CC_CASES[case]
     g = torch.Generator().manual_seed(case)
     cpu = [(torch.randn(s, generator=g) * 50).to(dt) for s in shapes]
-    cpu.append((torch.randn(shapes[0][::-1], generator=g) * 50).to(dt).transpose(0, -1))  # non-contiguous
+    if case % 2:
+        cpu.append((torch.randn(shapes[0][::-1], generator=g) * 50).to(dt).transpose(0, -1))  # non-contiguous
     want = chunk_cat(cpu, dim, k, out=torch.empty(0, dtype=odt))
     calls = []
     monkeypatch.setattr(gpu, "chunk_cat", lambda *a, f=gpu.chunk_cat: (calls.append(1), f(*a))[1])
     out = torch.full(want.shape, 7, dtype=odt, device="cuda")
-    chunk_cat([t.cuda() for t in cpu], dim, k, out=out)
-    assert calls and torch.equal(out.cpu(), want)
+    ins = [t.cuda() for t in cpu]
+    for _ in range(2):  # the second call reuses the cached table
+        chunk_cat(ins, dim, k, out=out)
+        assert torch.equal(out.cpu(), want)
+        out.fill_(7)
+    assert len(calls) == 2
 
 
-def test_triton_split_with_sizes_copy_on_cuda_matches_the_cpu_kernel():
+@pytest.mark.parametrize("r", [2, 4])  # 4: every band a multiple of the 16-byte vector
+def test_triton_split_with_sizes_copy_on_cuda_matches_the_cpu_kernel(r):
     from shardtensor.kernels import split_with_sizes_copy
 
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(3, 1000, 2, generator=g)
+    x = torch.randn(3, 1000, r, generator=g)
     sizes = [400, 0, 511, 89]
     want = [torch.empty(0) for _ in sizes]
     split_with_sizes_copy(x, sizes, 1, out=want)
