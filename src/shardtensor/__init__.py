@@ -21,3 +21,17 @@ __all__ = [
 __all__ += ["distribute_module", "empty", "full", "ones", "rand", "randn", "zeros"]
 __all__ += ["MixedPrecisionPolicy", "fully_shard"]
 __version__ = "0.1.0"
+
+
+def _allow_in_weights_only_load() -> None:
+    """``torch.load(weights_only=True)`` (torch's default) rebuilds saved DTensors: the classes
+    a pickled DTensor names are registered as safe, as torch does for its own DTensor."""
+    import torch
+
+    from .placement import NormPartial, OrderedPlacements
+
+    torch.serialization.add_safe_globals([DTensor, DTensorSpec, DeviceMesh, Shard, Replicate, Partial, NormPartial,
+                                          OrderedPlacements])
+
+
+_allow_in_weights_only_load()

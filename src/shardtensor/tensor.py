@@ -123,6 +123,22 @@ class DTensor(torch.Tensor):
             return self._local_tensor
         return _ToLocal.apply(self, grad_placements)
 
+    # torch.distributed.checkpoint's protocol for tensor subclasses (see checkpoint.py)
+    def __create_write_items__(self, fqn: str, object: Any) -> list:
+        from .checkpoint import write_items
+
+        return write_items(fqn, self)
+
+    def __create_chunk_list__(self) -> list:
+        from .checkpoint import chunk_list
+
+        return chunk_list(self)
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        from .checkpoint import local_block
+
+        return local_block(self, index)
+
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """The whole global tensor on every rank (redistributes to Replicate)."""
         rep = self.redistribute(self.device_mesh, [Replicate()] * self.device_mesh.ndim)

@@ -279,6 +279,12 @@ def equal_rule(call: Call) -> Decision:
     return Decision((_replicate(a), _replicate(b)), None, True)
 
 
+@register(aten.is_pinned.default)
+def is_pinned_rule(call: Call) -> Decision:
+    """``is_pinned``: the local block's answer (every rank's block lives in the same kind of memory)."""
+    return Decision(tuple(call.specs), None, False)
+
+
 @register(aten._local_scalar_dense.default)
 def item_rule(call: Call) -> Decision:
     """``.item()`` needs the whole value on every rank."""
