@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from .tensor import DTensor
+    from ..tensor import DTensor
 
 __all__ = ["chunk_list", "local_block", "write_items"]
 
