@@ -315,14 +315,18 @@ def _torchrun(cfg: Config, backend: str, png: str | None) -> int:
     """Under ``torchrun``: this process is one rank; ``backend`` is gloo (also for CUDA tensors) or nccl."""
     import torch.distributed as dist
     from dataclasses import replace
+    from datetime import timedelta
+
+    from .comm import DEFAULT_TIMEOUT_S
 
     device = _process_device(cfg.device, int(os.environ.get("LOCAL_RANK", "0")))
     cfg = replace(cfg, device=device)
-    if not dist.is_initialized():
+    if not dist.is_initialized():  # with shardtensor's collective timeout: a missing rank fails, never hangs
+        timeout = timedelta(seconds=DEFAULT_TIMEOUT_S)
         if backend == "nccl":
-            dist.init_process_group("nccl", device_id=torch.device(device))
+            dist.init_process_group("nccl", device_id=torch.device(device), timeout=timeout)
         else:
-            dist.init_process_group("gloo")
+            dist.init_process_group("gloo", timeout=timeout)
     rank = dist.get_rank()
     ref = reference_losses(cfg)
     if rank == 0:

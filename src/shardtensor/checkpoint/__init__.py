@@ -31,14 +31,19 @@ if TYPE_CHECKING:
 __all__ = ["chunk_list", "local_block", "write_items"]
 
 
-def _block(t: "DTensor") -> tuple[torch.Size, torch.Size] | None:
-    """This rank's block (sizes, offsets) in the global tensor; None when it is empty."""
-    spec = t._spec
-    partial = [i for i, p in enumerate(spec.placements) if p.is_partial()]
+def _values_only(t: "DTensor") -> None:
+    """Refuse a Partial DTensor: its local tensors are unsummed terms, not values."""
+    partial = [i for i, p in enumerate(t._spec.placements) if p.is_partial()]
     if partial:
-        raise ValueError(f"cannot checkpoint a DTensor with placements {tuple(spec.placements)}: a Partial holds "
+        raise ValueError(f"cannot checkpoint a DTensor with placements {tuple(t._spec.placements)}: a Partial holds "
                          f"unsummed terms on mesh dims {partial}; redistribute it to Replicate (or Shard) first, "
                          "e.g. t.redistribute(t.device_mesh, [Replicate()] * t.device_mesh.ndim)")
+
+
+def _block(t: "DTensor") -> tuple[torch.Size, torch.Size] | None:
+    """This rank's block (sizes, offsets) in the global tensor; None when it is empty."""
+    _values_only(t)
+    spec = t._spec
     sizes, offsets = spec.local_shape_and_offset()
     if math.prod(sizes) == 0 and math.prod(spec.shape) > 0:
         return None
@@ -66,5 +71,5 @@ def write_items(fqn: str, t: "DTensor") -> list:
 
 def local_block(t: "DTensor", index: Any = None) -> torch.Tensor:
     """DCP's ``__get_tensor_shard__``: the local tensor (saved from, loaded into in place)."""
-    _block(t)  # the Partial check
+    _values_only(t)
     return t._local_tensor

@@ -18,6 +18,7 @@ load into a model parallelized differently.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -52,10 +53,11 @@ def _out(value: Any, opts: StateDictOptions) -> Any:
 
 
 def _finish(sd: dict[str, Any], opts: StateDictOptions) -> dict[str, Any]:
-    out = {k: _tree(v, opts) for k, v in sd.items()}  # every rank gathers: the collectives match
     if opts.full_state_dict and opts.cpu_offload and _rank() != 0:
+        # rank 0 alone keeps the tensors; the others gather too (the collectives must match) but copy nothing
+        _tree(sd, dataclasses.replace(opts, cpu_offload=False))
         return {}
-    return out
+    return {k: _tree(v, opts) for k, v in sd.items()}
 
 
 def _tree(v: Any, opts: StateDictOptions) -> Any:

@@ -358,7 +358,7 @@ def split_with_sizes_copy(tensor: torch.Tensor, split_sizes: Sequence[int], dim:
         shape[d] = s
         _resize_output(o, tuple(shape))
     with torch.no_grad():
-        if all(o.is_contiguous() for o in out) and _one_launch(tensor.device, [tensor, *out]):
+        if _one_launch(tensor.device, [tensor, *out]) and all(o.is_contiguous() for o in out):
             from . import gpu
 
             gpu.split_with_sizes_copy(tensor, d, sizes, out)
