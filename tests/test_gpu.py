@@ -189,3 +189,15 @@ def test_fsdp_packs_through_the_triton_kernels_on_cuda(monkeypatch):
                         lambda *a: (calls.__setitem__("split", calls["split"] + 1), sp(*a))[1])
     run_spmd(_tp_body, 4, 1, "torch", "cuda", timeout=60)
     assert calls["cc"] > 0 and calls["split"] > 0, calls
+
+
+def test_torch_compile_with_inductor_on_cuda():
+    """Inductor's CUDA kernels around shardtensor's traced collectives: a TP MLP forward and
+    backward, and a redistribution inside the graph, equal to eager shardtensor."""
+    from test_compile import _tp_mlp, _traced_collectives
+
+    torch._dynamo.reset()
+    assert run_spmd(_tp_mlp, 4, "inductor", None, "cuda", timeout=300) == [[True] * 6] * 4
+    torch._dynamo.reset()
+    for placements, kinds, in_graph, fwd, gx, gy in run_spmd(_traced_collectives, 4, "cuda", timeout=300):
+        assert kinds == ["all_to_all", "all_to_all"] and in_graph and fwd and gx and gy

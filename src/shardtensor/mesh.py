@@ -42,6 +42,7 @@ class DeviceMesh:
         self._shape = tuple(ranks.shape)
         self._all: Group = tuple(flat)
         self._coords: dict[int, tuple[int, ...]] = {r: c for r, c in zip(flat, _row_major(self._shape))}
+        self._rank_at = {c: r for r, c in self._coords.items()}
         self._groups: dict[int, list[Group]] = {}
         self._key = (device_type, self._shape, self._all, mesh_dim_names)
         self._hash = hash(self._key)
@@ -150,22 +151,25 @@ class DeviceMesh:
         if type(mesh_dim) is tuple:
             g = groups.get(mesh_dim)
             if g is None:
-                idx: list[object] = list(self._coords[rank])
-                for j in mesh_dim:
-                    idx[j] = slice(None)
-                sub = self.mesh[tuple(idx)]
-                asc = sorted(mesh_dim)
-                g = groups[mesh_dim] = tuple(sub.permute([asc.index(j) for j in mesh_dim]).flatten().tolist())
+                g = groups[mesh_dim] = self._group_along(self._coords[rank], mesh_dim)
             return g
         return groups[mesh_dim]
 
     def _groups_through(self, coord: tuple[int, ...]) -> dict:
-        out: dict = {}
-        for j in range(self.ndim):
-            idx: list[object] = list(coord)
-            idx[j] = slice(None)
-            out[j] = tuple(self.mesh[tuple(idx)].tolist())
-        return out
+        return {j: self._group_along(coord, (j,)) for j in range(self.ndim)}
+
+    def _group_along(self, coord: tuple[int, ...], dims: tuple[int, ...]) -> Group:
+        """The ranks sharing ``coord`` off ``dims``, row-major over ``dims`` as listed.
+
+        Plain Python, no tensor ops: it may first run while torch.compile traces with fake tensors.
+        """
+        out = []
+        for sub in itertools.product(*(range(self._shape[j]) for j in dims)):
+            c = list(coord)
+            for j, i in zip(dims, sub):
+                c[j] = i
+            out.append(self._rank_at[tuple(c)])
+        return tuple(out)
 
     def group_size(self, mesh_dim: int | tuple[int, ...] | None) -> int:
         if mesh_dim is None:
@@ -194,6 +198,9 @@ class DeviceMesh:
 
     def __hash__(self) -> int:
         return self._hash
+
+    def __deepcopy__(self, memo: dict) -> "DeviceMesh":  # a mesh describes ranks; it is never changed
+        return self
 
     def __repr__(self) -> str:
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""

@@ -30,6 +30,9 @@ class DTensorSpec:
     def __hash__(self) -> int:
         return self._hash
 
+    def __deepcopy__(self, memo: dict) -> "DTensorSpec":  # immutable (torch.compile copies guard metadata)
+        return self
+
     def __eq__(self, other: object) -> bool:
         if self is other:
             return True

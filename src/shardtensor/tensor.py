@@ -13,6 +13,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import comm
+from .compile import keep_dynamo_out, rank_key, stable_hash
 from .aliasing import check_placement_change, check_writes, forget_copies, note_copies, op_kind
 from .implicit import implicit_allowed, implicit_replication, plain_tensor_error
 from .mesh import DeviceMesh, resolve_mesh
@@ -178,12 +179,45 @@ class DTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return dispatch(func, args, kwargs or {})
 
+    # -- torch.compile (see compile.py): the metadata is the spec and the calling rank ----
     def __tensor_flatten__(self):
-        return ["_local_tensor"], self._spec
+        return ["_local_tensor"], (self._spec, rank_key())
 
     @staticmethod
-    def __tensor_unflatten__(inner, spec, outer_size, outer_stride):
-        return DTensor(inner["_local_tensor"], spec, requires_grad=inner["_local_tensor"].requires_grad)
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return DTensor(inner["_local_tensor"], meta[0], requires_grad=inner["_local_tensor"].requires_grad)
+
+    @classmethod
+    def __metadata_guard__(cls, orig, other) -> bool:
+        return orig[1] == other[1] and orig[0] == other[0]
+
+    def _stable_hash_for_caching(self) -> str:
+        """Key of torch.compile's on-disk caches: everything a trace depends on, the rank and
+        shardtensor's version included (a newer planner may trace the same call differently)."""
+        return stable_hash(self._spec, self._local_tensor)
+
+    def __coerce_tangent_metadata__(self) -> "DTensor":
+        """The layout AOTAutograd expects this output's gradient in: Partial reduced (a
+        gradient arrives whole, as ``backward()`` on a replicated loss gives it)."""
+        if not any(p.is_partial() for p in self._spec.placements):
+            return self
+        return self._moved_to(self._spec.with_placements([Replicate() if p.is_partial() else p
+                                                          for p in self._spec.placements]))
+
+    def __coerce_same_metadata_as_tangent__(self, meta, expected_type=None) -> "DTensor | None":
+        """A gradient that arrived in another layout, moved to the one the compiled backward expects."""
+        if expected_type is not None:
+            return None
+        want: DTensorSpec = meta[0]
+        return self._moved_to(self._spec.with_placements(want.placements, want.shard_order))
+
+    def _moved_to(self, target: DTensorSpec) -> "DTensor":
+        if target == self._spec:
+            return self
+        return DTensor(redistribute_local(self._local_tensor, self._spec, target), target)
+
+
+keep_dynamo_out()
 
 
 def dispatch(func, args: tuple, kwargs: dict) -> Any:

@@ -183,23 +183,55 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _run(kind: str, mesh: "DeviceMesh", mesh_dim: MeshDims, t: torch.Tensor, sent: int, received: int,
-         call: Callable[..., Any], async_op: bool = False) -> Any:
-    group = mesh.group_ranks(mesh_dim)
-    tr = mesh.transport
+def _bytes(kind: str, t: torch.Tensor, k: int) -> int:
+    """Bytes one rank sends (and receives) in a ring collective over ``k`` ranks."""
+    n = _nbytes(t)
+    return {"all_gather": (k - 1) * n, "all_reduce": 2 * (k - 1) * n // k}.get(kind, (k - 1) * n // k)
+
+
+def issue(kind: str, group: Group, mesh_dim: MeshDims, t: torch.Tensor, extra: tuple = (),
+          async_op: bool = False) -> Any:
+    """Run one data collective on the calling rank's transport and record it.
+
+    ``kind`` is all_gather, all_reduce, reduce_scatter or all_to_all; ``extra`` holds the
+    reduce op of the reducing ones.  This is the one place a transport is called from.
+    """
+    tr = current_transport()
+    fn = getattr(tr, kind)
     if len(group) == 1:
-        out = call(tr, group, False)
+        out = fn(t, *extra, group, async_op=False)
         return Completed(out) if async_op else out
+    b = _bytes(kind, t, len(group))
     t0 = time.perf_counter()
 
     def done(out: torch.Tensor) -> torch.Tensor:  # recorded when complete (at wait() for async work)
-        record(kind, mesh_dim, group, tr.rank, sent, received, t.dtype, tuple(t.shape), time.perf_counter() - t0,
+        record(kind, mesh_dim, group, tr.rank, b, b, t.dtype, tuple(t.shape), time.perf_counter() - t0,
                tr.name, tr.world_id)
         return out
 
     if async_op:
-        return call(tr, group, True).then(done)
-    return done(call(tr, group, False))
+        return fn(t, *extra, group, async_op=True).then(done)
+    return done(fn(t, *extra, group, async_op=False))
+
+
+def tracing(t: torch.Tensor) -> bool:
+    """Whether ``t`` belongs to a trace (torch.compile, or fake tensors) rather than to real data."""
+    if torch.compiler.is_compiling():
+        return True
+    from torch._subclasses.fake_tensor import is_fake
+
+    return type(t) is not torch.Tensor and is_fake(t)
+
+
+def _collective(kind: str, t: torch.Tensor, mesh: "DeviceMesh", mesh_dim: MeshDims, extra: tuple = (),
+                async_op: bool = False) -> Any:
+    group = mesh.group_ranks(mesh_dim)
+    if tracing(t):  # torch.compile traces: the graph gets an op that runs ``issue``
+        from .traced import traced
+
+        out = traced(kind, t, group, mesh_dim, extra)
+        return Completed(out) if async_op else out
+    return issue(kind, group, mesh_dim, t, extra, async_op)
 
 
 def all_gather(t: torch.Tensor, mesh: "DeviceMesh", mesh_dim: MeshDims, async_op: bool = False) -> Any:
@@ -207,31 +239,22 @@ def all_gather(t: torch.Tensor, mesh: "DeviceMesh", mesh_dim: MeshDims, async_op
 
     With ``async_op`` every collective here returns a ``Work`` (recorded when waited on).
     """
-    k = mesh.group_size(mesh_dim)
-    b = (k - 1) * _nbytes(t)
-    return _run("all_gather", mesh, mesh_dim, t, b, b, lambda tr, g, a: tr.all_gather(t, g, async_op=a), async_op)
+    return _collective("all_gather", t, mesh, mesh_dim, (), async_op)
 
 
 def all_reduce(t: torch.Tensor, op: str, mesh: "DeviceMesh", mesh_dim: MeshDims, async_op: bool = False) -> Any:
     """Element-wise ``op`` over the group (a new tensor)."""
-    k = mesh.group_size(mesh_dim)
-    b = 2 * (k - 1) * _nbytes(t) // k
-    return _run("all_reduce", mesh, mesh_dim, t, b, b, lambda tr, g, a: tr.all_reduce(t, op, g, async_op=a), async_op)
+    return _collective("all_reduce", t, mesh, mesh_dim, (op,), async_op)
 
 
 def reduce_scatter(t: torch.Tensor, op: str, mesh: "DeviceMesh", mesh_dim: MeshDims, async_op: bool = False) -> Any:
     """``t`` is ``(k, *s)``; group rank ``i`` gets ``op`` over every member's block ``i``."""
-    k = mesh.group_size(mesh_dim)
-    b = (k - 1) * _nbytes(t) // k
-    return _run("reduce_scatter", mesh, mesh_dim, t, b, b,
-                lambda tr, g, a: tr.reduce_scatter(t, op, g, async_op=a), async_op)
+    return _collective("reduce_scatter", t, mesh, mesh_dim, (op,), async_op)
 
 
 def all_to_all(t: torch.Tensor, mesh: "DeviceMesh", mesh_dim: MeshDims, async_op: bool = False) -> Any:
     """``t`` is ``(k, *s)``; block ``i`` goes to group rank ``i``; result block ``i`` came from it."""
-    k = mesh.group_size(mesh_dim)
-    b = (k - 1) * _nbytes(t) // k
-    return _run("all_to_all", mesh, mesh_dim, t, b, b, lambda tr, g, a: tr.all_to_all(t, g, async_op=a), async_op)
+    return _collective("all_to_all", t, mesh, mesh_dim, (), async_op)
 
 
 def all_to_all_v(sends: list[torch.Tensor], recv_shapes: list[tuple[int, ...]], mesh: "DeviceMesh",
@@ -239,7 +262,18 @@ def all_to_all_v(sends: list[torch.Tensor], recv_shapes: list[tuple[int, ...]], 
     """Unpadded all-to-all: ``sends[i]`` goes to group rank ``i``; result ``i`` (of shape
     ``recv_shapes[i]``) came from it.  Blocks may differ in shape; empty ones cost nothing."""
     group = mesh.group_ranks(mesh_dim)
-    tr = mesh.transport
+    if any(tracing(x) for x in sends[:1]):
+        from .traced import traced_all_to_all_v
+
+        out = traced_all_to_all_v(sends, recv_shapes, group, mesh_dim)
+        return Completed(out) if async_op else out
+    return issue_all_to_all_v(sends, recv_shapes, group, mesh_dim, async_op)
+
+
+def issue_all_to_all_v(sends: list[torch.Tensor], recv_shapes: list[tuple[int, ...]], group: Group,
+                       mesh_dim: MeshDims, async_op: bool = False) -> Any:
+    """``all_to_all_v`` on the calling rank's transport, recorded."""
+    tr = current_transport()
     me = group.index(tr.rank)
     if len(group) == 1:
         out1 = [sends[0].clone()]
@@ -247,17 +281,40 @@ def all_to_all_v(sends: list[torch.Tensor], recv_shapes: list[tuple[int, ...]], 
     es = sends[me].element_size()
     sent = sum(x.numel() for i, x in enumerate(sends) if i != me) * es
     received = sum(math.prod(s) for i, s in enumerate(recv_shapes) if i != me) * es
-    t = sends[me]
-    return _run("all_to_all", mesh, mesh_dim, t, sent, received,
-                lambda tr_, g, a: tr_.all_to_all_v(sends, recv_shapes, g, async_op=a), async_op)
+    t, t0 = sends[me], time.perf_counter()
+
+    def done(out: Any) -> Any:
+        record("all_to_all", mesh_dim, group, tr.rank, sent, received, t.dtype, tuple(t.shape),
+               time.perf_counter() - t0, tr.name, tr.world_id)
+        return out
+
+    if async_op:
+        return tr.all_to_all_v(sends, recv_shapes, group, async_op=True).then(done)
+    return done(tr.all_to_all_v(sends, recv_shapes, group, async_op=False))
 
 
 def broadcast(t: torch.Tensor, src: int, mesh: "DeviceMesh", mesh_dim: MeshDims) -> torch.Tensor:
     """Group rank ``src``'s ``t`` on every member (``t`` elsewhere gives only shape and dtype)."""
-    k = mesh.group_size(mesh_dim)
-    me = mesh.group_ranks(mesh_dim).index(mesh.transport.rank)
+    group = mesh.group_ranks(mesh_dim)
+    if tracing(t):
+        from .traced import traced
+
+        return traced("broadcast", t, group, mesh_dim, (src,))
+    return issue_broadcast(t, src, group, mesh_dim)
+
+
+def issue_broadcast(t: torch.Tensor, src: int, group: Group, mesh_dim: MeshDims) -> torch.Tensor:
+    """``broadcast`` on the calling rank's transport, recorded."""
+    tr = current_transport()
+    k, me = len(group), group.index(tr.rank)
+    if k == 1:
+        return tr.broadcast(t, src, group)
     sent, recv = ((k - 1) * _nbytes(t), 0) if me == src else (0, _nbytes(t))
-    return _run("broadcast", mesh, mesh_dim, t, sent, recv, lambda tr, g, a: tr.broadcast(t, src, g))
+    t0 = time.perf_counter()
+    out = tr.broadcast(t, src, group)
+    record("broadcast", mesh_dim, group, tr.rank, sent, recv, t.dtype, tuple(t.shape), time.perf_counter() - t0,
+           tr.name, tr.world_id)
+    return out
 
 
 def barrier(mesh: "DeviceMesh", mesh_dim: int | None = None) -> None:

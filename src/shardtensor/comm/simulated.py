@@ -228,6 +228,16 @@ def current_sim_transport() -> Transport | None:
     return _ctx.transport
 
 
+def _settle_fake_device_guard() -> None:
+    """Install, once and before the ranks start, the stand-in CUDA device guard that torch's
+    fake tensors install on a machine without a GPU.  torch.compile traces with fake tensors;
+    ranks entering them at once would swap that global guard while another uses it (torch 2.11
+    CUDA builds crash with a segmentation fault)."""
+    ensure = getattr(torch._C, "_ensureCUDADeviceGuardSet", None)
+    if ensure is not None and not torch.cuda.is_available():
+        ensure()
+
+
 def run_spmd(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` once per rank of a simulated world; return results in rank order.
 
@@ -265,6 +275,7 @@ def run_spmd(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float
         finally:
             _ctx.transport = None
 
+    _settle_fake_device_guard()
     old_threads = torch.get_num_threads()
     torch.set_num_threads(1)  # rank threads + torch's intra-op pool oversubscribe the cores badly
     threads = [threading.Thread(target=body, args=(r,), name=f"shardtensor-rank{r}", daemon=True) for r in range(world_size)]

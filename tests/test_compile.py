@@ -1,0 +1,145 @@
+"""torch.compile over DTensors: eager, aot_eager and inductor give what eager shardtensor gives.
+
+Each case runs a function or a TP model compiled and uncompiled on the same inputs, forward
+and backward, in the simulated world (ranks are threads that share dynamo's cache, so the
+rank guard matters) and in gloo processes.  The graphs must hold shardtensor's collectives
+as ops (``shardtensor::all_to_all`` ...) and run them when the compiled code runs.
+"""
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from distributed import gloo_available, run_multiprocess  # noqa: E402
+
+from shardtensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh, run_spmd  # noqa: E402
+from shardtensor.comm import recording  # noqa: E402
+from shardtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
+
+BACKENDS = ["eager", "aot_eager", "inductor"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, backend: str) -> bool:
+    tol = 0 if backend == "eager" else 1e-6 if backend == "aot_eager" else 1e-5  # fusions reorder float math
+    return bool(torch.allclose(a, b, rtol=tol, atol=tol))
+
+
+def _redistribute_fn(backend: str):
+    mesh = init_device_mesh("cpu", (2, 2))
+    torch.manual_seed(0)
+    a = torch.randn(7, 5)
+    x = distribute_tensor(a, mesh, [Shard(0), Shard(1)])
+
+    def g(t):
+        r = t.redistribute(mesh, [Replicate(), Shard(0)])
+        return (r * 2 + 1).relu(), r.sum()
+
+    out, total = torch.compile(g, backend=backend)(x)
+    ref, ref_total = g(x)
+    assert out.placements == ref.placements and total.placements == ref_total.placements
+    return (_close(out.full_tensor(), ref.full_tensor(), backend) and _close(total.full_tensor(), ref_total.full_tensor(), backend)
+            and torch.allclose(ref.full_tensor(), (a * 2 + 1).relu()))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_compiled_redistribute_equals_eager(backend):
+    assert run_spmd(_redistribute_fn, 4, backend) == [True] * 4
+
+
+def _traced_collectives(device: str = "cpu"):
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs: list[str] = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm.code)
+        return make_boxed_func(gm)
+
+    mesh = init_device_mesh(device, (4,))
+    torch.manual_seed(0)
+    a, b = torch.randn(7, 6, device=device), torch.randn(7, 6, device=device)  # uneven over 4: graphs differ
+    x = distribute_tensor(a, mesh, [Shard(0)]).requires_grad_()
+    y = distribute_tensor(b, mesh, [Shard(1)]).requires_grad_()
+    g = torch.compile(lambda x, y: (x * y.sin()).sum(0), backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    with recording() as log:
+        out = g(x, y)
+        out = g(x, y)  # no recompilation: the second call reuses the graph
+    kinds = [e.kind for e in log.events if e.rank == mesh.get_rank()]
+    out.sum().backward()
+    a.requires_grad_(), b.requires_grad_()
+    (a * b.sin()).sum().backward()
+    return (out.placements, kinds, any("shardtensor.all_to_all" in c for c in graphs),
+            torch.allclose(out.full_tensor(), (a * b.sin()).sum(0).detach()),
+            torch.allclose(x.grad.full_tensor(), a.grad), torch.allclose(y.grad.full_tensor(), b.grad))
+
+
+def test_implicit_redistribution_becomes_a_traced_collective_that_runs_and_is_recorded():
+    res = run_spmd(_traced_collectives, 4)
+    for placements, kinds, in_graph, fwd, gx, gy in res:
+        assert placements == (Partial(),)
+        assert kinds == ["all_to_all", "all_to_all"], kinds  # one per call, recorded by the compiled code
+        assert in_graph and fwd and gx and gy
+
+
+def _tp_mlp(backend: str, world: int | None = None, device: str = "cpu"):
+    """A TP MLP compiled and not: equal outputs and gradients, and both near one device's."""
+    mesh = init_device_mesh(device, (world or 4,))
+    torch.manual_seed(1)
+    dense = nn.Sequential(nn.Linear(16, 30), nn.ReLU(), nn.Linear(30, 16)).to(device)  # 30 hidden: uneven over 4
+    models = []
+    for _ in range(2):
+        m = nn.Sequential(nn.Linear(16, 30), nn.ReLU(), nn.Linear(30, 16)).to(device)
+        m.load_state_dict(dense.state_dict())
+        models.append(parallelize_module(m, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()}))
+    compiled = torch.compile(models[0], backend=backend)
+    ok = []
+    for step in range(2):
+        inp = torch.randn(5, 16, generator=torch.Generator().manual_seed(step)).to(device)
+        out, eager, want = compiled(inp), models[1](inp), dense(inp)
+        ok.append(not isinstance(out, DTensor) and _close(out, eager, backend) and torch.allclose(out, want, atol=1e-5))
+        for o in (out, eager, want):
+            o.square().sum().backward()
+    for p, q, r in zip(models[0].parameters(), models[1].parameters(), dense.parameters()):
+        g = p.grad.full_tensor()
+        ok.append(_close(g, q.grad.full_tensor(), backend) and torch.allclose(g, r.grad, atol=1e-5))
+    return ok
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_compiled_tp_mlp_trains_like_one_device(backend):
+    assert run_spmd(_tp_mlp, 4, backend) == [[True] * 6] * 4
+
+
+def test_the_compile_metadata_names_the_rank():
+    def fn():
+        mesh = init_device_mesh("cpu", (2,))
+        x = distribute_tensor(torch.ones(4), mesh, [Shard(0)])
+        _, meta = x.__tensor_flatten__()
+        other = (meta[0], 1 - meta[1])
+        return meta[1], DTensor.__metadata_guard__(meta, meta), DTensor.__metadata_guard__(meta, other)
+
+    assert run_spmd(fn, 2) == [(0, True, False), (1, True, False)]
+
+
+def _gloo_compiled(rank: int, world: int, backend: str):
+    torch._dynamo.reset()
+    return _tp_mlp(backend, world)
+
+
+@pytest.mark.skipif(not gloo_available(), reason="needs gloo")
+def test_compiled_tp_mlp_in_gloo_processes():
+    res = run_multiprocess(_gloo_compiled, 2, timeout=240, args=("aot_eager",))
+    assert res == [[True] * 6] * 2, res
