@@ -189,3 +189,65 @@ def _model_round_trip(rank: int, world: int, path: str, save_kind: str, load_kin
 def test_model_state_dict_moves_between_tp_fsdp_and_2d(tmp_path, save_kind, load_kind):
     res = run_multiprocess(_model_round_trip, WORLD, timeout=120, args=(str(tmp_path / "ckpt"), save_kind, load_kind))
     assert res == [[]] * WORLD, res
+
+
+# -- shardtensor.checkpoint.save / load: DCP's, in the simulated world too ---------------------
+
+def _sim_round_trip(path: str, save_layout: str, load_layout: str):
+    from shardtensor.checkpoint import load, save
+
+    save(_state(save_layout, True), checkpoint_id=path)
+    target = _state(load_layout, False)
+    load(target, checkpoint_id=path)
+    return [name for name, t in target.items()
+            if not torch.equal(_bits(t.full_tensor()), _bits(_value(name)))
+            or t.placements != _state(load_layout, False)[name].placements]
+
+
+@pytest.mark.parametrize("save_layout,load_layout", PAIRS)
+def test_save_and_load_reshard_in_the_simulated_world(tmp_path, save_layout, load_layout):
+    assert run_spmd(_sim_round_trip, WORLD, str(tmp_path / "ckpt"), save_layout, load_layout) == [[]] * WORLD
+
+
+def _sim_save(path: str, layout: str):
+    from shardtensor.checkpoint import save
+
+    save(_state(layout, True), checkpoint_id=path)
+
+
+def _dcp_load(rank: int, world: int, path: str, layout: str):
+    import torch.distributed.checkpoint as dcp
+
+    target = _state(layout, False)
+    dcp.load(target, checkpoint_id=path)
+    return [name for name, t in target.items() if not torch.equal(_bits(t.full_tensor()), _bits(_value(name)))]
+
+
+def test_a_simulated_checkpoint_is_dcps_format(tmp_path):
+    """Saved by four simulated ranks; read back whole by DCP in one process with no process group."""
+    import torch.distributed.checkpoint as dcp
+
+    path = str(tmp_path / "ckpt")
+    run_spmd(_sim_save, WORLD, path, "(S0,S0) tp-first on (2,2)")
+    whole = {name: torch.full(shape, 7, dtype=dtype) for name, (shape, dtype) in TENSORS.items()}
+    dcp.load(whole, checkpoint_id=path)
+    assert all(torch.equal(_bits(t), _bits(_value(name))) for name, t in whole.items())
+
+
+@pytest.mark.skipif(not gloo_available(), reason="needs gloo")
+def test_saved_in_the_simulated_world_loaded_by_gloo_processes(tmp_path):
+    path = str(tmp_path / "ckpt")
+    run_spmd(_sim_save, WORLD, path, "S1 on (4,)")
+    assert run_multiprocess(_dcp_load, WORLD, timeout=120, args=(path, "(R,S0) on (2,2)")) == [[]] * WORLD
+
+
+def _sim_partial(path: str):
+    from shardtensor.checkpoint import save
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    save({"p": DTensor.from_local(torch.ones(3), mesh, [Partial()])}, checkpoint_id=path)
+
+
+def test_the_simulated_world_refuses_a_partial_dtensor(tmp_path):
+    with pytest.raises(ValueError, match="Partial.*redistribute"):
+        run_spmd(_sim_partial, WORLD, str(tmp_path / "ckpt"), timeout=30)

@@ -14,6 +14,8 @@ So the files are DCP's own format: each saved block is a chunk of a global tenso
 reads whatever chunks overlap the blocks of the target layout.  A checkpoint saved on one mesh,
 placement or nesting order loads into any other, or into plain tensors with DCP's tools.
 
+``save`` and ``load`` (in ``saving.py``) are DCP's, and also work in the simulated world.
+
 A ``Partial`` DTensor holds unsummed terms, not values, and is refused with an error that
 says to redistribute it first.  A rank whose block is empty (7 rows over 8 ranks, say) writes
 and reads nothing.
@@ -28,7 +30,7 @@ import torch
 if TYPE_CHECKING:
     from ..tensor import DTensor
 
-__all__ = ["chunk_list", "local_block", "write_items"]
+__all__ = ["chunk_list", "load", "local_block", "save", "write_items"]
 
 
 def _values_only(t: "DTensor") -> None:
@@ -73,3 +75,6 @@ def local_block(t: "DTensor", index: Any = None) -> torch.Tensor:
     """DCP's ``__get_tensor_shard__``: the local tensor (saved from, loaded into in place)."""
     _values_only(t)
     return t._local_tensor
+
+
+from .saving import load, save  # noqa: E402  (DCP's save and load, the simulated world included)

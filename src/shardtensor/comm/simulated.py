@@ -199,6 +199,10 @@ class SimTransport(Transport):
     def barrier(self, group):
         self._exchange("barrier", group, None)
 
+    def gather_objects(self, payload: Any) -> list[Any]:
+        """Every rank's ``payload`` (any Python object, not copied), in rank order, on every rank."""
+        return self._exchange("gather_objects", tuple(range(self.world_size)), payload)
+
 
 def _reduce_parts(parts: list[torch.Tensor], op: str, group: Group) -> torch.Tensor:
     return reduce_stack(_stack_same(parts, group), op) if len(parts) > 1 else parts[0]
