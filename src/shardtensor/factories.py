@@ -39,8 +39,7 @@ def _make(who: str, size: tuple[int, ...], fill: Any, *, dtype: torch.dtype | No
     placements = tuple(placements) if placements is not None else (Replicate(),) * mesh.ndim
     dtype = dtype if dtype is not None else torch.get_default_dtype()
     spec = DTensorSpec.build(mesh, placements, size, None, dtype)
-    whole = spec.with_placements([Replicate() if isinstance(p, Partial) else p for p in spec.placements],
-                                 spec.shard_order)
+    whole = spec.unpartial()
     if mesh.get_coordinate() is None:
         local = empty_local(whole, mesh.device)
     else:

@@ -118,6 +118,11 @@ ShardOrder = tuple[tuple[int, tuple[int, ...]], ...]
 """``((tensor_dim, (mesh_dim, ...)), ...)`` sorted by tensor dim, first-applied mesh dim first."""
 
 
+def unpartial(placements: Sequence[Placement]) -> tuple[Placement, ...]:
+    """Every Partial -> Replicate: the placements once the pending reductions are done."""
+    return tuple(Replicate() if p.is_partial() else p for p in placements)
+
+
 def chunk(length: int, k: int, r: int) -> tuple[int, int]:
     """Size and offset of piece ``r`` when ``length`` is split into ``k`` torch.chunk pieces."""
     c = -(-length // k) if length else 0

@@ -8,7 +8,7 @@ import torch
 
 from .mesh import DeviceMesh
 from .placement import (Placement, ShardOrder, default_shard_order, display, local_shape_and_offset,
-                        normalize_placements, validate_shard_order)
+                        normalize_placements, unpartial, validate_shard_order)
 
 
 @dataclass(frozen=True, eq=False)
@@ -58,6 +58,12 @@ class DTensorSpec:
 
     def with_placements(self, placements: Sequence[Placement], shard_order: ShardOrder | None = None) -> "DTensorSpec":
         return DTensorSpec.build(self.mesh, placements, self.shape, self.stride, self.dtype, shard_order)
+
+    def unpartial(self) -> "DTensorSpec":
+        """This spec with every Partial reduced to Replicate (itself when none is Partial)."""
+        if not any(p.is_partial() for p in self.placements):
+            return self
+        return self.with_placements(unpartial(self.placements), self.shard_order)
 
     def with_dtype(self, dtype: torch.dtype) -> "DTensorSpec":
         return replace(self, dtype=dtype)

@@ -19,7 +19,7 @@ from .implicit import implicit_allowed, implicit_replication, plain_tensor_error
 from .mesh import DeviceMesh, resolve_mesh
 from .pieces import check_pieces, check_shape, layout_stride, local_order
 from .placement import (OrderedPlacements, Partial, Placement, Replicate, Shard, chunk, display,
-                        local_shape_and_offset, normalize_placements)
+                        local_shape_and_offset, normalize_placements, unpartial)
 from .listops import is_list_op, run_per_mesh
 from .propagation import MeshMismatchError, flatten_call, propagate, route, unflatten_call
 from .redistribute import redistribute_local
@@ -199,10 +199,7 @@ class DTensor(torch.Tensor):
     def __coerce_tangent_metadata__(self) -> "DTensor":
         """The layout AOTAutograd expects this output's gradient in: Partial reduced (a
         gradient arrives whole, as ``backward()`` on a replicated loss gives it)."""
-        if not any(p.is_partial() for p in self._spec.placements):
-            return self
-        return self._moved_to(self._spec.with_placements([Replicate() if p.is_partial() else p
-                                                          for p in self._spec.placements]))
+        return self._moved_to(self._spec.unpartial())
 
     def __coerce_same_metadata_as_tangent__(self, meta, expected_type=None) -> "DTensor | None":
         """A gradient that arrived in another layout, moved to the one the compiled backward expects."""
@@ -399,8 +396,7 @@ class _FromLocal(torch.autograd.Function):
         kinds = {p.reduce_op for p in spec.placements if isinstance(p, Partial)}
         if kinds - {"sum", "avg"}:
             raise NotImplementedError(f"backward of from_local with {display(spec.placements)} (Partial {sorted(kinds)})")
-        target = DTensorSpec.build(spec.mesh, [Replicate() if p.is_partial() else p for p in spec.placements],
-                                   grad.shape, grad.stride(), grad.dtype, spec.shard_order)
+        target = DTensorSpec.build(spec.mesh, unpartial(spec.placements), grad.shape, grad.stride(), grad.dtype, spec.shard_order)
         local = redistribute_local(grad._local_tensor, grad._spec, target)
         for j, p in enumerate(spec.placements):
             if p == Partial("avg"):
@@ -453,8 +449,7 @@ class _Redistribute(torch.autograd.Function):
         if local.dtype != want:
             local = local.to(want)
             gspec = gspec.with_dtype(want)
-        target_pl = [Replicate() if p.is_partial() else p for p in src.placements]
-        target = DTensorSpec.build(src.mesh, target_pl, gspec.shape, gspec.stride, want, src.shard_order)
+        target = DTensorSpec.build(src.mesh, unpartial(src.placements), gspec.shape, gspec.stride, want, src.shard_order)
         local = redistribute_local(local, gspec, target)
         if local.dtype != ctx.orig_dtype:
             local = local.to(ctx.orig_dtype)

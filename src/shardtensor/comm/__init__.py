@@ -194,24 +194,31 @@ def issue(kind: str, group: Group, mesh_dim: MeshDims, t: torch.Tensor, extra: t
     """Run one data collective on the calling rank's transport and record it.
 
     ``kind`` is all_gather, all_reduce, reduce_scatter or all_to_all; ``extra`` holds the
-    reduce op of the reducing ones.  This is the one place a transport is called from.
+    reduce op of the reducing ones.
     """
-    tr = current_transport()
-    fn = getattr(tr, kind)
-    if len(group) == 1:
-        out = fn(t, *extra, group, async_op=False)
-        return Completed(out) if async_op else out
     b = _bytes(kind, t, len(group))
+    return _recorded(kind, group, mesh_dim, t, b, b,
+                     lambda tr, a: getattr(tr, kind)(t, *extra, group, async_op=a), async_op)
+
+
+def _recorded(kind: str, group: Group, mesh_dim: MeshDims, t: torch.Tensor, sent: int, received: int,
+              call: Callable[[Transport, bool], Any], async_op: bool = False) -> Any:
+    """``call(transport, async_op)`` on the calling rank's transport, reported to the listeners
+    when complete (at ``wait()`` for async work).  The one place a transport is called from."""
+    tr = current_transport()
+    if len(group) == 1:
+        out = call(tr, False)
+        return Completed(out) if async_op else out
     t0 = time.perf_counter()
 
-    def done(out: torch.Tensor) -> torch.Tensor:  # recorded when complete (at wait() for async work)
-        record(kind, mesh_dim, group, tr.rank, b, b, t.dtype, tuple(t.shape), time.perf_counter() - t0,
+    def done(out: Any) -> Any:
+        record(kind, mesh_dim, group, tr.rank, sent, received, t.dtype, tuple(t.shape), time.perf_counter() - t0,
                tr.name, tr.world_id)
         return out
 
     if async_op:
-        return fn(t, *extra, group, async_op=True).then(done)
-    return done(fn(t, *extra, group, async_op=False))
+        return call(tr, True).then(done)
+    return done(call(tr, False))
 
 
 def tracing(t: torch.Tensor) -> bool:
@@ -273,24 +280,15 @@ def all_to_all_v(sends: list[torch.Tensor], recv_shapes: list[tuple[int, ...]], 
 def issue_all_to_all_v(sends: list[torch.Tensor], recv_shapes: list[tuple[int, ...]], group: Group,
                        mesh_dim: MeshDims, async_op: bool = False) -> Any:
     """``all_to_all_v`` on the calling rank's transport, recorded."""
-    tr = current_transport()
-    me = group.index(tr.rank)
+    me = group.index(current_transport().rank)
     if len(group) == 1:
         out1 = [sends[0].clone()]
         return Completed(out1) if async_op else out1
     es = sends[me].element_size()
     sent = sum(x.numel() for i, x in enumerate(sends) if i != me) * es
     received = sum(math.prod(s) for i, s in enumerate(recv_shapes) if i != me) * es
-    t, t0 = sends[me], time.perf_counter()
-
-    def done(out: Any) -> Any:
-        record("all_to_all", mesh_dim, group, tr.rank, sent, received, t.dtype, tuple(t.shape),
-               time.perf_counter() - t0, tr.name, tr.world_id)
-        return out
-
-    if async_op:
-        return tr.all_to_all_v(sends, recv_shapes, group, async_op=True).then(done)
-    return done(tr.all_to_all_v(sends, recv_shapes, group, async_op=False))
+    return _recorded("all_to_all", group, mesh_dim, sends[me], sent, received,
+                     lambda tr, a: tr.all_to_all_v(sends, recv_shapes, group, async_op=a), async_op)
 
 
 def broadcast(t: torch.Tensor, src: int, mesh: "DeviceMesh", mesh_dim: MeshDims) -> torch.Tensor:
@@ -305,16 +303,9 @@ def broadcast(t: torch.Tensor, src: int, mesh: "DeviceMesh", mesh_dim: MeshDims)
 
 def issue_broadcast(t: torch.Tensor, src: int, group: Group, mesh_dim: MeshDims) -> torch.Tensor:
     """``broadcast`` on the calling rank's transport, recorded."""
-    tr = current_transport()
-    k, me = len(group), group.index(tr.rank)
-    if k == 1:
-        return tr.broadcast(t, src, group)
+    k, me = len(group), group.index(current_transport().rank)
     sent, recv = ((k - 1) * _nbytes(t), 0) if me == src else (0, _nbytes(t))
-    t0 = time.perf_counter()
-    out = tr.broadcast(t, src, group)
-    record("broadcast", mesh_dim, group, tr.rank, sent, recv, t.dtype, tuple(t.shape), time.perf_counter() - t0,
-           tr.name, tr.world_id)
-    return out
+    return _recorded("broadcast", group, mesh_dim, t, sent, recv, lambda tr, a: tr.broadcast(t, src, group))
 
 
 def barrier(mesh: "DeviceMesh", mesh_dim: int | None = None) -> None:

@@ -52,19 +52,25 @@ def supports(tensors: Sequence[torch.Tensor]) -> bool:
     return all(t.dtype in _DTYPES and not t.is_conj() and not t.is_neg() for t in tensors)
 
 
+def _band_block(meta, row0, NT: tl.constexpr, FIELDS: tl.constexpr):
+    """This program's row, the address of its band's ``FIELDS`` fields, and its block's index
+    within the band (``meta``: ``NT`` band block starts, then each band's fields)."""
+    pid = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64) + row0
+    i = tl.sum((tl.load(meta + tl.arange(0, NT)) <= pid).to(tl.int32)) - 1
+    return row, meta + NT + i * FIELDS, pid - tl.load(meta + i)
+
+
 def _gather_bands(src, out, meta, row0, T, k, NT: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr):
     """A block of output row ``row0 + pid1`` in tensor ``i``'s band.
 
     ``meta``: ``NT`` band block starts, then per tensor (delta, n, w, col)."""
-    pid = tl.program_id(0)
-    row = tl.program_id(1).to(tl.int64) + row0
-    i = tl.sum((tl.load(meta + tl.arange(0, NT)) <= pid).to(tl.int32)) - 1
-    m = meta + NT + i * 4
+    row, m, blk = _band_block(meta, row0, NT, 4)
     delta = tl.multiple_of(tl.load(m), VEC)
     n = tl.multiple_of(tl.load(m + 1), VEC)
     w = tl.multiple_of(tl.load(m + 2), VEC)
     col = tl.multiple_of(tl.load(m + 3), VEC)
-    offs = (pid - tl.load(meta + i)) * BLOCK + tl.arange(0, BLOCK)
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
     lead, j = row // k, row % k
     p = j * w + offs
     inside = offs < w
@@ -76,20 +82,18 @@ def _scatter_bands(src, dst, meta, row0, S, NT: tl.constexpr, VEC: tl.constexpr,
     """A block of piece ``i`` from input row ``row0 + pid1``.
 
     ``meta``: ``NT`` band block starts, then per piece (delta of its buffer, width, column)."""
-    pid = tl.program_id(0)
-    row = tl.program_id(1).to(tl.int64) + row0
-    i = tl.sum((tl.load(meta + tl.arange(0, NT)) <= pid).to(tl.int32)) - 1
-    m = meta + NT + i * 3
+    row, m, blk = _band_block(meta, row0, NT, 3)
     delta = tl.multiple_of(tl.load(m), VEC)
     w = tl.multiple_of(tl.load(m + 1), VEC)
     col = tl.multiple_of(tl.load(m + 2), VEC)
-    offs = (pid - tl.load(meta + i)) * BLOCK + tl.arange(0, BLOCK)
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
     inside = offs < w
     x = tl.load(src + row * S + col + offs, mask=inside)
     tl.store(dst + delta + row * w + offs, x, mask=inside)
 
 
 if triton is not None:
+    _band_block = triton.jit(_band_block)
     _gather_bands = triton.jit(_gather_bands)
     _scatter_bands = triton.jit(_scatter_bands)
 

@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import comm
 from ..mesh import DeviceMesh
-from ..placement import Partial, Placement, Replicate, Shard
+from ..placement import Placement, Replicate, Shard, unpartial
 from ..tensor import DTensor, distribute_tensor
 
 __all__ = ["loss_parallel"]
@@ -85,8 +85,8 @@ def _cross_entropy(input: Any, target: Any, weight: Any = None, size_average: An
 
 
 def _without_partial(x: DTensor) -> DTensor:
-    pl = [Replicate() if isinstance(p, Partial) else p for p in x.placements]
-    return x if tuple(pl) == tuple(x.placements) else x.redistribute(x.device_mesh, pl)
+    pl = unpartial(x.placements)
+    return x if pl == tuple(x.placements) else x.redistribute(x.device_mesh, pl)
 
 
 def _target_like(target: torch.Tensor, placements: tuple[Placement, ...], c: int, mesh: DeviceMesh) -> DTensor:

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ...placement import Replicate, Shard
+from ...placement import Replicate, Shard, unpartial
 from ...spec import DTensorSpec
 from .. import Call, Decision, register
 
@@ -58,7 +58,7 @@ def new_factory_rule(call: Call) -> Decision:
         out = DTensorSpec.build(s.mesh, [Replicate()] * s.mesh.ndim, meta.shape, meta.stride(), meta.dtype)
         return Decision(inputs, out, False)
     keep = call.op in KEEPS_PARTIAL
-    pl = s.placements if keep else tuple(Replicate() if p.is_partial() else p for p in s.placements)
+    pl = s.placements if keep else unpartial(s.placements)
     out = DTensorSpec.build(s.mesh, pl, s.shape, meta.stride(), meta.dtype, s.shard_order)
     if not any(isinstance(p, Shard) for p in pl):
         return Decision(inputs, out, False)

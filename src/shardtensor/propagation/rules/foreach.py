@@ -185,12 +185,6 @@ def foreach_rule(call: Call) -> Decision:
     raise unsupported(call.op, call.specs, str(last))
 
 
-def _unpartial(s: DTensorSpec) -> DTensorSpec:
-    if not any(p.is_partial() for p in s.placements):
-        return s
-    return s.with_placements([Replicate() if p.is_partial() else p for p in s.placements], s.shard_order)
-
-
 def _foreach_decision(call: Call, elem_op, rule, elements, shared: set[int], attempt: int) -> Decision:
     inplace = _is_void(call.op) or call.op._schema.name.endswith("_")
     required: dict[int, DTensorSpec] = {}
@@ -203,7 +197,7 @@ def _foreach_decision(call: Call, elem_op, rule, elements, shared: set[int], att
             if s is None:
                 continue
             if (attempt >= 1 and pos in shared) or (attempt >= 2 and not inplace):
-                specs[e] = _unpartial(s)
+                specs[e] = s.unpartial()
         ecall = Call(elem_op, ecall0.flat, specs, ecall0.treedef)
         self_spec = call.specs[leaves[0]] if leaves else None
         if inplace and self_spec is None:

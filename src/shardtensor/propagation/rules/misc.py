@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ... import rng
-from ...placement import Partial, Placement, Replicate, Shard
+from ...placement import Partial, Placement, Replicate, Shard, unpartial
 from ...spec import DTensorSpec
 from .. import Call, Decision, register, unflatten_call, unsupported
 
@@ -315,8 +315,7 @@ def _global_fill(spec: DTensorSpec, like: torch.Tensor, dtype: torch.dtype, gene
 
 
 def _random_out(s: DTensorSpec, meta: torch.Tensor) -> DTensorSpec:
-    pl = [Replicate() if p.is_partial() else p for p in s.placements]
-    return DTensorSpec.build(s.mesh, pl, meta.shape, meta.stride(), meta.dtype, s.shard_order)
+    return DTensorSpec.build(s.mesh, unpartial(s.placements), meta.shape, meta.stride(), meta.dtype, s.shard_order)
 
 
 LIKE_FILL = {aten.rand_like.default: "uniform_", aten.randn_like.default: "normal_"}

@@ -55,7 +55,7 @@ from typing import Any, Sequence
 import torch
 
 from ... import comm, rng
-from ...placement import Partial, Placement, Replicate, Shard
+from ...placement import Partial, Placement, Replicate, Shard, unpartial
 from ...spec import DTensorSpec, contiguous_stride
 from .. import Call, Decision, register, unsupported
 from ..strategy import Candidate, decide
@@ -68,11 +68,6 @@ __all__ = ["unpartial", "gather", "gather_from", "drop", "insert", "mask_piece",
 
 
 # -- placement transforms (ops.md section 0) ------------------------------------------------
-
-def unpartial(pl: Sequence[Placement]) -> Pl:
-    """Every Partial -> Replicate."""
-    return tuple(Replicate() if p.is_partial() else p for p in pl)
-
 
 def gather(pl: Sequence[Placement], dims: Sequence[int]) -> Pl:
     """``unpartial``, and shards of ``dims`` -> Replicate."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ...placement import Partial, Placement, Replicate, Shard
+from ...placement import Partial, Placement, Replicate, Shard, unpartial
 from ...spec import DTensorSpec
 from .. import TAG_RULES, Call, Decision, register, unsupported
 
@@ -238,16 +238,14 @@ def inplace_fill_rule(call: Call) -> Decision:
     """``zero_`` keeps any placement; ``fill_`` of a Partial tensor makes it Replicate (no communication:
     every rank writes the constant)."""
     s = call.specs[0]
-    out = s
-    if call.op in FILL_INPLACE and any(p.is_partial() for p in s.placements):
-        out = s.with_placements([Replicate() if p.is_partial() else p for p in s.placements], s.shard_order)
+    out = s.unpartial() if call.op in FILL_INPLACE else s
     return Decision(tuple(call.specs), out, False)
 
 
 def like_rule(call: Call) -> Decision:
     """``*_like`` factories: local shapes match; fills other than zero cannot stay Partial."""
     s = call.specs[0]
-    pl = s.placements if call.op in LIKE_KEEP else tuple(Replicate() if p.is_partial() else p for p in s.placements)
+    pl = s.placements if call.op in LIKE_KEEP else unpartial(s.placements)
     out = call.out_meta
     out_spec = DTensorSpec.build(s.mesh, pl, out.shape, out.stride(), out.dtype, s.shard_order)
     return Decision(tuple(call.specs), out_spec, False)

@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ... import comm
-from ...placement import NormPartial, Partial, Placement, Replicate, Shard, ShardOrder, chunk
+from ...placement import NormPartial, Partial, Placement, Replicate, Shard, ShardOrder, chunk, unpartial
 from ...spec import DTensorSpec
 from .. import Call, Decision, register, unsupported
 from ..strategy import Candidate, select
@@ -482,16 +482,12 @@ def select_scatter_rule(call: Call) -> Decision:
 
 # -- cat / stack (ops.md 8.7) ----------------------------------------------------------------
 
-def _unpartial(pl: Sequence[Placement]) -> tuple[Placement, ...]:
-    return tuple(R if isinstance(p, Partial) else p for p in pl)
-
-
 def _common(call: Call, positions: list[int], gather_dim: int | None) -> tuple[Placement, ...]:
     """The cheapest placements shared by every input (modeled cost; all-R always offered)."""
     cands: list[tuple[Placement, ...]] = []
     for i in positions:
         pl = tuple(R if isinstance(p, Shard) and p.dim == gather_dim else p for p in call.specs[i].placements)
-        for c in (pl, _unpartial(pl)):
+        for c in (pl, unpartial(pl)):
             if c not in cands:
                 cands.append(c)
     allr = (R,) * call.mesh.ndim
