@@ -1,16 +1,15 @@
-"""Redistribution planning: shardtensor's optimal planner vs PyTorch DTensor's planners.
+"""Redistribution planning: shardtensor's planner vs PyTorch DTensor's planners.
 
     python benchmarks/planner.py [--pairs N] [--graph-pairs N] [--seed S]
 
 For each mesh and tensor rank, random (source, target) pairs are drawn with a fixed seed.
-Times are uncached plan times (ours: ``optimal.plan_uncached``, the LRU bypassed; theirs:
-``_gen_transform_infos_non_cached``), each the best of a few runs with the GC off, all in this
-one process.  Ours is timed twice on every pair: with the native (C) A* search, the default, and
-with the Python search (``optimal.NATIVE = False``); both must return the same steps.  The target
-of the planner issue is <= 100 us per uncached plan at the worst; the summary says whether the
-native search meets it.  Bytes: every plan (theirs too) is priced with shardtensor's alpha-beta
-model (``cost.plan_cost``: padded bytes per rank, coordinate-0 logical shapes); ours must never be
-more.
+Times are cold plan times (ours: ``planner.plan_uncached``, the search, flattened groups and the
+direct exchange, with the plan cache bypassed; theirs: ``_gen_transform_infos_non_cached``), each
+the best of a few runs with the GC off, all in this one process.  The search alone is timed too.
+Targets of the architecture issue: cold plans p99 <= 1 ms and worst <= 3 ms, a cached plan
+<= 5 us, and bytes never above those of 2026-11-25 (``planner_bytes_2026-11-25.json``, the same
+pairs with the default arguments).  Bytes: every plan (theirs too) is priced with shardtensor's
+alpha-beta model (``cost.plan_cost``: padded bytes per rank, coordinate-0 logical shapes).
 
 PyTorch side (private modules, benchmark only): a ``fake`` process group, its default planner
 (greedy for default shard orders) and, on a few pairs per row, its graph (min-cost) planner,
@@ -34,11 +33,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from shardtensor.placement import Partial, Replicate, Shard, default_shard_order  # noqa: E402
-from shardtensor.redistribute import exchange, flatten, optimal  # noqa: E402
-from shardtensor.redistribute.cost import normalize_links  # noqa: E402
-from shardtensor.redistribute.cost import plan_cost  # noqa: E402
-from shardtensor.redistribute.planner import Step  # noqa: E402
-from shardtensor.redistribute.planner import plan as simple_plan  # noqa: E402
+from shardtensor.redistribute import exchange, planner  # noqa: E402
+from shardtensor.redistribute.baseline import baseline_plan as simple_plan  # noqa: E402
+from shardtensor.redistribute.cost import normalize_links, plan_cost  # noqa: E402
+from shardtensor.redistribute.search import norm_order, search  # noqa: E402
+from shardtensor.redistribute.steps import Step  # noqa: E402
+
+REFERENCE = os.path.join(os.path.dirname(__file__), "planner_bytes_2026-11-25.json")
 
 MESHES = [(4, 4), (2, 2, 4), (4, 4, 4), (2, 2, 2, 2), (2, 2, 4, 4)]
 NDIMS = (2, 3, 4)
@@ -159,71 +160,59 @@ def main() -> int:
     import torch.distributed.tensor._redistribute as tr
 
     _torch_setup(max(_prod(s) for s in MESHES))
+    reference = _reference(args)
     rng = random.Random(args.seed)
     gc.disable()
     t_start = time.perf_counter()
-    graph_spent = 0.0
-    rows = []
-    worse_total = 0
-    all_ours, all_theirs = [], []
-    per_mesh: dict[tuple, tuple[list, list, list]] = {}
-    full_rows: dict = {}
-    plan_cost_rows: dict = {}
-    slowest = (0.0, None, None, 0)  # (time, mesh, shape, expansions) of our slowest plan
-    expansions = []
-    caps = 0
-    all_py: list[float] = []
-    switch = optimal.NATIVE
-    native = optimal.native_available() and switch
-    print(f"torch {torch.__version__}; {os.cpu_count()} CPUs; best of {args.repeats} runs per plan; "
-          f"itemsize {ITEMSIZE}; native search: {'yes' if native else 'NO (not compiled or SHARDTENSOR_PLANNER_NATIVE=0)'}")
+    all_ours, all_search, all_theirs, expansions = [], [], [], []
+    per_mesh: dict[tuple, list] = {}
+    worse_total = above_ref = below_ref = caps = 0
+    slowest = (0.0, None, None, None, None)
+    print(f"torch {torch.__version__}; {os.cpu_count()} CPUs; best of {args.repeats} runs per plan; itemsize {ITEMSIZE}")
     print()
-    hdr = (f"{'mesh':>12} {'nd':>2} {'n':>3} | {'ours med':>8} {'ours max':>8} | {'py med':>7} {'py max':>7} | "
-           f"{'torch med':>9} {'torch max':>9} | {'med x':>6} {'max x':>6} | "
-           f"{'bytes ours/torch':>16} {'<':>3} {'=':>3} {'>':>2}")
-    print(f"uncached plan time (us): ours ({'native' if native else 'Python'} search), "
-          "ours with the Python search (py), PyTorch default planner (greedy; default shard orders); x = torch / ours")
+    print("cold plan time (us): ours (search + flattened groups + direct exchange), the search alone, PyTorch's "
+          "default planner (greedy; default shard orders); x = torch / ours")
+    hdr = (f"{'mesh':>12} {'nd':>2} {'n':>3} | {'ours med':>8} {'ours max':>8} | {'search med':>10} | "
+           f"{'torch med':>9} {'torch max':>9} | {'med x':>6} | {'bytes ours/torch':>16} {'<':>3} {'=':>3} {'>':>2}")
     print(hdr)
     print("-" * len(hdr))
+    index = 0
     for mesh_shape in MESHES:
         tmesh = _torch_mesh(mesh_shape)
         m = len(mesh_shape)
+        links = normalize_links(None, m)
         for ndim in NDIMS:
-            ours_t, py_t, theirs_t, ratios = [], [], [], []
+            ours_t, search_t, theirs_t = [], [], []
             bo = bt = 0.0
             lt = eq = gt = 0
             for _ in range(args.pairs):
                 shape = tuple(rng.choices(SIZES, SIZE_WEIGHTS, k=ndim))
                 src, so, dst, do = _rand_pair(rng, m, ndim, nested_orders=False)
                 stats = {}
-                t_o, steps = _best_time(lambda: optimal.plan_uncached(src, so, dst, do, shape, mesh_shape, ITEMSIZE,
-                                                                       stats=stats), args.repeats)
+                t_o, steps = _best_time(lambda: _cold(src, so, dst, do, shape, mesh_shape, stats), args.repeats)
+                t_s, (base, _) = _best_time(lambda: search(mesh_shape, links, src, norm_order(so), dst, norm_order(do),
+                                                           shape), args.repeats)
                 caps += stats.get("capped", False)
                 expansions.append(stats.get("expanded", 0))
-                slowest = max(slowest, (t_o, mesh_shape, shape, stats.get("expanded", 0)), key=lambda r: r[0])
-                optimal.NATIVE = False
-                t_p, py_steps = _best_time(lambda: optimal.plan_uncached(src, so, dst, do, shape, mesh_shape, ITEMSIZE),
-                                           args.repeats)
-                optimal.NATIVE = switch
-                assert py_steps == steps, ("native and Python searches differ", src, so, dst, do, shape, mesh_shape)
-                py_t.append(t_p)
-                t_f, full = _best_time(lambda: _full_uncached(src, so, dst, do, shape, mesh_shape), args.repeats)
-                fb, _ = plan_cost(full, shape, mesh_shape, ITEMSIZE)
-                full_rows.setdefault(mesh_shape, []).append((t_f, fb))
+                slowest = max(slowest, (t_o, mesh_shape, shape, src, dst), key=lambda r: r[0])
                 a = _torch_spec(tmesh, src, so, shape)
                 b = _torch_spec(tmesh, dst, do, shape)
                 t_t, infos = _best_time(lambda: tr._gen_transform_infos_non_cached(a, b), args.repeats)
                 theirs, end = _their_steps(infos, src, so)
                 assert end == dst, (src, dst, end)
                 ob, _ = plan_cost(steps, shape, mesh_shape, ITEMSIZE)
-                plan_cost_rows.setdefault(mesh_shape, []).append(ob)
-                assert fb <= ob * (1 + 1e-12) + 1e-9, ("full planner moves more bytes than the search", src, dst)
-                tb, _ = plan_cost(theirs, shape, mesh_shape, ITEMSIZE)
                 sb, _ = plan_cost(simple_plan(src, so, dst, do), shape, mesh_shape, ITEMSIZE)
-                assert ob <= sb * (1 + 1e-12) + 1e-9, "worse than the simple planner"
+                assert ob <= plan_cost(base, shape, mesh_shape, ITEMSIZE)[0] * (1 + 1e-12) + 1e-9, "worse than the search"
+                assert ob <= sb * (1 + 1e-12) + 1e-9, "worse than the baseline plan"
+                if reference is not None:
+                    ref = reference[index]
+                    above_ref += ob > ref * (1 + 1e-12) + 1e-9
+                    below_ref += ob < ref * (1 - 1e-12) - 1e-9
+                index += 1
+                tb, _ = plan_cost(theirs, shape, mesh_shape, ITEMSIZE)
                 ours_t.append(t_o)
+                search_t.append(t_s)
                 theirs_t.append(t_t)
-                ratios.append(t_t / t_o)
                 bo += ob
                 bt += tb
                 if ob < tb * (1 - 1e-12):
@@ -234,61 +223,43 @@ def main() -> int:
                     eq += 1
             worse_total += gt
             all_ours += ours_t
+            all_search += search_t
             all_theirs += theirs_t
-            all_py += py_t
-            pm = per_mesh.setdefault(mesh_shape, ([], [], []))
-            pm[0].extend(ours_t)
-            pm[1].extend(theirs_t)
-            pm[2].extend(py_t)
-            us = lambda v: f"{v * 1e6:8.0f}"  # noqa: E731
-            print(f"{str(mesh_shape):>12} {ndim:>2} {args.pairs:>3} | {us(statistics.median(ours_t))} {us(max(ours_t))} | "
-                  f"{statistics.median(py_t) * 1e6:7.0f} {max(py_t) * 1e6:7.0f} | "
-                  f"{us(statistics.median(theirs_t)):>9} {us(max(theirs_t)):>9} | "
-                  f"{statistics.median(theirs_t) / statistics.median(ours_t):6.2f} {max(theirs_t) / max(ours_t):6.2f} | "
+            per_mesh.setdefault(mesh_shape, []).extend(zip(ours_t, search_t, theirs_t))
+            print(f"{str(mesh_shape):>12} {ndim:>2} {args.pairs:>3} | {_us(statistics.median(ours_t))} "
+                  f"{_us(max(ours_t))} | {statistics.median(search_t) * 1e6:10.0f} | "
+                  f"{_us(statistics.median(theirs_t)):>9} {_us(max(theirs_t)):>9} | "
+                  f"{statistics.median(theirs_t) / statistics.median(ours_t):6.2f} | "
                   f"{_ratio(bo, bt)} {lt:>3} {eq:>3} {gt:>2}")
-            rows.append((mesh_shape, ndim, ours_t, theirs_t))
     print()
-    p90 = lambda v: sorted(v)[int(0.9 * len(v))] * 1e6  # noqa: E731
-    print(f"all rows: ours median {statistics.median(all_ours) * 1e6:.0f} us, p90 {p90(all_ours):.0f} us, "
-          f"worst {max(all_ours) * 1e6:.0f} us; Python search median {statistics.median(all_py) * 1e6:.0f} us, "
-          f"p90 {p90(all_py):.0f} us, worst {max(all_py) * 1e6:.0f} us; PyTorch median "
-          f"{statistics.median(all_theirs) * 1e6:.0f} us, p90 {p90(all_theirs):.0f} us, worst {max(all_theirs) * 1e6:.0f} us")
-    under = sum(t <= 100e-6 for t in all_ours)
-    print(f"ours <= 100 us on {under}/{len(all_ours)} pairs; pairs where ours moves more bytes: {worse_total}; "
-          f"expansion cap hit: {caps}; cached hit: {_cached_hit_us():.1f} us")
-    met = max(all_ours) <= 100e-6
-    print(f"worst-case target (<= 100 us per uncached plan, {'native' if native else 'Python'} search): "
-          f"{'MET' if met else 'NOT MET'} (worst {max(all_ours) * 1e6:.0f} us: mesh {slowest[1]}, shape {slowest[2]}, "
-          f"{slowest[3]} expansions)")
+    hit = _cached_hit_us()
+    p99, worst = _pct(all_ours, 0.99), max(all_ours) * 1e6
+    print(f"all rows: ours median {statistics.median(all_ours) * 1e6:.0f} us, p90 {_pct(all_ours, 0.9):.0f}, "
+          f"p99 {p99:.0f}, worst {worst:.0f} us; search alone median {statistics.median(all_search) * 1e6:.0f}, "
+          f"p99 {_pct(all_search, 0.99):.0f}, worst {max(all_search) * 1e6:.0f} us; PyTorch median "
+          f"{statistics.median(all_theirs) * 1e6:.0f}, p99 {_pct(all_theirs, 0.99):.0f}, "
+          f"worst {max(all_theirs) * 1e6:.0f} us")
+    print(f"slowest: {worst:.0f} us on mesh {slowest[1]}, shape {slowest[2]}: {slowest[3]} -> {slowest[4]}")
     ex = sorted(expansions)
-    print(f"A* expansions per plan: median {statistics.median(ex):.0f}, p90 {ex[int(0.9 * len(ex))]}, max {ex[-1]}")
+    print(f"A* expansions per plan: median {statistics.median(ex):.0f}, p90 {ex[int(0.9 * len(ex))]}, max {ex[-1]}; "
+          f"expansion cap hit: {caps}")
+    print(f"targets: cold p99 <= 1000 us: {_met(p99 <= 1000)} ({p99:.0f}); cold worst <= 3000 us: "
+          f"{_met(worst <= 3000)} ({worst:.0f}); cached <= 5 us: {_met(hit <= 5)} ({hit:.1f}); bytes never above "
+          f"2026-11-25: " + (f"{_met(above_ref == 0)} ({above_ref} above, {below_ref} below)" if reference is not None
+                              else "not checked (other --pairs or --seed)"))
+    print(f"pairs where ours moves more bytes than PyTorch's greedy plan: {worse_total}")
     print()
-    print("per mesh (all tensor ranks): uncached plan time (us)")
-    hdr3 = (f"{'mesh':>12} | {'ours med':>8} {'ours p90':>8} {'ours max':>8} | "
-            f"{'py med':>7} {'py p90':>7} {'py max':>7} | {'torch med':>9} {'torch max':>9} | {'torch/ours med':>14}")
+    print("per mesh (all tensor ranks): cold plan time (us)")
+    hdr3 = (f"{'mesh':>12} | {'ours med':>8} {'ours p90':>8} {'ours p99':>8} {'ours max':>8} | "
+            f"{'search med':>10} {'search max':>10} | {'torch med':>9} {'torch max':>9}")
     print(hdr3)
     print("-" * len(hdr3))
-    for mesh_shape, (o_t, t_t, p_t) in per_mesh.items():
-        print(f"{str(mesh_shape):>12} | {statistics.median(o_t) * 1e6:8.0f} {p90(o_t):8.0f} {max(o_t) * 1e6:8.0f} | "
-              f"{statistics.median(p_t) * 1e6:7.0f} {p90(p_t):7.0f} {max(p_t) * 1e6:7.0f} | "
-              f"{statistics.median(t_t) * 1e6:9.0f} {max(t_t) * 1e6:9.0f} | "
-              f"{statistics.median(t_t) / statistics.median(o_t):14.2f}")
-
-    print()
-    print("full planner (what redistribute runs: the search above, then flattened groups and the direct exchange),")
-    print("uncached (us); bytes of the full plans over those of the search alone, same pairs")
-    hdr4 = f"{'mesh':>12} | {'full med':>8} {'full p90':>8} {'full max':>8} | {'<= 100 us':>9} | {'bytes full/search':>17}"
-    print(hdr4)
-    print("-" * len(hdr4))
-    all_full = []
-    for mesh_shape, fr in full_rows.items():
-        ft = [t for t, _ in fr]
-        all_full += ft
-        search_b = sum(plan_cost_rows[mesh_shape])
-        print(f"{str(mesh_shape):>12} | {statistics.median(ft) * 1e6:8.0f} {p90(ft):8.0f} {max(ft) * 1e6:8.0f} | "
-              f"{sum(t <= 100e-6 for t in ft):>5}/{len(ft):<3} | {_ratio(sum(b for _, b in fr), search_b):>17}")
-    print(f"all rows: full planner median {statistics.median(all_full) * 1e6:.0f} us, p90 {p90(all_full):.0f} us, "
-          f"worst {max(all_full) * 1e6:.0f} us; <= 100 us on {sum(t <= 100e-6 for t in all_full)}/{len(all_full)} pairs")
+    for mesh_shape, rows in per_mesh.items():
+        o_t, s_t, t_t = (list(c) for c in zip(*rows))
+        print(f"{str(mesh_shape):>12} | {statistics.median(o_t) * 1e6:8.0f} {_pct(o_t, 0.9):8.0f} "
+              f"{_pct(o_t, 0.99):8.0f} {max(o_t) * 1e6:8.0f} | {statistics.median(s_t) * 1e6:10.0f} "
+              f"{max(s_t) * 1e6:10.0f} | {statistics.median(t_t) * 1e6:9.0f} {max(t_t) * 1e6:9.0f}")
+    graph_spent = 0.0
 
     # PyTorch's graph-based (min-cost) planner on a few pairs with random nested orders
     print()
@@ -307,7 +278,7 @@ def main() -> int:
             for _ in range(args.graph_pairs):
                 shape = tuple(rng.choices(SIZES, SIZE_WEIGHTS, k=ndim))
                 src, so, dst, do = _rand_pair(rng, m, ndim, nested_orders=True)
-                t_o, steps = _best_time(lambda: optimal.plan_uncached(src, so, dst, do, shape, mesh_shape, ITEMSIZE), args.repeats)
+                t_o, steps = _best_time(lambda: _cold(src, so, dst, do, shape, mesh_shape), args.repeats)
                 a = _torch_spec(tmesh, src, so, shape)
                 b = _torch_spec(tmesh, dst, do, shape)
                 t0 = time.perf_counter()
@@ -336,23 +307,47 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:16.3f}" if b else f"{'-':>16}"
 
 
-def _full_uncached(src, so, dst, do, shape, mesh_shape):
-    """``flatten.best_plan`` with every cache it uses emptied first (the per-mesh tables stay)."""
-    optimal._cached.cache_clear()
+def _cold(src, so, dst, do, shape, mesh_shape, stats=None):
+    """A cold plan: the plan cache bypassed and the exchange pricing's cache emptied (the per-mesh
+    tables of the search stay: they are built once per mesh shape and tensor rank)."""
     exchange.exchange_loads.cache_clear()
-    return flatten._cached.__wrapped__(tuple(mesh_shape), normalize_links(None, len(mesh_shape)), src, so, dst, do,
-                                       tuple(shape), ITEMSIZE)
+    return planner.plan_uncached(src, so, dst, do, shape, mesh_shape, ITEMSIZE, stats=stats)
+
+
+def _us(v: float) -> str:
+    return f"{v * 1e6:8.0f}"
+
+
+def _pct(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` in microseconds (nearest rank)."""
+    v = sorted(values)
+    return v[min(len(v) - 1, int(q * len(v)))] * 1e6
+
+
+def _met(ok: bool) -> str:
+    return "MET" if ok else "NOT MET"
+
+
+def _reference(args) -> list[float] | None:
+    """Bytes per pair of 2026-11-25, when this run draws the same pairs."""
+    import json
+
+    with open(REFERENCE) as f:
+        ref = json.load(f)
+    if args.seed != ref["seed"] or args.pairs != ref["pairs_per_row"]:
+        return None
+    return ref["bytes"]
 
 
 def _cached_hit_us() -> float:
-    """Time of a plan-cache hit (``optimal_plan`` with the same arguments again)."""
+    """Time of a plan-cache hit (``planner.plan`` with the same arguments again)."""
     args = ((Shard(0), Partial("sum"), Replicate()), ((0, (0,)),), (Replicate(), Shard(1), Shard(0)),
             ((0, (2,)), (1, (1,))), (1024, 4096), (2, 2, 4), ITEMSIZE)
-    optimal.optimal_plan(*args)
+    planner.plan(*args)
     n = 20000
     t0 = time.perf_counter()
     for _ in range(n):
-        optimal.optimal_plan(*args)
+        planner.plan(*args)
     return (time.perf_counter() - t0) / n * 1e6
 
 

@@ -4,8 +4,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 stamp=.venv/.shardtensor-installed
-# the C planner is built by the (editable) install: a change to it or to setup.py reinstalls
-want="$(cat pyproject.toml setup.py src/shardtensor/redistribute/_astar.c | sha256sum | cut -d' ' -f1)"
+# a change to pyproject.toml (dependencies) reinstalls
+want="$(sha256sum < pyproject.toml | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "setting up .venv (first run, or the build files changed) ..." >&2
   # torch first, pinned: a bare 'torch' would pull the multi-GB CUDA build.

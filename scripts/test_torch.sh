@@ -13,7 +13,7 @@ shift
 root="${SHARDTENSOR_CACHE:-$HOME/.cache/shardtensor}"
 venv="$root/torch-$ver"
 stamp="$venv/.shardtensor-installed"
-want="$(cat pyproject.toml setup.py | sha256sum | cut -d' ' -f1)"
+want="$(sha256sum < pyproject.toml | cut -d' ' -f1)"
 mkdir -p "$root"
 
 skip() {

@@ -8,6 +8,7 @@ kind), hand-built flattened steps of every kind, real gloo processes, explain/CL
 """
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from fractions import Fraction
@@ -21,10 +22,10 @@ from shardtensor.placement import default_shard_order, local_shape_and_offset
 from shardtensor.redistribute import explain_redistribute
 from shardtensor.redistribute.cost import LinkModel, step_comm
 from shardtensor.redistribute.execute import apply_step
-from shardtensor.redistribute.flatten import best_plan
-from shardtensor.redistribute.optimal import optimal_plan
-from shardtensor.redistribute.exchange import exchange_dims
-from shardtensor.redistribute.planner import ExchangeStep, FlatStep
+from shardtensor.redistribute.planner import plan as best_plan
+from shardtensor.redistribute.search import per_dim_plan
+from shardtensor.redistribute.exchange import blocks, exchange_dims, exchange_loads
+from shardtensor.redistribute.steps import ExchangeStep, FlatStep
 from test_redistribute import dense, expected_slice, make_source, rank_events
 
 R, S0, S1, PS, PM = Replicate(), Shard(0), Shard(1), Partial("sum"), Partial("max")
@@ -49,7 +50,7 @@ def test_partial_partial_to_replicate_is_one_all_reduce_on_2x2():
     steps = best_plan(src, _order(src), dst, _order(dst), (1024, 1024), (2, 2), 4)
     assert len(steps) == 1 and isinstance(steps[0], FlatStep)
     assert steps[0].dims == (0, 1) and steps[0].collective == "all_reduce"
-    per_dim = optimal_plan(src, _order(src), dst, _order(dst), (1024, 1024), (2, 2), 4)
+    per_dim = per_dim_plan(src, _order(src), dst, _order(dst), (1024, 1024), (2, 2))
     assert len(per_dim) == 3  # reduce-scatter, all-reduce, all-gather: same bytes, three launches
     assert _bytes(steps, (1024, 1024), (2, 2)) == _bytes(per_dim, (1024, 1024), (2, 2))
 
@@ -83,7 +84,7 @@ def test_uneven_pieces_do_not_flatten_when_padding_costs_bytes():
     # 5 rows nested over (2,2) are 2,1,1,1: a flat all-gather pads all four to 2 rows
     src, dst = (S0, S0), (R, R)
     steps = best_plan(src, _order(src), dst, (), (5, 3), (2, 2), 4)
-    per_dim = optimal_plan(src, _order(src), dst, (), (5, 3), (2, 2), 4)
+    per_dim = per_dim_plan(src, _order(src), dst, (), (5, 3), (2, 2))
     assert _bytes(steps, (5, 3), (2, 2)) == _bytes(per_dim, (5, 3), (2, 2))
     assert not any(isinstance(s, FlatStep) for s in steps)
 
@@ -121,7 +122,7 @@ def test_never_more_bytes_than_the_per_dim_optimum(mesh_shape):
         src, so, dst, do = _rand_pair(rng, len(mesh_shape), ndim)
         for links in (None, LinkModel(launch=1e-3)):
             ours = best_plan(src, so, dst, do, shape, mesh_shape, 4, links)
-            base = optimal_plan(src, so, dst, do, shape, mesh_shape, 4, links)
+            base = per_dim_plan(src, so, dst, do, shape, mesh_shape, links)
             assert _bytes(ours, shape, mesh_shape) <= _bytes(base, shape, mesh_shape), (src, so, dst, do, shape)
             flattened += any(isinstance(s, (FlatStep, ExchangeStep)) for s in ours)
     assert flattened > 0
@@ -274,9 +275,65 @@ def test_nested_to_replicate_shard_is_one_exchange_with_fewer_bytes():
     src, dst = (S0, S0), (R, S0)
     shape = (1024, 1024)
     steps = best_plan(src, _order(src), dst, _order(dst), shape, (2, 2), 4)
-    per_dim = optimal_plan(src, _order(src), dst, _order(dst), shape, (2, 2), 4)
+    per_dim = per_dim_plan(src, _order(src), dst, _order(dst), shape, (2, 2))
     assert len(steps) == 1 and isinstance(steps[0], ExchangeStep) and steps[0].dims == (0, 1)
     assert _bytes(steps, shape, (2, 2)) == 2 * 2 ** 20 < _bytes(per_dim, shape, (2, 2)) == 2.5 * 2 ** 20
+
+
+def test_exchange_wins_where_its_upper_bound_does_not():
+    # (R, S0) -> (S0, S0) on 8x8: half the ranks already hold their rows; the exchange moves
+    # 16 elements to the others, the best per-dim plan 24.  Its cheap upper bound (32) loses,
+    # so the planner prices the busiest rank exactly.
+    src, dst = (R, S0), (S0, S0)
+    steps = best_plan(src, _order(src), dst, _order(dst), (8, 8), (2, 2), 4)
+    per_dim = per_dim_plan(src, _order(src), dst, _order(dst), (8, 8), (2, 2))
+    assert len(steps) == 1 and isinstance(steps[0], ExchangeStep)
+    assert _bytes(steps, (8, 8), (2, 2)) == 64 < _bytes(per_dim, (8, 8), (2, 2)) == 96
+    for per_rank in run_spmd(_run_pairs, 4, (2, 2), [((8, 8), src, _order(src), dst, _order(dst))]):
+        assert per_rank == [(True, {ExchangeStep}, True)]
+
+
+def test_exchange_spreads_replicated_blocks_over_their_holders():
+    # (S1, R, S0) -> (S0, S1, R) on (2, 2, 2): every block has two holders and two ranks that
+    # need it; a receiver holding none of its block is served by the holder its target-replicated
+    # coordinate picks, so no holder sends twice: 16 elements per rank, against 28 per dim
+    src, dst = (S1, R, S0), (S0, S1, R)
+    mesh, shape = (2, 2, 2), (8, 8)
+    assert exchange_loads(shape, mesh, (0, 1, 2), src, _order(src), dst, _order(dst)) == (16, 16)
+    steps = best_plan(src, _order(src), dst, _order(dst), shape, mesh, 4)
+    per_dim = per_dim_plan(src, _order(src), dst, _order(dst), shape, mesh)
+    assert len(steps) == 1 and isinstance(steps[0], ExchangeStep)
+    assert _bytes(steps, shape, mesh) == 64 < _bytes(per_dim, shape, mesh) == 112
+    for per_rank in run_spmd(_run_pairs, 8, mesh, [(shape, src, _order(src), dst, _order(dst))]):
+        assert per_rank == [(True, {ExchangeStep}, True)]
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (2, 3), (2, 2, 2), (4, 2)])
+def test_exchange_prices_what_the_executor_sends(mesh_shape):
+    # exchange_loads (vectorised, for the planner) and blocks (per rank, for the executor) apply
+    # the same serving rule: the busiest rank's send and receive agree on random pairs
+    rng = random.Random(17)
+    seen = 0
+    while seen < 40:
+        ndim = rng.randint(1, 3)
+        shape = tuple(rng.choice([0, 1, 2, 5, 7, 8, 12]) for _ in range(ndim))
+        src, so, dst, do = _rand_sr_pair(rng, len(mesh_shape), ndim)
+        dims = exchange_dims(src, so, dst, do, mesh_shape)
+        if dims is None:
+            continue
+        seen += 1
+        most_sent = most_received = 0
+        for coord in itertools.product(*(range(k) for k in mesh_shape)):
+            send, recv = blocks(shape, mesh_shape, coord, dims, src, so, dst, do)
+            own = tuple(coord[j] for j in dims)
+            sizes = [(math.prod(b[1]) if b is not None else 0, sub == own)
+                     for b, sub in zip(send, itertools.product(*(range(mesh_shape[j]) for j in dims)))]
+            most_sent = max(most_sent, sum(n for n, self_ in sizes if not self_))
+            sizes = [(math.prod(b[1]) if b is not None else 0, sub == own)
+                     for b, sub in zip(recv, itertools.product(*(range(mesh_shape[j]) for j in dims)))]
+            most_received = max(most_received, sum(n for n, self_ in sizes if not self_))
+        assert exchange_loads(shape, mesh_shape, dims, src, so, dst, do) == (most_sent, most_received), \
+            (shape, src, so, dst, do)
 
 
 def test_exchange_is_not_used_with_partials_or_for_single_collectives():

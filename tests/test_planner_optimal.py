@@ -1,4 +1,4 @@
-"""The cost-optimal redistribution planner (redistribute/optimal.py) and the cost model (cost.py).
+"""The cost-optimal redistribution planner (redistribute/search.py, planner.py) and the cost model (cost.py).
 
 (a) optimality: on small meshes every (source, target) pair is planned and priced with this
     file's own byte model; the price must equal the minimum that an independent exhaustive
@@ -20,12 +20,13 @@ import torch
 
 from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor, init_device_mesh, run_spmd
 from shardtensor.placement import default_shard_order, local_shape_and_offset
-from shardtensor.redistribute import optimal
+from shardtensor.redistribute import planner
 from shardtensor.redistribute.cost import LinkModel, logical_shape, plan_cost, step_comm
 from shardtensor.redistribute.execute import apply_step
-from shardtensor.redistribute.optimal import optimal_plan, plan_uncached
-from shardtensor.redistribute.planner import Step
-from shardtensor.redistribute.planner import plan as simple_plan
+from shardtensor.redistribute.baseline import baseline_plan as simple_plan
+from shardtensor.redistribute.planner import plan_uncached
+from shardtensor.redistribute.search import per_dim_plan
+from shardtensor.redistribute.steps import Step
 from shardtensor.spec import DTensorSpec
 
 R = Replicate()
@@ -204,7 +205,7 @@ def test_optimal_matches_exhaustive_and_beats_simple(mesh, shape, mode):
         kinds = sorted({p.reduce_op for p in itertools.chain(*(t for t, _ in tgts)) if isinstance(p, Partial)})
         dist, scale = exhaustive_costs((tuple(_tok(p) for p in src), so), shape, mesh, kinds)
         for dst, do in tgts:
-            steps = optimal_plan(src, so, dst, do, shape, mesh, 4)
+            steps = per_dim_plan(src, so, dst, do, shape, mesh)
             # the plan reaches the target through legal steps, and costs the exhaustive minimum
             end = (tuple(_tok(p) for p in dst), do)
             ours, reached = priced(steps, (tuple(_tok(p) for p in src), so), shape, mesh, scale)
@@ -225,7 +226,7 @@ def test_size_one_mesh_dims_and_unreduced_partials():
     # size-1 mesh dims cost nothing and may be reordered freely; P(max) never becomes P(sum)
     mesh, shape = (1, 4), (7, 3)
     for (src, so), (dst, do) in itertools.product(specs(2, 2, [R, PSUM, PMAX]), specs(2, 2, [R, PSUM, PMAX])):
-        steps = optimal_plan(src, so, dst, do, shape, mesh, 4)
+        steps = per_dim_plan(src, so, dst, do, shape, mesh)
         b, _ = plan_cost(steps, shape, mesh, 4)
         sb, _ = plan_cost(simple_plan(src, so, dst, do), shape, mesh, 4)
         assert b <= sb + 1e-9
@@ -234,9 +235,9 @@ def test_size_one_mesh_dims_and_unreduced_partials():
             assert not (isinstance(st.src, Partial) and isinstance(st.dst, Partial)
                         and {st.src.reduce_op, st.dst.reduce_op} != {"sum", "avg"}), st
     # P(max) -> P(sum) goes through an all-reduce; P(sum) -> P(avg) is a local rescale
-    steps = optimal_plan((PMAX,), (), (PSUM,), (), (8,), (4,), 4)
+    steps = per_dim_plan((PMAX,), (), (PSUM,), (), (8,), (4,))
     assert [s.collective for s in steps] == ["all_reduce", "partition"]
-    steps = optimal_plan((PSUM,), (), (PAVG,), (), (8,), (4,), 4)
+    steps = per_dim_plan((PSUM,), (), (PAVG,), (), (8,), (4,))
     assert [s.collective for s in steps] == ["rescale"]
 
 
@@ -268,7 +269,7 @@ def _run_pairs(mesh_shape, shape, pairs):
     world = 1
     for k in mesh_shape:
         world *= k
-    plans = [optimal_plan(s, so, d, do, shape, mesh_shape, 8) for s, so, d, do in pairs]
+    plans = [per_dim_plan(s, so, d, do, shape, mesh_shape) for s, so, d, do in pairs]
     sent: list[float] = []
 
     def body(log):
@@ -366,7 +367,7 @@ def _run_one(src, dst, shape, so=None, do=None, mesh=(2, 2)):
     do = default_shard_order(dst) if do is None else do
     pairs = [(src, so, dst, do)]
     _check_results(mesh, shape, pairs, _run_pairs(mesh, shape, pairs))
-    return optimal_plan(src, so, dst, do, shape, mesh, 1)
+    return per_dim_plan(src, so, dst, do, shape, mesh)
 
 
 def test_spec_s0s0_to_rs0():
@@ -455,14 +456,46 @@ def test_deterministic_rank_independent_and_cached():
     a = plan_uncached(src, so, dst, do, (7, 5), (2, 2, 2), 4)
     b = plan_uncached(src, so, dst, do, (7, 5), (2, 2, 2), 4)
     assert a == b
-    optimal.clear_cache()
-    c = optimal_plan(src, so, dst, do, (7, 5), (2, 2, 2), 4)
-    assert c == a and optimal_plan(src, so, dst, do, (7, 5), (2, 2, 2), 4) is c
-    info = optimal._cached.cache_info()
-    assert info.maxsize == optimal.CACHE_SIZE and info.hits >= 1
+    planner.clear_cache()
+    c = planner.plan(src, so, dst, do, (7, 5), (2, 2, 2), 4)
+    assert c == a and planner.plan(src, so, dst, do, (7, 5), (2, 2, 2), 4) is c
+    info = planner.cache_info()
+    assert info.maxsize == planner.CACHE_SIZE and info.hits == 1 and info.misses == 1
     # on every simulated rank the same steps come out
     plans = run_spmd(lambda: plan_uncached(src, so, dst, do, (7, 5), (2, 2, 2), 4), 8)
     assert all(p == a for p in plans)
+
+
+def test_cache_shares_plans_across_evenly_split_lengths_and_dtypes():
+    # lengths the whole mesh divides (at least twice) plan alike, whatever the itemsize: one key
+    planner.clear_cache()
+    src, so, dst, do = (Shard(0), R), ((0, (0,)),), (Shard(1), Shard(0)), ((0, (1,)), (1, (0,)))
+    first = planner.plan(src, so, dst, do, (1024, 4096), (2, 4), 4)
+    for shape, itemsize in [((16, 24), 2), ((4096, 11008), 8), ((24, 64), 1)]:
+        assert planner.plan(src, so, dst, do, shape, (2, 4), itemsize) is first
+    assert planner.cache_info().misses == 1
+    # an uneven or too short length keeps its own key
+    planner.plan(src, so, dst, do, (1001, 4096), (2, 4), 4)
+    planner.plan(src, so, dst, do, (8, 4096), (2, 4), 4)
+    assert planner.cache_info().misses == 3
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_shape_class_plans_what_the_exact_shape_plans(seed):
+    # the cache key's shape class must never change the plan: random pairs, sizes mixing even
+    # lengths of every multiple with uneven ones, planned with the exact shape and with the class
+    rng = random.Random(seed)
+    for _ in range(60):
+        mesh = rng.choice([(2, 2), (2, 4), (4, 4), (2, 2, 2), (2, 2, 4)])
+        K = 1
+        for k in mesh:
+            K *= k
+        ndim = rng.randint(1, 3)
+        shape = tuple(rng.choice([K, 2 * K, 3 * K, 5 * K, 7 * K, 64 * K, 7, 12, K + 1]) for _ in range(ndim))
+        (src, so), (dst, do) = (rng.choice(specs(len(mesh), ndim, [R, PSUM, PMAX])),
+                                rng.choice(specs(len(mesh), ndim, [R, PSUM])))
+        exact = plan_uncached(src, so, dst, do, shape, mesh, 4)
+        assert planner.plan(src, so, dst, do, shape, mesh, 4) == exact, (mesh, shape, src, so, dst, do)
 
 
 def test_links_weight_the_mesh_dims():
@@ -472,11 +505,11 @@ def test_links_weight_the_mesh_dims():
     for links in (None, (LinkModel(1e-5, 1e-9), LinkModel(1e-6, 1e-11)), (LinkModel(1e-6, 1e-11), LinkModel(1e-5, 1e-9))):
         lk = links or (LinkModel(), LinkModel())
         bw_only = tuple(LinkModel(0.0, x.beta) for x in lk)
-        steps = optimal_plan(src, so, dst, do, shape, mesh, 4, links)
+        steps = per_dim_plan(src, so, dst, do, shape, mesh, links)
         simple = simple_plan(src, so, dst, do)
         assert plan_cost(steps, shape, mesh, 4, bw_only)[1] <= plan_cost(simple, shape, mesh, 4, bw_only)[1] * (1 + 1e-12)
         # the optimum under these links: no other plan of the exhaustive graph is cheaper
-        for other in (simple, optimal_plan(src, so, dst, do, shape, mesh, 4)):
+        for other in (simple, per_dim_plan(src, so, dst, do, shape, mesh)):
             assert plan_cost(steps, shape, mesh, 4, bw_only)[1] <= plan_cost(other, shape, mesh, 4, bw_only)[1] * (1 + 1e-9)
     with pytest.raises(ValueError):
-        optimal_plan(src, so, dst, do, shape, mesh, 4, (LinkModel(),))
+        per_dim_plan(src, so, dst, do, shape, mesh, (LinkModel(),))

@@ -24,8 +24,6 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--src-order", metavar="D:J,J[;D:J,...]",
                    help="source shard order of nested tensor dims, mesh dims first-applied first, e.g. 0:1,0")
     p.add_argument("--dst-order", metavar="D:J,J[;D:J,...]", help="target shard order, e.g. 0:1,0")
-    p.add_argument("--planner", choices=("optimal", "simple"), default="optimal",
-                   help="optimal (what redistribute runs; default) or simple (the baseline)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--png", metavar="FILE", help="also draw the layouts before/after each step to this PNG")
     return p
@@ -36,7 +34,7 @@ def _plan(args, parser: argparse.ArgumentParser) -> int:
 
     try:
         ex = explain_redistribute(args.mesh, args.shape, args.src, args.dst, dtype=args.dtype,
-                                  src_order=args.src_order, dst_order=args.dst_order, planner=args.planner)
+                                  src_order=args.src_order, dst_order=args.dst_order)
     except (ValueError, TypeError) as e:
         parser.error(str(e))  # exits with code 2
     if args.png:

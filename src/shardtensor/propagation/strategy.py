@@ -59,7 +59,7 @@ def input_cost(src: DTensorSpec, placements: Pl) -> float:
     if src.placements == placements:
         return 0.0
     from ..redistribute.cost import plan_cost
-    from ..redistribute.execute import plan_for
+    from ..redistribute.planner import plan_for
 
     mesh = src.mesh
     for j, (a, b) in enumerate(zip(src.placements, placements)):

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from ..placement import Partial, Replicate, Shard
-from .planner import ExchangeStep
+from .steps import ExchangeStep
 
 __all__ = ["LinkModel", "DEFAULT_LINK", "normalize_links", "logical_shape", "step_comm", "step_bytes",
            "step_latency", "step_time", "step_link", "link_of", "plan_cost"]
@@ -105,7 +105,7 @@ def step_comm(step, global_shape: Sequence[int], mesh_shape: Sequence[int]) -> t
         num, lat = exchange_comm(tuple(global_shape), tuple(mesh_shape), step.dims, step.placements, step.order,
                                  step.target, step.target_order)
         return "all_to_all", num, 1, lat
-    src, dst, j = step.src, step.dst, step.mesh_dim
+    src, dst = step.src, step.dst
     k = _prod(mesh_shape[i] for i in step.mesh_dims)
     if src == dst or k == 1:
         return "identity", 0, 1, 0

@@ -11,9 +11,12 @@ collectives); the exchange sends at most 2/4 per rank in one.
 
 The group is every mesh dim whose placement or shard-list position changes (a mesh dim that
 is replicated, the same partial, or the same shard with the same list prefix in both specs
-splits the problem into independent groups).  Replicated data has several holders; the one
-whose coordinates on the source's replicated mesh dims equal the receiver's sends it, so
-every block is sent once and the load is spread.
+splits the problem into independent groups).  Replicated data has several holders, told apart
+by their coordinates on the source's replicated mesh dims (``_serving``): a receiver that holds
+part of what it needs is served by the holders with its own coordinates there (so it is never
+sent what it has); one that holds none of it by the holders shifted by its coordinates on the
+target's replicated mesh dims, so that the ranks needing the same block are served by different
+holders.  Either way the serving holders hold the whole tensor once, so every block is sent once.
 
 Cost (``exchange_comm``): bytes per rank = the most any rank sends or receives, over the
 whole mesh, so the choice is rank independent; ``K-1`` latency terms (pairwise exchange) and
@@ -86,19 +89,47 @@ def blocks(shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: tuple[int
     rdims = [j for j in dims if isinstance(src[j], Replicate)]
     me_held = _box(shape, mesh_shape, coord, src, src_order)
     me_need = _box(shape, mesh_shape, coord, dst, dst_order)
+    my_server = _serving(shape, mesh_shape, coord, dims, src, src_order, dst, dst_order)
     send, recv = [], []
     for sub in itertools.product(*(range(mesh_shape[j]) for j in dims)):
         c = list(coord)
         for j, v in zip(dims, sub):
             c[j] = v
-        same_r = all(c[j] == coord[j] for j in rdims)
-        if same_r:  # this rank serves the peer, and the peer serves this rank
-            send.append(_overlap(me_held, _box(shape, mesh_shape, c, dst, dst_order)))
-            recv.append(_overlap(_box(shape, mesh_shape, c, src, src_order), me_need))
-        else:
-            send.append(None)
-            recv.append(None)
+        peer = tuple(c)
+        serves_peer = _serving(shape, mesh_shape, peer, dims, src, src_order, dst, dst_order) == \
+            tuple(coord[j] for j in rdims)
+        send.append(_overlap(me_held, _box(shape, mesh_shape, peer, dst, dst_order)) if serves_peer else None)
+        served = my_server == tuple(peer[j] for j in rdims)
+        recv.append(_overlap(_box(shape, mesh_shape, peer, src, src_order), me_need) if served else None)
     return tuple(send), tuple(recv)
+
+
+def _serving(shape, mesh_shape, coord, dims, src, src_order, dst, dst_order) -> tuple[int, ...]:
+    """The coordinates, on the group's mesh dims that replicate the source, of the holders that
+    send the rank at ``coord`` what it needs (see the module docstring)."""
+    rdims = [j for j in dims if isinstance(src[j], Replicate)]
+    own = tuple(coord[j] for j in rdims)
+    if not rdims or _overlap(_box(shape, mesh_shape, coord, src, src_order),
+                             _box(shape, mesh_shape, coord, dst, dst_order)) is not None:
+        return own
+    tdims = [j for j in dims if isinstance(dst[j], Replicate)]
+    shift = 0
+    for j in tdims:
+        shift = shift * mesh_shape[j] + coord[j]
+    return _add_digits(own, shift, [mesh_shape[j] for j in rdims])
+
+
+def _add_digits(digits: tuple[int, ...], n: int, radix: list[int]) -> tuple[int, ...]:
+    """``digits`` (row-major, mixed radix) plus ``n``, modulo the radix product."""
+    value = 0
+    for d, r in zip(digits, radix):
+        value = value * r + d
+    value = (value + n) % math.prod(radix)
+    out = []
+    for r in reversed(radix):
+        value, d = divmod(value, r)
+        out.append(d)
+    return tuple(reversed(out))
 
 
 def exchange_bound(shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims: tuple[int, ...],
@@ -138,12 +169,26 @@ def exchange_loads(shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims: tu
     lo = np.maximum(ho[:, None, :], no[None, :, :])
     hi = np.minimum((ho + hs)[:, None, :], (no + ns)[None, :, :])
     inter = np.clip(hi - lo, 0, None).prod(axis=2) if shape else np.ones((len(coords), len(coords)), np.int64)
-    keep = [j for j in range(len(mesh_shape)) if j not in dims or isinstance(src[j], Replicate)]
-    if keep:
-        sub = coords[:, keep]
-        serves = (sub[:, None, :] == sub[None, :, :]).all(axis=2)
-    else:
-        serves = np.ones_like(inter, dtype=bool)
+    outer = [j for j in range(len(mesh_shape)) if j not in dims]
+    serves = np.ones_like(inter, dtype=bool)
+    if outer:
+        sub = coords[:, outer]
+        serves &= (sub[:, None, :] == sub[None, :, :]).all(axis=2)
+    rdims = [j for j in dims if isinstance(src[j], Replicate)]
+    if rdims:  # _serving, for every rank at once
+        radix = [mesh_shape[j] for j in rdims]
+        shift = np.zeros(len(coords), np.int64)
+        for j in dims:
+            if isinstance(dst[j], Replicate):
+                shift = shift * mesh_shape[j] + coords[:, j]
+        value = np.zeros(len(coords), np.int64)
+        for j in rdims:
+            value = value * mesh_shape[j] + coords[:, j]
+        value = np.where(np.diagonal(inter) > 0, value, (value + shift) % math.prod(radix))
+        want = np.empty((len(coords), len(rdims)), np.int64)
+        for i in range(len(rdims) - 1, -1, -1):
+            value, want[:, i] = np.divmod(value, radix[i])
+        serves &= (coords[:, rdims][:, None, :] == want[None, :, :]).all(axis=2)
     np.fill_diagonal(serves, False)
     load = np.where(serves, inter, 0)
     return int(load.sum(axis=1).max(initial=0)), int(load.sum(axis=0).max(initial=0))

@@ -14,13 +14,9 @@ from ..async_tensor import AsyncLocalTensor
 from ..comm.base import Completed, Work
 from ..mesh import DeviceMesh
 from ..placement import NormPartial, Partial, Replicate, Shard, chunk, local_shape_and_offset
-from .flatten import best_plan
 from .exchange import blocks
-from .planner import ExchangeStep, FlatStep, Step, plan
-
-PLANNER = "optimal"
-"""Which planner ``redistribute_local`` uses: ``"optimal"`` (fewest bytes, flattened groups where
-they save collectives) or ``"simple"`` (baseline)."""
+from .planner import plan_for
+from .steps import ExchangeStep, FlatStep, Step
 
 
 def _pad_to(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
@@ -229,14 +225,6 @@ def partition(t: torch.Tensor, op: "str | Partial", k: int, me: int) -> torch.Te
     if op == "product":
         return t.clone() if me == 0 else torch.ones_like(t)
     return t.clone()
-
-
-def plan_for(src_spec, dst_spec, planner: str | None = None) -> tuple[Step, ...]:
-    """The steps from one spec to another (rank independent; cached by the planner)."""
-    if (planner or PLANNER) == "simple":
-        return plan(src_spec.placements, src_spec.shard_order, dst_spec.placements, dst_spec.shard_order)
-    return best_plan(src_spec.placements, src_spec.shard_order, dst_spec.placements, dst_spec.shard_order,
-                        src_spec.shape, src_spec.mesh.shape, src_spec.dtype.itemsize)
 
 
 def redistribute_local(t: torch.Tensor, src_spec, dst_spec, async_op: bool = False) -> torch.Tensor:

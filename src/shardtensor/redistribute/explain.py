@@ -1,14 +1,14 @@
 """Explain a redistribution without running it: the steps, their bytes, and a lower bound.
 
 ``explain_redistribute(mesh_shape, shape, src, dst)`` plans the change from ``src`` to ``dst``
-placements with the executor's planner (spec redistribute 3.7) and prices every step with the
-alpha-beta model of ``cost.py`` (spec 2.2).  Nothing runs: no processes, no mesh, no data; the
+placements with the executor's planner (``planner.py``) and prices every step with the alpha-beta
+model of ``cost.py`` (docs/redistribution.md).  Nothing runs: no processes, no mesh, no data; the
 answer depends only on the mesh shape, the global shape, the dtype, the two specs (placements
-and shard orders), the link model and the planner.  With ``links=None`` and the default
-planner the steps are exactly those ``DTensor.redistribute`` runs.
+and shard orders) and the link model.  With ``links=None`` the steps are exactly those
+``DTensor.redistribute`` runs.
 
 The result, an :class:`Explanation`, lists each step (mesh dim, state before and after in the
-display form of spec 1.3, collective, bytes sent per rank, group size, modeled time), the
+display form of docs/placements.md, collective, bytes sent per rank, group size, modeled time), the
 totals, and a **lower bound** on the bytes per rank that any plan over the same edges needs:
 
 * Steps on different mesh dims are different steps, so per-mesh-dim lower bounds add up.
@@ -22,10 +22,10 @@ totals, and a **lower bound** on the bytes per rank that any plan over the same 
   every *other* mesh dim, without padding, ``|X|min = itemsize * numel / prod(k_i, i != j)``.
   A step's logical shape is the global shape with some other mesh dims' splits applied, with
   ceilings (padding only enlarges), so ``|X| >= |X|min``; and every collective sends at least
-  its unpadded share of ``|X|`` (spec 2.2): all-gather and reduce-scatter ``(k-1)/k``,
+  its unpadded share of ``|X|``: all-gather and reduce-scatter ``(k-1)/k``,
   all-to-all ``(k-1)/k^2``, all-reduce (and reduce-scatter + all-gather) ``2(k-1)/k``.
 
-So ``lower_bound_bytes <= total_bytes`` for every plan of either planner (a test checks it on
+So ``lower_bound_bytes <= total_bytes`` for every plan (a test checks it on
 random pairs).  The time bound adds each such mesh dim's fewest latency terms (``k-1``, or
 ``2(k-1)`` for the reductions to ``R``).  The bound is reached by single-collective changes of
 a fully split tensor, e.g. ``S(0) -> R`` on a 1-D mesh; it ignores the shard order entirely.
@@ -46,13 +46,12 @@ from ..placement import (Partial, Placement, Replicate, Shard, ShardOrder, defau
                          local_shape_and_offset, normalize_placements, validate_shard_order, REDUCE_OPS)
 from .cost import LinkModel, logical_shape, normalize_links, step_comm, step_link
 from .exchange import exchange_dims, exchange_loads
-from .flatten import best_plan
-from .planner import ExchangeStep, FlatStep, Step, plan as simple_plan
+from .planner import plan
+from .steps import ExchangeStep, FlatStep, Step
 
 __all__ = ["explain_redistribute", "Explanation", "ExplainedStep", "BoundTerm", "parse_placements", "parse_spec",
            "parse_shard_order", "parse_dtype", "format_bytes", "format_time"]
 
-PLANNERS = ("optimal", "simple")
 
 
 # -- parsing ------------------------------------------------------------------------------------
@@ -123,7 +122,7 @@ def _strip_outer(text: str) -> str:
 
 
 def parse_spec(text: str, mesh_ndim: int) -> tuple[tuple[Placement, ...], dict[int, tuple[int, ...]]]:
-    """Placements and the shard-order entries spelled in the display form of spec 1.3.
+    """Placements and the shard-order entries spelled in the display form (docs/placements.md).
 
     Accepts ``"S0,S1"``, ``"R,S0"``, ``"P,P"``, ``"P(max),S1"``, ``"(S(0), Shard(1))"``,
     ``"Replicate(), Partial(avg)"`` (case-insensitive, spaces ignored) and nested positions
@@ -392,7 +391,6 @@ class Explanation:
     shape: tuple[int, ...]
     dtype: str
     itemsize: int
-    planner: str
     src_placements: tuple[Placement, ...]
     src_order: ShardOrder
     dst_placements: tuple[Placement, ...]
@@ -430,8 +428,7 @@ class Explanation:
 
     # -- text ---------------------------------------------------------------------------------
     def to_text(self) -> str:
-        head = (f"redistribute {self.shape} {self.dtype} on mesh {self.mesh_shape}: {self.src} -> {self.dst}  "
-                f"[planner: {self.planner}]")
+        head = f"redistribute {self.shape} {self.dtype} on mesh {self.mesh_shape}: {self.src} -> {self.dst}"
         lines = [head]
         if not self.steps:
             lines.append("no steps: source and target are the same spec")
@@ -468,7 +465,7 @@ class Explanation:
         """JSON-able (``json.dumps`` works as is); ``Explanation.from_dict`` reverses it."""
         return {
             "mesh_shape": list(self.mesh_shape), "shape": list(self.shape), "dtype": self.dtype,
-            "itemsize": self.itemsize, "planner": self.planner,
+            "itemsize": self.itemsize,
             "src": {"display": self.src, "placements": _pl_str(self.src_placements), "order": _order_json(self.src_order)},
             "dst": {"display": self.dst, "placements": _pl_str(self.dst_placements), "order": _order_json(self.dst_order)},
             "links": [{"alpha": lk.alpha, "beta": lk.beta, "launch": lk.launch} for lk in self.links],
@@ -484,7 +481,7 @@ class Explanation:
         m = len(d["mesh_shape"])
         lb = d["lower_bound"]
         return Explanation(
-            tuple(d["mesh_shape"]), tuple(d["shape"]), str(d["dtype"]), int(d["itemsize"]), str(d["planner"]),
+            tuple(d["mesh_shape"]), tuple(d["shape"]), str(d["dtype"]), int(d["itemsize"]),
             parse_placements(",".join(d["src"]["placements"]), m), _order_from_json(d["src"]["order"]),
             parse_placements(",".join(d["dst"]["placements"]), m), _order_from_json(d["dst"]["order"]),
             tuple(LinkModel(x["alpha"], x["beta"], x.get("launch", LinkModel.launch)) for x in d["links"]),
@@ -580,7 +577,7 @@ def _int_tuple(what: str, value: Any, minimum: int) -> tuple[int, ...]:
 
 
 def explain_redistribute(mesh_shape: Sequence[int], shape: Sequence[int], src, dst, dtype: Any = torch.float32,
-                         src_order=None, dst_order=None, links=None, planner: str = "optimal") -> Explanation:
+                         src_order=None, dst_order=None, links=None) -> Explanation:
     """Plan and price the redistribution of a ``shape`` tensor on a ``mesh_shape`` mesh.
 
     ``src``/``dst``: placements (``[Shard(0), Replicate()]``) or text (``"S0,R"``, ``"P(max),S1"``,
@@ -588,7 +585,7 @@ def explain_redistribute(mesh_shape: Sequence[int], shape: Sequence[int], src, d
     entries replacing the default ones of their tensor dims: ``"0:1,0"``, ``{0: [1, 0]}`` or
     ``((0, (1, 0)),)``.  ``dtype``: a torch dtype or a name (``"bf16"``).  ``links``: a
     ``LinkModel`` or one per mesh dim (default: ``DEFAULT_LINK``; the executor plans with the
-    default).  ``planner``: ``"optimal"`` (what the executor runs) or ``"simple"`` (baseline).
+    default).  The steps are those ``redistribute`` runs (with the default links).
     Raises ``ValueError``/``TypeError`` with a message on bad input.  No processes or data.
     """
     mesh_shape = _int_tuple("mesh shape", mesh_shape, 1)
@@ -597,17 +594,11 @@ def explain_redistribute(mesh_shape: Sequence[int], shape: Sequence[int], src, d
     shape = _int_tuple("tensor shape", shape, 0)
     dt = parse_dtype(dtype)
     itemsize = dt.itemsize
-    if planner not in PLANNERS:
-        raise ValueError(f"planner must be one of {PLANNERS}, got {planner!r}")
     m, n = len(mesh_shape), len(shape)
     src_pl, s_order = _resolve("source", src, src_order, m, n)
     dst_pl, d_order = _resolve("target", dst, dst_order, m, n)
     lk = normalize_links(links, m)
-    if planner == "simple":
-        steps = simple_plan(src_pl, s_order, dst_pl, d_order)
-    else:
-        steps = best_plan(src_pl, s_order, dst_pl, d_order, shape, mesh_shape, itemsize,
-                             None if links is None else lk)
+    steps = plan(src_pl, s_order, dst_pl, d_order, shape, mesh_shape, itemsize, None if links is None else lk)
 
     out: list[ExplainedStep] = []
     total = Fraction(0)
@@ -645,11 +636,11 @@ def explain_redistribute(mesh_shape: Sequence[int], shape: Sequence[int], src, d
     notes = []
     for j, (a, b) in enumerate(zip(src_pl, dst_pl)):
         if isinstance(a, Shard) and isinstance(b, Partial) and mesh_shape[j] > 1:
-            notes.append(f"mesh dim {j}: {a} -> {b} is refused by DTensor.redistribute in the forward pass "
-                         "(spec T7); the plan is what the planner returns")
+            notes.append(f"mesh dim {j}: {a} -> {b} is refused by DTensor.redistribute in the forward pass"
+                         "; the plan is what the planner returns")
     if links is not None:
         notes.append("links given: the executor plans with the default links, so its steps may differ")
-    return Explanation(mesh_shape, shape, str(dt).removeprefix("torch."), itemsize, planner, src_pl, s_order, dst_pl,
+    return Explanation(mesh_shape, shape, str(dt).removeprefix("torch."), itemsize, src_pl, s_order, dst_pl,
                        d_order, lk, tuple(out), _jnum(total), total_time, _jnum(lb), lb_time, terms, tuple(notes))
 
 
@@ -752,7 +743,7 @@ def _draw(ex: Explanation, path: str, dpi: int) -> None:
     fig = Figure(figsize=(11, 1.1 + row_h * len(rows) + (0.3 if footer else 0)), dpi=dpi, layout="constrained")
     FigureCanvasAgg(fig)
     gs = fig.add_gridspec(len(rows), 3, width_ratios=[4, 2.4, 4])
-    fig.suptitle(f"{ex.shape} {ex.dtype} on mesh {ex.mesh_shape}: {ex.src} -> {ex.dst}   [{ex.planner}]\n"
+    fig.suptitle(f"{ex.shape} {ex.dtype} on mesh {ex.mesh_shape}: {ex.src} -> {ex.dst}\n"
                  f"total {format_bytes(ex.total_bytes)} per rank, {format_time(ex.total_time)};  "
                  f"lower bound {format_bytes(ex.lower_bound_bytes)}", fontsize=10)
     for i, st in enumerate(rows):

@@ -1,6 +1,6 @@
 """One collective over a flattened group of mesh dims where it beats one collective per mesh dim.
 
-The search in ``optimal.py`` moves one mesh dim per step.  Under the ring model a collective
+The search (``search.py``) moves one mesh dim per step.  Under the ring model a collective
 over the flattened group of several mesh dims never moves fewer bytes than the per-dim steps
 it replaces (equal when the pieces are even, more when padding grows), and it has more ring
 hops (``K-1`` against ``sum(k_j-1)``).  What it saves is collectives: one launch instead of
@@ -10,8 +10,8 @@ per-collective ``launch`` cost of ``cost.LinkModel`` deciding among equal-byte p
 
 * **merges**: consecutive steps of one kind become one ``FlatStep``: all-gathers popping the
   top of one shard list (``(S0,S0) -> (R,R)``: one all-gather over 4 ranks), all-reduces of
-  the same partial kind.  Reduce-scatters stay per mesh dim (spec row 19 asks for two on
-  ``(P,P) -> (S0,S0)``; the executor can run a flattened one, ``FlatStep(P -> S(d))``);
+  the same partial kind.  Reduce-scatters stay per mesh dim (two on ``(P,P) -> (S0,S0)``; the
+  executor can run a flattened one, ``FlatStep(P -> S(d))``);
 * **all-reduce first**: partial mesh dims of one kind whose target is ``R`` are reduced by one
   all-reduce over their flattened group, and the rest is planned from there.  ``(P,P) -> (R,R)``
   on a (2,2) mesh: the best per-dim plan is reduce-scatter, all-reduce, all-gather (three
@@ -23,41 +23,24 @@ per-collective ``launch`` cost of ``cost.LinkModel`` deciding among equal-byte p
   the tensor per rank instead of 2.5/4).
 
 A candidate replaces the per-dim plan only if it moves less bandwidth time, or the same and is
-strictly cheaper in latency plus launches, so the byte optimality of ``optimal.py`` is kept.  Plans are
-cached with the same key as the optimal planner's.
+strictly cheaper in latency plus launches, so the search's byte optimality is kept.
 """
 from __future__ import annotations
 
 import math
-from functools import lru_cache
-from typing import Sequence
+from ..placement import Partial, Placement, Replicate, Shard, local_shape_and_offset
+from .cost import link_of, step_comm, step_latency
+from .exchange import exchange_bound, exchange_comm, exchange_dims
+from .search import search
+from .steps import ExchangeStep, FlatStep, Step
 
-from ..placement import Partial, Placement, Replicate, Shard, ShardOrder
-from .cost import LinkModel, link_of, normalize_links, step_comm, step_latency
-from .exchange import exchange_bound, exchange_dims
-from .optimal import _cached as _search  # the optimal planner's LRU, arguments already normalised
-from .optimal import _norm_order
-from .planner import ExchangeStep, FlatStep, Step
-
-__all__ = ["best_plan", "merge_steps", "clear_cache"]
+__all__ = ["improve", "merge_steps"]
 
 
-def best_plan(src: Sequence[Placement], src_order: ShardOrder, dst: Sequence[Placement], dst_order: ShardOrder,
-              global_shape: Sequence[int], mesh_shape: Sequence[int], itemsize: int,
-              links: LinkModel | Sequence[LinkModel] | None = None) -> tuple[Step, ...]:
-    """The optimal per-dim plan, with flattened-group collectives where they are cheaper."""
-    mesh_shape = tuple(int(k) for k in mesh_shape)
-    return _cached(mesh_shape, normalize_links(links, len(mesh_shape)), tuple(src), _norm_order(src_order),
-                   tuple(dst), _norm_order(dst_order), tuple(int(n) for n in global_shape), int(itemsize))
-
-
-def clear_cache() -> None:
-    _cached.cache_clear()
-
-
-@lru_cache(maxsize=8192)
-def _cached(mesh_shape, links, src, src_order, dst, dst_order, shape, itemsize) -> tuple[Step, ...]:
-    base = _search(mesh_shape, links, src, src_order, dst, dst_order, shape, itemsize)
+def improve(base: tuple[Step, ...], mesh_shape, links, src, src_order, dst, dst_order, shape,
+            itemsize: int) -> tuple[Step, ...]:
+    """``base`` (the per-dim optimum), or a plan with flattened-group collectives or the direct
+    exchange where that moves fewer bytes, or the same bytes in fewer collectives."""
     groups = _reduce_groups(src, dst, mesh_shape)
     ncoll = sum(1 for st in base if step_latency(st, mesh_shape))
     dims = exchange_dims(src, src_order, dst, dst_order, mesh_shape) if ncoll > 1 else None
@@ -70,7 +53,7 @@ def _cached(mesh_shape, links, src, src_order, dst, dst_order, shape, itemsize) 
     def offer(cand: tuple[Step, ...], sc=None) -> None:
         nonlocal best, best_score
         sc = score.plan(cand) if sc is None else sc
-        if sc[0] < best_score[0] or (sc[0] == best_score[0] and sc[1] < best_score[1]):
+        if sc < best_score:
             best, best_score = cand, sc
 
     merged = merge_steps(base, shape, mesh_shape, itemsize, links, score)
@@ -81,18 +64,40 @@ def _cached(mesh_shape, links, src, src_order, dst, dst_order, shape, itemsize) 
         if score.plan((first,))[0] > best_score[0]:
             continue  # the all-reduce alone moves more than the whole best plan: no second search
         mid = tuple(Replicate() if j in group else p for j, p in enumerate(src))
-        cand = (first,) + _search(mesh_shape, links, mid, src_order, dst, dst_order, shape, itemsize)
+        cand = (first,) + search(mesh_shape, links, mid, src_order, dst, dst_order, shape)[0]
         offer(cand)
         m2 = merge_steps(cand, shape, mesh_shape, itemsize, links, score)
         if m2 is not cand:
             offer(m2)
     if dims is not None:
-        # priced on a cheap upper bound (the exact busiest rank costs a pass over rank pairs):
-        # taken only when even the bound wins, so it never moves more bytes
-        ub = exchange_bound(shape, mesh_shape, dims, src, src_order, dst, dst_order)
-        offer((ExchangeStep(dims[0], src[dims[0]], dst[dims[0]], src, src_order, dims=dims, target=dst,
-                            target_order=dst_order),), score.raw(dims, ub, 1, math.prod(mesh_shape[j] for j in dims) - 1))
+        offer(*_exchange(score, best_score, mesh_shape, dims, src, src_order, dst, dst_order, shape))
     return best
+
+
+def _exchange(score: "_Scorer", best_score: tuple, mesh_shape, dims, src, src_order, dst, dst_order, shape):
+    """The direct exchange and its score.  Priced first on a cheap upper bound; when that does
+    not win, and what rank 0 alone must receive could, on the exact busiest rank (a pass over
+    every rank pair, so only then)."""
+    lat = math.prod(mesh_shape[j] for j in dims) - 1
+    step = ExchangeStep(dims[0], src[dims[0]], dst[dims[0]], src, src_order, dims=dims, target=dst,
+                        target_order=dst_order)
+    ub = score.raw(dims, exchange_bound(shape, mesh_shape, dims, src, src_order, dst, dst_order), 1, lat)
+    if ub < best_score or score.raw(dims, _rank0_missing(shape, mesh_shape, src, src_order, dst, dst_order), 1,
+                                    lat) >= best_score:
+        return (step,), ub
+    num, _ = exchange_comm(shape, mesh_shape, dims, src, src_order, dst, dst_order)
+    return (step,), score.raw(dims, num, 1, lat)
+
+
+def _rank0_missing(shape, mesh_shape, src, src_order, dst, dst_order) -> int:
+    """Elements of rank 0's target block that rank 0 does not hold: what it must receive."""
+    zero = (0,) * len(mesh_shape)
+    held = local_shape_and_offset(shape, mesh_shape, zero, src, src_order)
+    need = local_shape_and_offset(shape, mesh_shape, zero, dst, dst_order)
+    both = 1
+    for ho, hs, no, ns in zip(held[1], held[0], need[1], need[0]):
+        both *= max(0, min(ho + hs, no + ns) - max(ho, no))
+    return math.prod(need[0]) - both
 
 
 class _Scorer:

@@ -1,0 +1,485 @@
+"""The cheapest per-mesh-dim plan between two specs: an A* search over (placements, shard order).
+
+The graph, its costs and the bound are described in docs/redistribution.md ("How the planner
+searches").  Read top-down: ``search`` sets up a ``_Problem`` (tables of the mesh, facts of the
+target), then pops states in order of a lower bound of their total cost; ``_Problem.decode``
+reads a state, ``_Problem.moves`` lists its edges with the bound's inputs after each, and
+``_to_steps`` turns the moves of the cheapest path into ``Step``s.
+
+The bound of a state is a function of six numbers (``_Problem.bound``): products of the mesh
+sizes per category (sharding, replicated but headed for a shard, partial still to reduce,
+free) and the weights of the moves still needed.  A move changes one mesh dim's category, so a
+successor's numbers are its parent's with one mesh dim's share swapped: pricing a successor
+costs a dozen integer operations, not a decode.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from fractions import Fraction
+from functools import lru_cache
+from typing import Sequence
+
+from ..placement import Partial, Placement, Replicate, Shard, ShardOrder
+from .baseline import baseline_plan
+from .cost import LinkModel, normalize_links
+from .steps import Step
+
+__all__ = ["search", "per_dim_plan", "norm_order", "MAX_EXPANSIONS"]
+
+MAX_EXPANSIONS = 1024
+"""Expanded states before the search gives up and returns the baseline plan (correct, never
+more bytes than itself; not reached on the planner benchmark's pairs)."""
+
+_REPLICATE = Replicate()
+_INF = 1 << 4000
+# a move: mesh dim | kind << 8 | tensor dim << 12; kinds: 0 all-gather, 1 all-to-all,
+# 2 all-reduce, 3 reduce-scatter, 4 chunk (kinds 0 and 2 end in Replicate)
+_AG, _A2A, _AR, _RS, _CHUNK = 0, 1, 2, 3, 4
+
+
+def search(mesh_shape: tuple[int, ...], links: tuple[LinkModel, ...], src: tuple, src_order: ShardOrder,
+           dst: tuple, dst_order: ShardOrder, shape: tuple[int, ...]) -> tuple[tuple[Step, ...], dict]:
+    """``(steps, info)``: the cheapest per-mesh-dim plan and the search's counters
+    (``expanded``, ``generated``, ``capped``).  Arguments are normalised (``planner.py``)."""
+    info = {"expanded": 0, "generated": 0, "capped": False}
+    pb = _Problem(mesh_shape, links, src, src_order, dst, dst_order, shape)
+    if pb.done(pb.start):
+        return _to_steps((), src, src_order, dst, dst_order), info
+    free = _free_plan(src, src_order, dst_order, pb.compat)
+    if free is not None:
+        return _to_steps(free, src, src_order, dst, dst_order), info
+    best = {pb.start: 0}
+    prev: dict[int, tuple[int, int]] = {}
+    cycles_priced: set[int] = set()
+    requeued: dict[int, tuple] = {}  # decoded states queued again with their cycle price
+    # queue items (f, -g, state): ties go to the deeper state, then to the smaller state code
+    # (a total order: nothing depends on hashing, so every rank finds the same plan)
+    pq = [(0, 0, pb.start)]
+    found = None
+    while pq:
+        f, ng, st = heapq.heappop(pq)
+        g = -ng
+        if g != best[st]:
+            continue  # reached more cheaply since this entry was queued
+        if pb.done(st):
+            found = st
+            break
+        dec = requeued.pop(st, None) or pb.decode(st)
+        if dec[-1] > 1 and st not in cycles_priced:
+            # shards waiting for each other's places: priced once per state, when first popped
+            cycles_priced.add(st)
+            extra = pb.cycle_extra(dec)
+            if extra:
+                requeued[st] = dec
+                heapq.heappush(pq, (f + extra, ng, st))
+                continue
+        info["expanded"] += 1
+        if info["expanded"] > MAX_EXPANSIONS:
+            info["capped"] = True
+            break
+        pb.expand(st, g, dec, best, prev, pq)
+    info["generated"] = len(best)
+    if found is None:
+        return baseline_plan(src, src_order, dst, dst_order), info
+    moves = []
+    while found != pb.start:
+        found, mv = prev[found]
+        moves.append((mv & 0xFF, mv >> 8 & 0xF, mv >> 12))
+    return _to_steps(moves[::-1], src, src_order, dst, dst_order), info
+
+
+def per_dim_plan(src: Sequence[Placement], src_order: ShardOrder, dst: Sequence[Placement], dst_order: ShardOrder,
+                 global_shape: Sequence[int], mesh_shape: Sequence[int],
+                 links: LinkModel | Sequence[LinkModel] | None = None) -> tuple[Step, ...]:
+    """The search's plan (one mesh dim per step, before ``flatten.improve``), uncached."""
+    mesh_shape = tuple(map(int, mesh_shape))
+    return search(mesh_shape, normalize_links(links, len(mesh_shape)), tuple(src), norm_order(src_order), tuple(dst),
+                  norm_order(dst_order), tuple(map(int, global_shape)))[0]
+
+
+def norm_order(order) -> ShardOrder:
+    """Sorted ``((tensor dim, (mesh dims...)), ...)`` with plain ints (a no-op for normal orders)."""
+    if type(order) is tuple:
+        prev = -1
+        for e in order:
+            if type(e) is not tuple or len(e) != 2 or type(e[0]) is not int or e[0] <= prev or type(e[1]) is not tuple:
+                break
+            prev = e[0]
+        else:
+            return order
+    return tuple(sorted((int(d), tuple(js)) for d, js in order))
+
+
+def _free_plan(src, src_order: ShardOrder, dst_order: ShardOrder, compat: list[bool]) -> list | None:
+    """The moves of a plan that costs nothing, if there is one: every source shard list is a
+    prefix of its target list, every other target shard is replicated now, and every source
+    partial may stay.  Then the target shards are chunks, in target order."""
+    lists = dict(src_order)
+    chunks = []
+    for d, js in dst_order:
+        have = lists.pop(d, ())
+        if js[:len(have)] != have:
+            return None
+        for j in js[len(have):]:
+            if not isinstance(src[j], Replicate):
+                return None
+            chunks.append((j, _CHUNK, d))
+    if lists or not all(compat[j] for j, p in enumerate(src) if isinstance(p, Partial)):
+        return None
+    return chunks
+
+
+class _Problem:
+    """One search: the mesh's tables, the target's facts, and the three operations on a state.
+
+    A state is an int with ``W`` bits per mesh dim: 0 = Replicate, 1 = the source's Partial,
+    ``2 + d*m + p`` = Shard(d) at position ``p`` of ``d``'s shard list.  Costs are exact integers
+    ``bandwidth << shift | latency`` (bandwidth first, then latency, in one comparison).
+    """
+
+    def __init__(self, mesh_shape, links, src, src_order, dst, dst_order, shape) -> None:
+        m, N = len(mesh_shape), len(shape)
+        self.m, self.N, self.shape = m, N, shape
+        t = _mesh_tables(mesh_shape, N, links)
+        (self.ks, self.K_all, S, self.hmul, self.MASK, self.SH, self.CD, self.CP, self.AG, self.AR,
+         self.LAT1, self.LAT2) = t
+        self.start = _encode(src, src_order, m, N, self.SH, "source")
+        self.goal = _encode(tuple(p if isinstance(p, Shard) else _REPLICATE for p in dst), dst_order, m, N,
+                            self.SH, "target")
+        # target facts per mesh dim; a compatible source partial may stay (goal mask GM)
+        self.tS = [isinstance(b, Shard) for b in dst]
+        self.TD = [b.dim if isinstance(b, Shard) else -1 for b in dst]
+        self.compat = [isinstance(b, Partial) and (a == b or (type(a) is Partial and type(b) is Partial and
+                                                              {a.reduce_op, b.reduce_op} == {"sum", "avg"}))
+                       for a, b in zip(src, dst)]
+        self.GM = -1
+        for j in range(m):
+            if self.compat[j]:
+                self.GM &= ~(1 << self.SH[j])
+        T: list[tuple] = [()] * N
+        for d, js in dst_order:
+            T[d] = js
+        self.T = T
+        self.TL = [len(x) for x in T]
+        self._bound_tables(S)
+
+    def _bound_tables(self, S: int) -> None:
+        """Constants of the bound (docs/redistribution.md): the volume at the goal, the weight of
+        an all-to-all per mesh dim, and which later entries a shard left above would make dearer."""
+        ks, m, N, T = self.ks, self.m, self.N, self.T
+        XS = math.prod(self.shape) * S
+        self.XS = XS
+        self.PHIEND = XS // math.prod(ks[j] for j in range(m) if self.tS[j])
+        AU = [(k - 1) * (XS // (k * self.K_all)) for k in ks]
+        self.AU, self.AU2 = AU, [2 * a for a in AU]
+        self.CYW = [a * self.hmul for a in AU]
+        self.PK = []
+        for t in T:
+            row, later = [0] * len(t), 0
+            for p in range(len(t) - 1, -1, -1):
+                later |= ks[t[p]] > 1
+                row[p] = later
+            self.PK.append(row)
+        # an empty tensor dim with no target entries and the size class of an empty smaller one
+        # is never pushed onto (its plans mirror the smaller one's)
+        shape, K_all = self.shape, self.K_all
+        self.twin = [-1] * N
+        for d in range(N):
+            if not T[d]:
+                for e in range(d):
+                    if not T[e] and (shape[e] == shape[d] or (shape[e] % K_all == 0 and shape[d] % K_all == 0)):
+                        self.twin[d] = e
+                        break
+
+    def done(self, st: int) -> bool:
+        return st & self.GM == self.goal
+
+    def decode(self, st: int) -> tuple:
+        """Per-state facts: codes per mesh dim, list heights, padded sizes, the local volume, per
+        tensor dim the mesh dim that would land in its final place, whether an entry is still
+        pending; the bound's six numbers and each mesh dim's share of them; the count of
+        misplaced shards headed for another tensor dim (candidates for waiting cycles)."""
+        m, N, ks, CD, CP, T, TL = self.m, self.N, self.ks, self.CD, self.CP, self.T, self.TL
+        MASK = self.MASK
+        codes = [(st >> s) & MASK for s in self.SH]
+        Kd = [1] * N
+        H = [0] * N
+        at = [-1] * (N * m)
+        for j in range(m):
+            c = codes[j]
+            if c >= 2:
+                d, p = CD[c], CP[c]
+                Kd[d] *= ks[j]
+                at[d * m + p] = j
+                if p >= H[d]:
+                    H[d] = p + 1
+        n = [-(-self.shape[d] // Kd[d]) for d in range(N)]
+        TN = [-1] * N  # the mesh dim whose push onto d lands in its final place
+        FL = [0] * N  # length of d's final prefix
+        PD = [0] * N  # 1 if d still waits for a target entry above its final prefix
+        for d in range(N):
+            t, h, base = T[d], H[d], d * m
+            p = 0
+            while p < h and p < TL[d] and at[base + p] == t[p]:
+                p += 1
+            FL[d] = p
+            if p < TL[d]:
+                PD[d] = self.PK[d][p]
+                if p == h:
+                    TN[d] = t[h]
+        # the bound's numbers: products of sizes of sharding (Kf), replicated-to-shard (KC),
+        # partial-to-reduce (KP) and free (KO) mesh dims; move weights A2 and latency LT
+        tS, TD, LU, AU, AU2 = self.tS, self.TD, self.LAT1, self.AU, self.AU2
+        Kf = KC = KP = KO = 1
+        A2 = LT = ncyc = 0
+        own = [0] * m
+        ownl = [0] * m
+        for j in range(m):
+            c, k = codes[j], ks[j]
+            if c == 1:
+                if self.compat[j]:
+                    KO *= k
+                else:
+                    KP *= k
+                    LT += LU[j]
+                    ownl[j] = LU[j]
+            elif c == 0:
+                if tS[j]:
+                    KC *= k
+                else:
+                    KO *= k
+            else:
+                Kf *= k
+                d = CD[c]
+                if CP[c] >= FL[d]:  # misplaced: it must leave its place
+                    if tS[j]:
+                        if TD[j] == d:
+                            w = AU2[j]
+                        else:
+                            w = AU[j]
+                            ncyc += 1
+                    else:
+                        w = AU[j] if PD[d] else 0  # it blocks a pending target entry below it
+                    A2 += w
+                    own[j] = w
+                    LT += LU[j]
+                    ownl[j] = LU[j]
+        return codes, H, n, math.prod(n), FL, TN, PD, (Kf, KC, KP, KO, A2, LT), own, ownl, ncyc
+
+    def bound(self, Kf: int, KC: int, KP: int, KO: int, A2: int, LT: int) -> int:
+        """A lower bound of the cost to the goal from the bound's six numbers (docs/redistribution.md):
+        the change of local volume to the goal's, the entries (chunks weigh 1, reductions 2) taken
+        with the free mesh dims sharded or not, whichever is less, plus the moves and the latency."""
+        A = self.XS // Kf
+        C2 = KC * KO
+        v = min(self.PHIEND + A // KC - 2 * (A // (KC * KP)) + KO * A2,
+                self.PHIEND + A // C2 - 2 * (A // (C2 * KP)) + A2)
+        return (v * self.hmul if v > 0 else 0) + LT
+
+    def cycle_extra(self, dec: tuple) -> int:
+        return _cycle_extra(dec[0], self.CD, self.TD, dec[4], self.tS, self.m, self.CYW)
+
+    def expand(self, st: int, g: int, dec: tuple, best: dict, prev: dict, pq: list) -> None:
+        """Queue every successor of ``st`` reached more cheaply than before, priced ``g + cost + bound``.
+
+        Pushes onto an empty twin, or onto a saturated dim (padded piece <= 1 element) that is not
+        the mover's target, are pruned: they cannot lead to a cheaper plan.  A successor's bound
+        numbers are ``st``'s with the moved mesh dim's share swapped, so the bound costs a call,
+        not a decode, and only for successors that are queued."""
+        codes, H, n, phi, FL, TN, PD, (Kf, KC, KP, KO, A2, LT), own, ownl, _ = dec
+        m, N, ks, CD, CP, SH, MASK = self.m, self.N, self.ks, self.CD, self.CP, self.SH, self.MASK
+        AG, TD, tS, twin, LU, AU, AU2 = self.AG, self.TD, self.tS, self.twin, self.LAT1, self.AU, self.AU2
+        bound, push, get = self.bound, heapq.heappush, best.get
+        skip = [(twin[b] >= 0 and H[b] == 0 and H[twin[b]] == 0) or n[b] <= 1 for b in range(N)]
+        for j in range(m):
+            c = codes[j]
+            if c >= 2:
+                a = CD[c]
+                if CP[c] != H[a] - 1:
+                    continue  # only the mesh dim last in its list may leave it
+            sj, k, tdj, ts = SH[j], ks[j], TD[j], tS[j]
+            cleared = st & ~(MASK << sj)
+            # the bound's numbers without mesh dim j
+            a2, lt = A2 - own[j], LT - ownl[j]
+            if c >= 2:
+                kf, kc, kp, ko = Kf // k, KC, KP, KO
+            elif c == 1:
+                kf, kc, kp, ko = (Kf, KC, KP, KO // k) if self.compat[j] else (Kf, KC, KP // k, KO)
+            else:
+                kf, kc, kp, ko = Kf, (KC // k if ts else KC), KP, (KO if ts else KO // k)
+            # to Replicate: all-gather a shard on top of its list, all-reduce a partial
+            if c >= 2:
+                g2, kind = g + AG[j] * phi + LU[j], j | _A2A << 8
+            elif c == 1:
+                a, g2, kind = -1, g + self.AR[j] * phi + self.LAT2[j], j | _RS << 8
+            else:
+                a, g2, kind = -1, _INF, j | _CHUNK << 8
+            if g2 < get(cleared, _INF):
+                best[cleared] = g2
+                prev[cleared] = (st, j | (_AG if c >= 2 else _AR) << 8)
+                h = bound(kf, kc * k, kp, ko, a2, lt) if ts else bound(kf, kc, kp, ko * k, a2, lt)
+                push(pq, (g2 + h, -g2, cleared))
+            # to Shard(b), appended last: all-to-all, reduce-scatter or chunk
+            for b in range(N):
+                if b == a or (skip[b] and b != tdj):
+                    continue
+                s2 = cleared | ((2 + b * m + H[b]) << sj)
+                nb = n[b]
+                g2 = g if c == 0 else g + (AG[j] * (phi // nb * -(-nb // k)) if nb else 0) + LU[j]
+                if g2 < get(s2, _INF):
+                    best[s2] = g2
+                    prev[s2] = (st, kind | b << 12)
+                    if TN[b] == j:  # lands in its final place
+                        h = bound(kf * k, kc, kp, ko, a2, lt)
+                    else:
+                        w = (AU2[j] if tdj == b else AU[j]) if ts else (AU[j] if PD[b] else 0)
+                        h = bound(kf * k, kc, kp, ko, a2 + w, lt + LU[j])
+                    push(pq, (g2 + h, -g2, s2))
+
+
+def _int_weights(values: Sequence[float]) -> tuple[int, ...]:
+    """Small integers proportional to ``values`` (all equal -> all 1; zeros stay 0)."""
+    pos = [v for v in values if v > 0]
+    if not pos:
+        return (0,) * len(values)
+    lo = min(pos)
+    if all(v == lo or v == 0 for v in values):
+        return tuple(1 if v else 0 for v in values)
+    fr = [Fraction(v / lo).limit_denominator(1000) if v else Fraction(0) for v in values]
+    den = 1
+    for f in fr:
+        den = den * f.denominator // math.gcd(den, f.denominator)
+    return tuple(int(f * den) for f in fr)
+
+
+@lru_cache(maxsize=256)
+def _mesh_tables(mesh_shape: tuple[int, ...], N: int, links: tuple[LinkModel, ...]):
+    """Per (mesh shape, tensor rank, links) constants: the state encoding and the edge weights.
+
+    Costs are exact integers: elements x ``S = K_all * lcm(k)`` (so every all-reduce ``/k`` and
+    every term of the bound divides exactly), bandwidth weighted per mesh dim by ``wb`` and
+    shifted above the latency (weighted by ``wa``), which has room for 512 collectives."""
+    ks = mesh_shape
+    K_all = math.prod(ks)
+    S = K_all * math.lcm(*ks) if ks else 1
+    wb = _int_weights([lk.beta for lk in links])
+    wa = _int_weights([lk.alpha for lk in links])
+    shift = max(24, (2 * max(ks, default=1) * max(wa + (1,)) * 512).bit_length())
+    pos_wb = [w for w, k in zip(wb, ks) if k > 1 and w > 0]
+    hmul = (min(pos_wb) if pos_wb else 0) << shift  # the bound is priced on the cheapest link
+    m = len(ks)
+    W = max(2, (1 + N * m).bit_length())
+    SH = tuple(W * j for j in range(m))
+    CD = (-1, -1) + tuple(c // m for c in range(N * m))
+    CP = (-1, -1) + tuple(c % m for c in range(N * m))
+    AG = tuple(((k - 1) * S * wb[j]) << shift for j, k in enumerate(ks))
+    AR = tuple(((2 * (k - 1) * (S // k)) * wb[j]) << shift for j, k in enumerate(ks))
+    LAT1 = tuple((k - 1) * wa[j] for j, k in enumerate(ks))
+    LAT2 = tuple(2 * (k - 1) * wa[j] for j, k in enumerate(ks))
+    return ks, K_all, S, hmul, (1 << W) - 1, SH, CD, CP, AG, AR, LAT1, LAT2
+
+
+def _encode(pl: tuple, order: ShardOrder, m: int, N: int, SH: tuple, what: str) -> int:
+    """Validate a spec (placements and shard order agree) and encode it as a state int."""
+    if len(pl) != m:
+        raise ValueError(f"{what} placements {pl} do not match a mesh with {m} dims")
+    code = 0
+    nshard = 0
+    for j, p in enumerate(pl):
+        if isinstance(p, Shard):
+            nshard += 1
+        elif isinstance(p, Partial):
+            code |= 1 << SH[j]
+    seen = 0
+    dims = 0
+    for d, js in order:
+        if not js:
+            raise ValueError(f"{what} shard order {order}: tensor dim {d} has an empty mesh-dim list")
+        if not 0 <= d < N or dims >> d & 1:
+            raise ValueError(f"{what} shard order {order}: tensor dim {d} out of range for {N} dims or repeated")
+        dims |= 1 << d
+        for pos, j in enumerate(js):
+            if not 0 <= j < m or seen >> j & 1:
+                raise ValueError(f"{what} shard order {order} does not match placements {pl}")
+            p = pl[j]
+            if not isinstance(p, Shard) or p.dim != d:
+                raise ValueError(f"{what} shard order {order} does not match placements {pl}")
+            seen |= 1 << j
+            code |= (2 + d * m + pos) << SH[j]
+    if bin(seen).count("1") != nshard:
+        raise ValueError(f"{what} shard order {order} does not list every sharding mesh dim of {pl}")
+    return code
+
+
+def _cycle_extra(codes, CD, TD, FL, tS, m, weight) -> int:
+    """Cheapest set of extra moves that breaks every waiting cycle among misplaced shards.
+
+    Node: a shard not in its final place whose target is a shard on another tensor dim.  Edge
+    ``j -> x``: ``x`` sits on ``j``'s target list, so it must leave before ``j`` arrives.  In a
+    cycle no member can make its first move its final one, so one member moves twice.
+    """
+    nodes = []
+    where = {}
+    for j in range(m):
+        c = codes[j]
+        if c >= 2 and tS[j]:
+            d = CD[c]
+            if d != TD[j] and (c - 2) % m >= FL[d]:
+                nodes.append(j)
+                where[j] = d
+    if len(nodes) < 2:
+        return 0
+    succ = [0] * len(nodes)
+    for i, j in enumerate(nodes):
+        for x, y in enumerate(nodes):
+            if y != j and where[y] == TD[j]:
+                succ[i] |= 1 << x
+    full = (1 << len(nodes)) - 1
+
+    def acyclic(alive: int) -> bool:
+        while alive:  # drop nodes with no successor left alive; a stall means a cycle
+            drop = 0
+            for i in range(len(nodes)):
+                if alive >> i & 1 and not succ[i] & alive:
+                    drop |= 1 << i
+            if not drop:
+                return False
+            alive &= ~drop
+        return True
+
+    if acyclic(full):
+        return 0
+    best = None
+    for cut in range(1, full + 1):
+        if acyclic(full & ~cut):
+            w = sum(weight[nodes[i]] for i in range(len(nodes)) if cut >> i & 1)
+            if best is None or w < best:
+                best = w
+    return best or 0
+
+
+def _to_steps(moves, src, src_order, dst, dst_order) -> tuple[Step, ...]:
+    """Turn ``(mesh dim, kind, tensor dim)`` moves into ``Step``s, then append the free tail:
+    ``R -> P`` partitions and ``sum <-> avg`` rescales, which change no size and enable nothing."""
+    cur = list(src)
+    lists = {d: js for d, js in src_order}
+    frozen = src_order
+    steps: list[Step] = []
+    for j, kind, b in moves:
+        p = cur[j]
+        to_r = kind in (_AG, _AR)
+        new: Placement = _REPLICATE if to_r else Shard(b)
+        steps.append(Step(j, p, new, tuple(cur), frozen))
+        if isinstance(p, Shard):
+            lists[p.dim] = lists[p.dim][:-1]
+        if not to_r:
+            lists[b] = lists.get(b, ()) + (j,)
+        frozen = tuple((d, lists[d]) for d in sorted(lists) if lists[d])
+        cur[j] = new
+    for j, t in enumerate(dst):
+        if isinstance(t, Partial) and cur[j] != t:
+            steps.append(Step(j, cur[j], t, tuple(cur), frozen))
+            cur[j] = t
+    assert tuple(cur) == tuple(dst) and frozen == tuple(dst_order), (src, src_order, dst, dst_order, moves)
+    return tuple(steps)
