@@ -25,26 +25,15 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-import pytest
 import torch
 
 from shardtensor import DTensor, Partial, Replicate, Shard, comm, init_device_mesh, run_spmd
 
-__all__ = ["check", "one_thread", "run_recorded", "dyadic", "data", "local_piece", "partial_terms", "placement_combos", "MESHES", "gen", "Prepared"]
+__all__ = ["check", "prepare", "make_dtensor", "close", "run_recorded", "dyadic", "data", "local_piece", "partial_terms", "placement_combos", "MESHES", "gen", "Prepared"]
 
 MESHES = [(4,), (2, 2)]
 TIMEOUT = 60.0
 RES = 64.0
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread while a test module runs: simulated ranks are threads, and torch's pool
-    in each of them oversubscribes the cores (every op ~30x slower).  Import it to enable it."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def run_recorded(mesh_shape, body: Callable, *args) -> tuple[list, list]:
@@ -212,7 +201,7 @@ class Prepared:
     terms: dict | None = None
 
 
-def _prepare(values, combo, mesh_shape, g) -> list:
+def prepare(values, combo, mesh_shape, g) -> list:
     it = iter(combo)
 
     def one(v):
@@ -226,9 +215,9 @@ def _prepare(values, combo, mesh_shape, g) -> list:
     return [one(v) for v in values]
 
 
-def _make(p, mesh, grad: bool):
+def make_dtensor(p, mesh, grad: bool):
     if isinstance(p, (list, tuple)):
-        return type(p)(_make(x, mesh, grad) for x in p)
+        return type(p)(make_dtensor(x, mesh, grad) for x in p)
     if p.placements is None:
         return p.value
     coord = mesh.get_coordinate()
@@ -275,7 +264,7 @@ def _rank_run(mesh_shape, cases, fn, grad, weights):
     results = []
     for case in cases:
         try:
-            args = [_make(p, mesh, grad) for p in case]
+            args = [make_dtensor(p, mesh, grad) for p in case]
             outs = _flat_outputs(fn(*args))
             rec = []
             for o in outs:
@@ -321,7 +310,7 @@ def _dense(fn, values, grad: bool):
     return fn(*leaves), leaves
 
 
-def _close(actual, expected, what: str, tol: dict | None) -> None:
+def close(actual, expected, what: str, tol: dict | None) -> None:
     assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     kw = tol or ({} if not actual.is_floating_point() else dict(rtol=1e-5, atol=1e-5))
@@ -341,7 +330,7 @@ def check(fn: Callable, values: Sequence[Any], mesh_shape, *, limit: int | None 
     if combos is None:
         combos = placement_combos(tensors, mesh_shape, limit, (seed, "combos"), partial)
     g = gen((seed, "terms", tuple(mesh_shape)))
-    cases = [_prepare(values, c, mesh_shape, g) for c in combos]
+    cases = [prepare(values, c, mesh_shape, g) for c in combos]
 
     dense_out, leaves = _dense(fn, values, grad)
     dense_outs = _flat_outputs(dense_out)
@@ -395,9 +384,9 @@ def check(fn: Callable, values: Sequence[Any], mesh_shape, *, limit: int | None 
                 if compare is not None:
                     compare(full, expected, k)
                     continue
-                _close(full, expected, f"{what}: full_tensor", tol)
+                close(full, expected, f"{what}: full_tensor", tol)
                 if not any(isinstance(p, Partial) for p in pl):
-                    _close(local, local_piece(expected, mesh_shape, coord, pl, order),
+                    close(local, local_piece(expected, mesh_shape, coord, pl, order),
                            f"{what}: local shard (shard order {order})", tol)
             if dense_grads is not None:
                 assert grads is not None, f"inputs {desc}: no backward ran on rank {rank}"
@@ -405,6 +394,6 @@ def check(fn: Callable, values: Sequence[Any], mesh_shape, *, limit: int | None 
                     if gd is None:
                         continue
                     assert ga is not None, f"inputs {desc}: input {k} got no gradient (rank {rank})"
-                    _close(ga, gd, f"inputs {desc}: grad of input {k}, rank {rank}", grad_tol or tol)
+                    close(ga, gd, f"inputs {desc}: grad of input {k}, rank {rank}", grad_tol or tol)
         seen.append((tuple(p for p in combos[i]), out_pls if len(out_pls) > 1 else out_pls[0]))
     return seen

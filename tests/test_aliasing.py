@@ -12,13 +12,10 @@ Results that are copies on one device too (``repeat``, ``tile``) never write bac
 from __future__ import annotations
 
 import itertools
-import pathlib
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from opcheck import run_recorded  # noqa: E402
 
 from shardtensor import DTensor, comm, Partial, Replicate, Shard, distribute_tensor  # noqa: E402

@@ -5,13 +5,10 @@ default mesh, from_local's global stride and run_check's per-field checks.
 """
 from __future__ import annotations
 
-import pathlib
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from opcheck import run_recorded  # noqa: E402
 
 from shardtensor import (DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh,  # noqa: E402

@@ -543,7 +543,7 @@ def test_wait_tensor_passes_plain_tensors_through():
     assert AsyncLocalTensor.like(Completed(t), t).wait() is t
 
 
-# -- DTensor.redistribute(async_op=True) (spec row 35) ----------------------------------------------
+# -- DTensor.redistribute(async_op=True) ----------------------------------------------------------
 
 def _redistribute_async(mesh_shape, shape, src, dst):
     from shardtensor import DTensor, Partial, Replicate, Shard, distribute_tensor

@@ -8,13 +8,10 @@ simulated world.
 from __future__ import annotations
 
 import io
-import pathlib
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from distributed import gloo_available, run_multiprocess  # noqa: E402
 
 from shardtensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh, run_spmd  # noqa: E402

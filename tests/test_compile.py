@@ -7,14 +7,11 @@ as ops (``shardtensor::all_to_all`` ...) and run them when the compiled code run
 """
 from __future__ import annotations
 
-import pathlib
-import sys
 
 import pytest
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from distributed import gloo_available, run_multiprocess  # noqa: E402
 
 from shardtensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh, run_spmd  # noqa: E402

@@ -48,7 +48,7 @@ BYTE_CASES = {
     "P->S0 even": ((4,), (8, 16), [P], [S0], "reduce_scatter", 0, 4, 3 * _nbytes(8, 16) // 4),
     "P->S0 uneven": ((4,), (7, 16), [P], [S0], "reduce_scatter", 0, 4, 3 * _ceil(7, 4) * _nbytes(16)),
     "S0->S1 even": ((4,), (8, 16), [S0], [S1], "all_to_all", 0, 4, 3 * _nbytes(8, 16) // 16),
-    # spec T5 example: (7, 6) on 4 ranks, one 2x2 block to each peer
+    # (7, 6) on 4 ranks, one 2x2 block to each peer
     "S0->S1 uneven": ((4,), (7, 6), [S0], [S1], "all_to_all", 0, 4, 3 * _nbytes(2, 2)),
     # 2-D mesh: the mesh-dim-0 group sees the logical shape (8, 4) (mesh dim 1 still splits dim 1)
     "(S0,S1)->(R,S1)": ((2, 2), (8, 8), [S0, S1], [R, S1], "all_gather", 0, 2, 1 * _nbytes(8, 4) // 2),
@@ -467,7 +467,7 @@ def test_visualize_shard_order_and_names():
     nested, three = run_spmd(fn, 4)[0]
     lines = nested.splitlines()
     assert lines[0] == "DTensor (5, 5) float32 on mesh (2, 2) [dp, tp]: (S(0)[1], S(0)[0])"
-    # mesh dim 1 splits first: rows 2:3 belong to coordinate (1, 0) = rank 2 (spec 1.3)
+    # mesh dim 1 splits first: rows 2:3 belong to coordinate (1, 0) = rank 2
     assert [l.split()[0] + " " + l.split()[2] for l in lines if l[:1].isdigit()] == \
         ["0:2 r0", "2:3 r2", "3:4 r1", "4:5 r3"]
     assert three.splitlines()[1:] == ["  dim 0 (4): not split", "  dim 1 (4): split by mesh dim 1 (tp) x2: pieces 2,2",

@@ -15,7 +15,6 @@ import itertools
 import random
 import re
 import zlib
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import pytest
@@ -24,10 +23,7 @@ import torch.nn.functional as F
 
 from shardtensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh, run_spmd
 
-try:
-    from opcheck import data, dyadic, local_piece, one_thread, partial_terms  # noqa: F401 (one_thread: autouse)
-except ImportError:  # tests/ imported as a package
-    from tests.opcheck import data, dyadic, local_piece, one_thread, partial_terms  # noqa: F401
+from opcheck import check, close, data, local_piece, make_dtensor, partial_terms, prepare
 
 MESHES = [(4,), (2, 2)]
 SHAPES = [(8, 4), (7, 5), (3, 5)]
@@ -78,132 +74,22 @@ def placement_combos(tensors: Sequence[torch.Tensor], mesh_shape, limit: int | N
     return picked
 
 
-# ---------------------------------------------------------------------------------------
-# running one op over many placement combinations
-# ---------------------------------------------------------------------------------------
-@dataclass
-class Prepared:
-    """One input of one case, as every rank needs it."""
-
-    value: Any  # global tensor or a Python scalar
-    placements: tuple | None = None  # None: pass ``value`` through (scalar)
-    terms: dict | None = None
-
-
-def prepare(values: Sequence[Any], combo: Sequence[tuple], mesh_shape, g: torch.Generator) -> list[Prepared]:
-    out, it = [], iter(combo)
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            pl = next(it)
-            out.append(Prepared(v, pl, partial_terms(v, mesh_shape, pl, g)))
-        else:
-            out.append(Prepared(v))
-    return out
-
-
-def make_dtensor(p: Prepared, mesh, grad: bool) -> DTensor:
-    coord = mesh.get_coordinate()
-    if p.terms is not None:
-        key = tuple(c for c, pl in zip(coord, p.placements) if isinstance(pl, Partial))
-        src = p.terms[key]
-    else:
-        src = p.value
-    local = local_piece(src, mesh.shape, coord, p.placements)
-    d = DTensor.from_local(local, mesh, list(p.placements), shape=p.value.shape, stride=p.value.stride())
-    if grad and d.is_floating_point():
-        d.requires_grad_()
-    return d
-
-
-def _describe(case: Sequence[Prepared]) -> str:
-    return ", ".join(("(" + ", ".join(map(str, p.placements)) + ")") if p.placements is not None else repr(p.value)
-                     for p in case)
-
-
-def _rank_run(mesh_shape, cases, fn, grad, weights):
-    mesh = init_device_mesh("cpu", mesh_shape)
-    coord = mesh.get_coordinate()
-    results = []
-    for case, w in zip(cases, weights):
-        try:
-            args = [make_dtensor(p, mesh, grad) if p.placements is not None else p.value for p in case]
-            out = fn(*args)
-            assert isinstance(out, DTensor), f"result is {type(out).__name__}, not a DTensor"
-            with torch.no_grad():
-                local = out.to_local().clone()
-            full = out.full_tensor()
-            grads = None
-            if grad and w is not None:
-                loss = (full * w).sum()
-                loss.backward()
-                grads = [a.grad.full_tensor().detach() if isinstance(a, DTensor) and a.grad is not None else None
-                         for a in args]
-            results.append((tuple(out.placements), local, full.detach(), grads, tuple(coord), out.shard_order))
-        except BaseException as e:
-            e.add_note(f"placements of the inputs: {_describe(case)}")
-            raise
-    return results
-
-
-def _dense(fn, values, grad: bool):
-    leaves = [v.clone().requires_grad_() if grad and isinstance(v, torch.Tensor) and v.is_floating_point() else
-              (v.clone() if isinstance(v, torch.Tensor) else v) for v in values]
-    return fn(*leaves), leaves
-
-
-def _close(actual, expected, what: str, tol: dict | None) -> None:
-    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    kw = tol or ({} if not actual.is_floating_point() else dict(rtol=1e-5, atol=1e-5))
-    torch.testing.assert_close(actual, expected, equal_nan=True, msg=lambda m: f"{what}: {m}", **kw)
-
-
 def check_op(fn: Callable, values: Sequence[Any], mesh_shape, *, limit: int | None = 12, grad: bool = True,
              partial: Sequence[bool] | None = None, tol: dict | None = None, grad_tol: dict | None = None,
              combos: list | None = None, linear: bool = False, seed: Any = 0) -> list:
-    """Run ``fn`` on DTensors for many placement combinations; compare with dense torch.
+    """``opcheck.check`` over this file's combinations (``partial``: may each tensor input be
+    Partial(sum)); ``linear=False`` also asserts that the output is never Partial.
 
     Returns per-combination ``(input placements, output placements)`` for extra checks.
-    ``linear=False`` also asserts that the output is never Partial.
     """
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
     if combos is None:
         combos = placement_combos(tensors, mesh_shape, limit, _seed(seed, mesh_shape), partial)
-    g = _gen(_seed("terms", seed, mesh_shape))
-    cases = [prepare(values, c, mesh_shape, g) for c in combos]
-
-    dense_out, leaves = _dense(fn, values, grad)
-    w = None
-    dense_grads = None
-    if grad and dense_out.is_floating_point() and any(isinstance(v, torch.Tensor) and v.requires_grad for v in leaves):
-        w = dyadic(dense_out.shape, _gen(_seed("w", seed))).to(dense_out.dtype)
-        (dense_out * w).sum().backward()
-        dense_grads = [v.grad if isinstance(v, torch.Tensor) else None for v in leaves]
-    dense_out = dense_out.detach()
-
-    per_rank = run_spmd(_rank_run, mesh_shape_numel(mesh_shape), mesh_shape, cases, fn, grad, [w] * len(cases),
-                        timeout=TIMEOUT)
-    seen = []
-    for i, case in enumerate(cases):
-        desc = _describe(case)
-        out_pl = per_rank[0][i][0]
-        for rank, res in enumerate(per_rank):
-            pl, local, full, grads, coord, order = res[i]
-            what = f"inputs {desc} -> output {pl}, rank {rank}"
-            assert pl == out_pl, f"{what}: ranks disagree on output placements ({out_pl} on rank 0)"
-            _close(full, dense_out, f"{what}: full_tensor", tol)
-            if not any(isinstance(p, Partial) for p in pl):
-                _close(local, local_piece(dense_out, mesh_shape, coord, pl, order),
-                       f"{what}: local shard (shard order {order})", tol)
-            else:
-                assert linear, f"{what}: a non-linear op produced a Partial output"
-            if dense_grads is not None:
-                for k, (gd, ga) in enumerate(zip(dense_grads, grads)):
-                    if gd is None:
-                        continue
-                    assert ga is not None, f"{what}: input {k} got no gradient"
-                    _close(ga, gd, f"{what}: grad of input {k}", grad_tol or tol)
-        seen.append((tuple(p.placements for p in case if p.placements is not None), out_pl))
+    seen = check(fn, values, mesh_shape, grad=grad, tol=tol, grad_tol=grad_tol, combos=combos, seed=seed)
+    if not linear:
+        for ins, out_pl in seen:
+            assert not any(isinstance(p, Partial) for p in out_pl), \
+                f"inputs {ins} -> output {out_pl}: a non-linear op produced a Partial output"
     return seen
 
 
@@ -525,7 +411,7 @@ def _placements_of(fn, values, placements, mesh_shape=(4,)):
     res = run_spmd(body, mesh_shape_numel(mesh_shape), timeout=TIMEOUT)
     dense = fn(*values)
     for pl, full in res:
-        _close(full, dense, f"{placements}", None)
+        close(full, dense, f"{placements}", None)
     return res[0][0]
 
 
@@ -696,8 +582,8 @@ def test_inplace_keeps_self_placements_and_moves_the_other_operand(mesh_shape):
 
     for pa, fa, pc, fc in run_spmd(body, mesh_shape_numel(mesh_shape), timeout=TIMEOUT):
         assert pa == (R,) * nd and pc == (S0,) * nd
-        _close(fa, x + y, "R += S", None)
-        _close(fc, 2 * x + y, "S += P", None)
+        close(fa, x + y, "R += S", None)
+        close(fc, 2 * x + y, "S += P", None)
 
 
 @mesh_param
@@ -720,7 +606,7 @@ def test_inplace_on_partial_self_that_does_not_commute_reduces_self(mesh_shape):
     for same, p1, p2, p3, full in run_spmd(body, k, timeout=TIMEOUT):
         assert same
         assert p1 == (Partial(),) * nd and p2 == (R,) * nd and p3 == (R,) * nd
-        _close(full, torch.exp(_X * _Y + 1.0), "value", None)
+        close(full, torch.exp(_X * _Y + 1.0), "value", None)
 
 
 def test_inplace_in_autograd_graph():
@@ -743,8 +629,8 @@ def test_inplace_in_autograd_graph():
     h.add_(yb)
     (h * w).sum().backward()
     for ga, gb in run_spmd(body, 4, w, timeout=TIMEOUT):
-        _close(ga, xa.grad, "grad a", None)
-        _close(gb, yb.grad, "grad b", None)
+        close(ga, xa.grad, "grad a", None)
+        close(gb, yb.grad, "grad b", None)
 
 
 # ---------------------------------------------------------------------------------------
@@ -874,9 +760,9 @@ def test_inplace_mul_of_replicate_self_by_partial(mesh_shape):
     except (RuntimeError, NotImplementedError):
         return
     for pl, full, local in res:
-        _close(full, _X * _Y, f"R.mul_(P) -> {pl}: full_tensor", None)
+        close(full, _X * _Y, f"R.mul_(P) -> {pl}: full_tensor", None)
         if pl == (R,) * nd:
-            _close(local, _X * _Y, "R.mul_(P) claims Replicate: local", None)
+            close(local, _X * _Y, "R.mul_(P) claims Replicate: local", None)
 
 
 @mesh_param
@@ -929,7 +815,7 @@ def test_operands_with_different_shard_orders():
     for outs, border in run_spmd(body, 4, timeout=TIMEOUT):
         assert border == ((0, (1, 0)),)
         for (order, full), dense in zip(outs, [x + y, x + y, y * 2, torch.exp(y)]):
-            _close(full, dense, f"shard order {order}", None)
+            close(full, dense, f"shard order {order}", None)
         assert outs[2][0] == ((0, (1, 0)),), "a unary op keeps its input's shard order"
 
 

@@ -15,8 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from opcheck import MESHES, check, data, gen, one_thread  # noqa: E402,F401
+from opcheck import MESHES, check, data, gen  # noqa: E402
 
 from shardtensor import (DTensor, Partial, Replicate, Shard, comm, distribute_tensor, init_device_mesh,  # noqa: E402
                          run_spmd)

@@ -13,19 +13,11 @@ import pytest
 import torch
 
 from shardtensor import (DeviceMesh, DTensor, MixedTensorError, Partial, Replicate, Shard, distribute_tensor,
-                         init_device_mesh, run_spmd)
+                         errors, init_device_mesh, run_spmd)
 
 P, R, S0, S1 = Partial("sum"), Replicate(), Shard(0), Shard(1)
 X = torch.arange(35, dtype=torch.float32).reshape(7, 5)
 FAST = 10.0  # seconds: every error case must end well within this (the default comm timeout is 120 s)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def body_of(e: BaseException) -> str:
@@ -823,3 +815,46 @@ def test_shard_order_accepts_pairs():
         return a.shard_order == b.shard_order == ((0, (1, 0)),), torch.equal(a.full_tensor(), X)
 
     assert all(r == (True, True) for r in run_spmd(body, 4))
+
+
+# ---------------------------------------------------------------------------------------
+# error kinds are told apart by class, and keep the standard bases torch's users catch
+# ---------------------------------------------------------------------------------------
+def test_every_kind_is_a_sharding_error_with_its_standard_base():
+    bases = {errors.UnsupportedOpError: NotImplementedError, errors.PropagationError: RuntimeError,
+             errors.MeshMismatchError: ValueError, errors.MixedTensorError: RuntimeError,
+             errors.RankAbortedError: RuntimeError, errors.CollectiveMismatchError: RuntimeError,
+             errors.CollectiveTimeoutError: TimeoutError, errors.StuckRanksError: TimeoutError}
+    for cls, base in bases.items():
+        assert issubclass(cls, errors.ShardingError) and issubclass(cls, base), cls
+    assert errors.MeshMismatchError is __import__("shardtensor.propagation", fromlist=["x"]).MeshMismatchError
+    assert MixedTensorError is errors.MixedTensorError
+
+
+def test_errors_raised_are_of_their_kind():
+    def unsupported():
+        d = distribute_tensor(X, mesh1d(), [S0])
+        torch.ops.aten._fft_r2c(d, [1], 0, True)
+
+    spmd_raises(errors.UnsupportedOpError, unsupported, match="_fft_r2c")
+
+    def cat_of_scalars():
+        d = distribute_tensor(torch.tensor(3.0), mesh1d(), [R])
+        torch.cat([d, d])
+
+    spmd_raises(errors.PropagationError, cat_of_scalars, match="zero-dimensional")
+
+    def mismatched():
+        return distribute_tensor(X, mesh1d(), [S0]) + distribute_tensor(X, mesh2d(), [S0, R])
+
+    spmd_raises(errors.MeshMismatchError, mismatched)
+    spmd_raises(errors.MixedTensorError, lambda: distribute_tensor(X, mesh1d(), [S0]) + torch.ones(5))
+
+    def mismatched_collectives():
+        d = distribute_tensor(X, mesh1d(), [S0])
+        if d.device_mesh.get_rank() == 0:
+            return d.redistribute(d.device_mesh, [R])
+        return d.redistribute(d.device_mesh, [S1])
+
+    e = spmd_raises(errors.ShardingError, mismatched_collectives)
+    assert isinstance(e, (errors.CollectiveMismatchError, errors.RankAbortedError)), type(e)

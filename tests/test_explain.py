@@ -52,7 +52,7 @@ def test_cli_one_dim_all_gather_table(capsys):
 
 
 @pytest.mark.parametrize("src,dst,kind,kib", [
-    ("S0", "R", "all_gather", 24),        # spec redistribute 2.2: X = (8, 1024) fp32 = 32 KiB, k = 4
+    ("S0", "R", "all_gather", 24),        # X = (8, 1024) fp32 = 32 KiB, k = 4
     ("P", "S0", "reduce_scatter", 24),
     ("P", "R", "all_reduce", 48),
     ("S0", "S1", "all_to_all", 6),
@@ -60,7 +60,7 @@ def test_cli_one_dim_all_gather_table(capsys):
     ("R", "P(max)", "partition", 0),
     ("P(sum)", "P(avg)", "rescale", 0),
 ])
-def test_cli_spec_examples(capsys, src, dst, kind, kib):
+def test_cli_examples(capsys, src, dst, kind, kib):
     for dtype, scale in (("float32", 1), ("bf16", 2)):
         d = cli_json(capsys, "--mesh", "4", "--shape", "8,1024", "--src", src, "--dst", dst, "--dtype", dtype)
         assert steps_of(d) == [(0, kind, kib * KiB // scale, 4)]
@@ -71,7 +71,7 @@ def test_cli_spec_examples(capsys, src, dst, kind, kib):
 
 
 def test_cli_uneven_all_gather_sends_padding(capsys):
-    # spec 2.2: 7 rows of 1 KiB over 4 ranks, c = 2: an all-gather sends 3 * 2 = 6 KiB, not 5.25
+    # 7 rows of 1 KiB over 4 ranks, c = 2: an all-gather sends 3 * 2 = 6 KiB, not 5.25
     d = cli_json(capsys, "--mesh", "4", "--shape", "7,256", "--src", "S0", "--dst", "R")
     assert steps_of(d) == [(0, "all_gather", 6 * KiB, 4)]
     assert d["lower_bound"]["bytes_per_rank"] == 5.25 * KiB
@@ -100,7 +100,7 @@ def test_cli_reduces_the_half_tensor_first(capsys):
     assert opt["lower_bound"]["bytes_per_rank"] == 24 * KiB
 
 
-def test_cli_two_d_example_from_brief(capsys):
+def test_cli_two_d_example(capsys):
     # default links: one all-to-all over the flattened (2,2) group, the same 96 bytes as the two
     # per-dim steps below, one launch instead of two
     out = cli(capsys, "--mesh", "2,2", "--shape", "8,6", "--src", "S0,S1", "--dst", "R,S0")

@@ -62,7 +62,7 @@ def test_nested_shards_to_replicate_is_one_all_gather_in_list_order():
     assert len(steps) == 1 and steps[0].dims == (1, 0) and steps[0].collective == "all_gather"
 
 
-def test_reduce_scatters_stay_per_mesh_dim_as_spec_row_19_asks():
+def test_reduce_scatters_stay_per_mesh_dim():
     steps = best_plan((PS, PS), (), (S0, S0), _order((S0, S0)), (8, 8), (2, 2), 4)
     assert [s.collective for s in steps] == ["reduce_scatter", "reduce_scatter"]
     assert not any(isinstance(s, FlatStep) for s in steps)

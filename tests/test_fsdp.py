@@ -8,16 +8,12 @@ ranks) and parameters (``full_tensor()``) must agree to ~1e-5 in fp32.
 from __future__ import annotations
 
 import math
-import pathlib
-import sys
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from opcheck import one_thread  # noqa: E402,F401  (autouse fixture: one intra-op thread)
 
 from shardtensor import DTensor, Replicate, Shard, comm, init_device_mesh, run_spmd  # noqa: E402
 from shardtensor.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # noqa: E402

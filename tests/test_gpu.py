@@ -14,7 +14,6 @@ import textwrap
 import pytest
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from test_fsdp import _tp_body, _tp_reference, assert_matches  # noqa: E402
 
 from shardtensor import Partial, Replicate, Shard, distribute_tensor, init_device_mesh, run_spmd  # noqa: E402

@@ -6,14 +6,11 @@ max.dim backward on older torch), decompositions build masks, and one-element te
 """
 from __future__ import annotations
 
-import pathlib
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from opcheck import MESHES, check, data, gen, one_thread  # noqa: E402,F401
+from opcheck import MESHES, check, data, gen  # noqa: E402
 
 from shardtensor import (MixedTensorError, Replicate, Shard, distribute_tensor, implicit_replication,  # noqa: E402
                          init_device_mesh, run_spmd)

@@ -1,7 +1,7 @@
 """FSDP copy kernels: ``chunk_cat`` and ``split_with_sizes_copy``.
 
 Two oracles: the installed ``torch._chunk_cat`` / ``torch.split_with_sizes_copy`` (results must be
-bit-identical) and an independent reference model of spec 1.1 (pad + view + cat).  The FSDP
+bit-identical) and an independent reference model (pad + view + cat).  The FSDP
 round trips (tests 7, 10, 11) simulate the world with plain tensors: rank ``r``'s reduce-scatter
 output is row ``r`` of the rank-average of the flat inputs, and an all-gather is a concatenation.
 """

@@ -3,14 +3,11 @@ from __future__ import annotations
 
 import functools
 import random
-import pathlib
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from opcheck import MESHES, check, data, gen, one_thread  # noqa: E402
+from opcheck import MESHES, check, data, gen  # noqa: E402
 
 from shardtensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh, run_spmd  # noqa: E402
 

@@ -2,14 +2,11 @@
 data-dependent ops, and the backward formulas of other families that go through them."""
 from __future__ import annotations
 
-import pathlib
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from opcheck import MESHES, check, data, gen, one_thread, run_recorded  # noqa: E402
+from opcheck import MESHES, check, data, gen, run_recorded  # noqa: E402
 
 from shardtensor import (DTensor, Partial, Replicate, Shard, comm, distribute_tensor, init_device_mesh,  # noqa: E402
                          run_spmd)

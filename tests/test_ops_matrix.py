@@ -6,16 +6,13 @@ communication assertions for the interesting candidates; one gloo run.
 """
 from __future__ import annotations
 
-import pathlib
 import random
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from opcheck import MESHES, check, data, gen, local_piece, partial_terms, placement_combos, one_thread  # noqa: E402
+from opcheck import MESHES, check, data, gen, local_piece, partial_terms, placement_combos  # noqa: E402
 
 from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor, init_device_mesh, run_spmd  # noqa: E402
 

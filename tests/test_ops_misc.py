@@ -2,15 +2,12 @@
 pointwise clamp/where/masked_fill family (rules/misc.py; the last ones come from the pointwise tag)."""
 from __future__ import annotations
 
-import pathlib
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from opcheck import MESHES, check, data, gen, local_piece, one_thread  # noqa: E402
+from opcheck import MESHES, check, data, gen, local_piece  # noqa: E402
 
 from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor, init_device_mesh, run_spmd  # noqa: E402
 

@@ -1,16 +1,13 @@
-"""softmax, nll_loss / cross_entropy, layer_norm / rms_norm, topk / sort, dropout (ops.md 4-7)."""
+"""softmax, nll_loss / cross_entropy, layer_norm / rms_norm, topk / sort, dropout."""
 from __future__ import annotations
 
 import math
-import pathlib
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from opcheck import MESHES, check, data, gen, local_piece, one_thread  # noqa: E402
+from opcheck import MESHES, check, data, gen, local_piece  # noqa: E402
 
 from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor, init_device_mesh, run_spmd  # noqa: E402
 from shardtensor.propagation import RULES  # noqa: E402

@@ -5,15 +5,12 @@ Partial inputs, forward and backward), plus placement and communication assertio
 """
 from __future__ import annotations
 
-import pathlib
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from opcheck import MESHES, check, data, gen, one_thread, run_recorded  # noqa: E402,F401
+from opcheck import MESHES, check, data, gen, run_recorded  # noqa: E402
 
 from shardtensor import DTensor, Partial, Replicate, Shard, distribute_tensor  # noqa: E402
 

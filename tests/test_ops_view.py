@@ -8,14 +8,11 @@ propagation.md section 11 rows 6-8 (local sizes and strides per rank).
 from __future__ import annotations
 
 import functools
-import pathlib
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from opcheck import MESHES, data, gen, local_piece, placement_combos, one_thread, run_recorded  # noqa: E402
+from opcheck import MESHES, data, gen, local_piece, placement_combos, run_recorded  # noqa: E402
 from opcheck import check as _check  # noqa: E402
 
 from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor, init_device_mesh, run_spmd  # noqa: E402

@@ -11,16 +11,12 @@ from __future__ import annotations
 
 import copy
 import math
-import pathlib
-import sys
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from opcheck import one_thread  # noqa: E402,F401  (autouse fixture: one intra-op thread)
 
 import shardtensor
 from shardtensor import DTensor, Replicate, Shard, comm, init_device_mesh, run_spmd

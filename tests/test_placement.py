@@ -2,7 +2,7 @@
 
 The oracle is independent of ``shardtensor.placement``: it applies ``torch.chunk`` to real
 tensors (a ``torch.arange`` of the global shape and one index vector per tensor dim) in the
-execution order that the spec prescribes, and compares element sets with the (shape, offset)
+execution order of docs/placements.md, and compares element sets with the (shape, offset)
 the library reports.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[Heal
 # ---------------------------------------------------------------------------------------
 
 def _take_chunk(t: torch.Tensor, k: int, r: int, dim: int) -> torch.Tensor:
-    """Piece ``r`` of ``torch.chunk(t, k, dim)``; a missing piece is empty (spec 1.2)."""
+    """Piece ``r`` of ``torch.chunk(t, k, dim)``; a missing piece is empty."""
     pieces = torch.chunk(t, k, dim=dim)
     if r < len(pieces):
         return pieces[r]
@@ -38,7 +38,7 @@ def _take_chunk(t: torch.Tensor, k: int, r: int, dim: int) -> torch.Tensor:
 
 
 def _oracle_exec_lists(placements, order):
-    """{tensor dim: [mesh dims, first applied first]} straight from the spec's definition."""
+    """{tensor dim: [mesh dims, first applied first]} straight from the definition."""
     if order is None:  # default order: mesh dims ascending within each tensor dim
         lists: dict[int, list[int]] = {}
         for j, p in enumerate(placements):
@@ -51,7 +51,7 @@ def _oracle_exec_lists(placements, order):
 def oracle_piece(global_shape, mesh_shape, coord, placements, order):
     """The rank's local piece of ``arange(numel).reshape(global_shape)``, by repeated torch.chunk.
 
-    Tensor dims are processed from the last one to the first (the spec says they are
+    Tensor dims are processed from the last one to the first (the definition says they are
     independent, the library walks them first to last), each in its shard order.
     """
     t = torch.arange(math.prod(global_shape), dtype=torch.int64).reshape(tuple(global_shape))
@@ -95,7 +95,7 @@ def check_against_oracle(global_shape, mesh_shape, placements, order, lib_order)
             if idx:
                 assert idx == list(range(idx[0], idx[0] + len(idx)))  # contiguous
                 assert offset[d] == idx[0], (coord, d, offset, idx)
-            else:  # empty piece reports the global length (spec 1.4)
+            else:  # empty piece reports the global length
                 assert offset[d] == global_shape[d], (coord, d, offset)
         # the whole local piece is exactly the slice named by (shape, offset)
         piece = oracle_piece(global_shape, mesh_shape, coord, placements, order)
@@ -246,7 +246,7 @@ def test_random_orders_are_valid(layout):
 
 
 # ---------------------------------------------------------------------------------------
-# 2. Worked tables of the spec
+# 2. Worked tables
 # ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("length, sizes, offsets", [
@@ -257,18 +257,18 @@ def test_random_orders_are_valid(layout):
     (3, (1, 1, 1, 0), (0, 1, 2, 3)),
     (2, (1, 1, 0, 0), (0, 1, 2, 2)),
 ])
-def test_spec_1_2_table(length, sizes, offsets):
+def test_chunk_table(length, sizes, offsets):
     assert tuple(chunk_sizes(length, 4)) == sizes
     assert tuple(chunk(length, 4, r) for r in range(4)) == tuple(zip(sizes, offsets))
     for r in range(4):
         assert local_shape_and_offset((length,), (4,), (r,), (Shard(0),)) == ((sizes[r],), (offsets[r],))
 
 
-def test_spec_1_2_not_tensor_split():
+def test_chunk_is_not_tensor_split():
     assert chunk_sizes(5, 4) == [2, 2, 1, 0]
 
 
-def test_spec_1_4_example_7x5_on_2x3():
+def test_example_7x5_on_2x3():
     pl = (Shard(0), Shard(1))
     coords = [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
     shapes = [(4, 2), (4, 2), (4, 1), (3, 2), (3, 2), (3, 1)]
@@ -291,7 +291,7 @@ _TABLE_13 = {
 
 
 @pytest.mark.parametrize("coord", sorted(_TABLE_13))
-def test_spec_1_4_table_13_rows_on_2x2x2(coord):
+def test_table_13_rows_on_2x2x2(coord):
     pl = (Shard(0),) * 3
     rows, off, rows201, off201 = _TABLE_13[coord]
     assert local_shape_and_offset((13,), (2, 2, 2), coord, pl) == ((rows,), (off,))
@@ -299,19 +299,19 @@ def test_spec_1_4_table_13_rows_on_2x2x2(coord):
     assert local_shape_and_offset((13,), (2, 2, 2), coord, pl, ((0, (2, 0, 1)),)) == ((rows201,), (off201,))
 
 
-def test_spec_1_4_table_13_rows_matches_oracle():
+def test_table_13_rows_matches_oracle():
     pl = (Shard(0),) * 3
     check_against_oracle((13,), (2, 2, 2), pl, None, None)
     check_against_oracle((13,), (2, 2, 2), pl, ((0, (2, 0, 1)),), ((0, (2, 0, 1)),))
 
 
-def test_spec_1_4_execution_order_of_2_0_1():
-    # the reference bug applies the inverse order (1, 2, 0); the spec wants (2, 0, 1)
+def test_execution_order_of_2_0_1():
+    # the reference bug applies the inverse order (1, 2, 0); the shard order means (2, 0, 1)
     assert execution_order((Shard(0),) * 3, ((0, (2, 0, 1)),)) == [2, 0, 1]
 
 
 def test_three_d_order_does_not_split_along_replicate():
-    # the reference bug (spec 1.4) may split along a mesh dim that is R
+    # the reference bug may split along a mesh dim that is R
     pl = (Shard(0), Replicate(), Shard(0))
     order = ((0, (2, 0)),)
     for coord in all_coords((2, 3, 2)):
@@ -332,20 +332,20 @@ _TABLE_5 = {
 
 
 @pytest.mark.parametrize("order", list(_TABLE_5))
-def test_spec_1_3_five_rows_nested_on_2x2(order):
+def test_five_rows_nested_on_2x2(order):
     pl = (Shard(0), Shard(0))
     for coord, (rows, off) in _TABLE_5[order].items():
         assert local_shape_and_offset((5,), (2, 2), coord, pl, order) == ((rows,), (off,)), coord
 
 
-def test_spec_1_3_nested_is_not_flat():
+def test_nested_is_not_flat():
     flat = [local_shape_and_offset((5,), (4,), (r,), (Shard(0),))[0][0] for r in range(4)]
     assert flat == [2, 2, 1, 0]
     nested = [local_shape_and_offset((5,), (2, 2), c, (Shard(0), Shard(0)))[0][0] for c in all_coords((2, 2))]
     assert nested == [2, 1, 1, 1]
 
 
-def test_spec_1_3_two_rows_nested_is_1_0_1_0():
+def test_two_rows_nested_is_1_0_1_0():
     pl = (Shard(0), Shard(0))
     got = [local_shape_and_offset((2,), (2, 2), c, pl) for c in all_coords((2, 2))]
     assert [s[0] for s, _ in got] == [1, 0, 1, 0]

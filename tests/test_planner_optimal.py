@@ -353,7 +353,7 @@ def test_optimal_plans_execute_correctly(mesh, shape, sample):
 
 
 # ----------------------------------------------------------------------------------------------
-# (d) the spec's examples (2x2 mesh)
+# (d) worked examples (2x2 mesh)
 def _kinds(steps):
     return [(s.mesh_dim, s.collective) for s in steps if s.collective not in ("chunk", "identity")]
 
@@ -370,14 +370,14 @@ def _run_one(src, dst, shape, so=None, do=None, mesh=(2, 2)):
     return per_dim_plan(src, so, dst, do, shape, mesh)
 
 
-def test_spec_s0s0_to_rs0():
+def test_example_s0s0_to_rs0():
     shape = (7, 4)
     steps = _run_one((Shard(0), Shard(0)), (R, Shard(0)), shape)
     greedy = _elems(simple_plan((Shard(0), Shard(0)), ((0, (0, 1)),), (R, Shard(0)), ((0, (1,)),)), shape)
     assert _elems(steps, shape) <= greedy
 
 
-def test_spec_s1s0_to_s0s1():
+def test_example_s1s0_to_s0s1():
     shape = (8, 8)
     steps = _run_one((Shard(1), Shard(0)), (Shard(0), Shard(1)), shape)
     # greedy (3.2): all-gather m1 (16 elements), all-to-all m0 (16), chunk m1
@@ -386,14 +386,14 @@ def test_spec_s1s0_to_s0s1():
     assert greedy == 32 and _elems(steps, shape) <= greedy
 
 
-def test_spec_pp_to_s0s0_two_reduce_scatters():
+def test_example_pp_to_s0s0_two_reduce_scatters():
     shape = (8, 8)
     steps = _run_one((PSUM, PSUM), (Shard(0), Shard(0)), shape)
     assert _kinds(steps) == [(0, "reduce_scatter"), (1, "reduce_scatter")]
     assert _elems(steps, shape) == 32 + 16
 
 
-def test_spec_s1p_to_s0s0():
+def test_example_s1p_to_s0s0():
     shape = (8, 8)
     steps = _run_one((Shard(1), PSUM), (Shard(0), Shard(0)), shape)
     # reference graph path: m0 all-to-all (16 elements) + m1 reduce-scatter (16)
@@ -401,14 +401,14 @@ def test_spec_s1p_to_s0s0():
     assert all(kind != "all_reduce" for _, kind in _kinds(steps))
 
 
-def test_spec_rs0_to_s1s1_one_all_to_all():
+def test_example_rs0_to_s1s1_one_all_to_all():
     shape = (8, 8)
     steps = _run_one((R, Shard(0)), (Shard(1), Shard(1)), shape)
     assert _elems(steps, shape) <= 8  # one all-to-all on mesh dim 1 of the (4, 8) piece
     assert [k for _, k in _kinds(steps)] == ["all_to_all"]
 
 
-def test_spec_ps0_to_rr_reduces_the_half_tensor_first():
+def test_example_ps0_to_rr_reduces_the_half_tensor_first():
     shape = (8, 5)
     steps = _run_one((PSUM, Shard(0)), (R, R), shape)
     kinds = _kinds(steps)
@@ -419,7 +419,7 @@ def test_spec_ps0_to_rr_reduces_the_half_tensor_first():
     assert greedy >= 40
 
 
-def test_spec_s0s0_order_swap():
+def test_example_s0s0_order_swap():
     shape = (8, 3)
     steps = _run_one((Shard(0), Shard(0)), (Shard(0), Shard(0)), shape, ((0, (0, 1)),), ((0, (1, 0)),))
     assert steps and _elems(steps, shape) <= 12 + 24  # two all-gathers (and chunks) at most
@@ -427,8 +427,8 @@ def test_spec_s0s0_order_swap():
 
 # ----------------------------------------------------------------------------------------------
 # cost model, determinism, cache, links
-def test_cost_model_spec_numbers():
-    # spec 2.2: k = 4, X = (8, 1024) fp32 = 32 KiB
+def test_cost_model_numbers():
+    # k = 4, X = (8, 1024) fp32 = 32 KiB
     st = lambda s, d, pl, order: Step(0, s, d, pl, order)  # noqa: E731
     kib = 1024
     X = (8, 1024)

@@ -1,4 +1,4 @@
-"""The propagation engine (spec propagation.md section 11): cache keys, selection, errors.
+"""The propagation engine: cache keys, selection, errors.
 
 Rules of real op families have their own test files (tests/test_ops_*.py); here test-only ops
 defined with ``torch.library`` give full control over the candidates a rule offers.

@@ -1,4 +1,4 @@
-"""Redistribution in the simulated world, checked against the dense tensor (spec redistribute.md).
+"""Redistribution in the simulated world, checked against the dense tensor.
 
 The oracle is always the dense tensor: after any redistribution ``full_tensor()`` equals the
 value before it, and every rank's local piece equals the slice that section 1.4
@@ -220,7 +220,7 @@ def _sweep_rank(mesh_shape, shape, pairs, seed):
                 failures.append(f"{what}: same spec must return the same local tensor object")
         elif (y._local_tensor.untyped_storage().nbytes() and x._local_tensor.untyped_storage().nbytes() and
               y._local_tensor.untyped_storage().data_ptr() == x._local_tensor.untyped_storage().data_ptr()):
-            failures.append(f"{what}: rank {coord} result shares storage with the source (spec 4.5)")
+            failures.append(f"{what}: rank {coord} result shares storage with the source")
     return failures
 
 
@@ -261,7 +261,7 @@ def test_sweep_covers_nested_orders_and_partials():
 
 
 # ----------------------------------------------------------------------------------------------
-# 2. backward: the gradient is W with the source placements (Partial -> Replicate), spec 5.3
+# 2. backward: the gradient is W with the source placements (Partial -> Replicate)
 # ----------------------------------------------------------------------------------------------
 
 def _backward_rank(mesh_shape, shape, pairs, seed):
@@ -370,7 +370,7 @@ def _table_53_rank():
         out[name] = ([(e.kind, e.mesh_dim) for e in ev], g.placements,
                      torch.equal(g.full_tensor(), W),
                      torch.equal(g.to_local(), expected_slice(W, mesh.shape, coord, normalized(src))))
-    # P -> R with the gradient arriving as P(sum) (spec row 32 on a 1-D mesh): all-reduce, labelled R
+    # P -> R with the gradient arriving as P(sum) (on a 1-D mesh): all-reduce, labelled R
     full, W = dense((7, 3), 23), dense((7, 3), 24)
     x = make_source(full, mesh, [PS], requires_grad=True)
     y = x.redistribute(mesh, [R])
@@ -418,7 +418,7 @@ def test_backward_2d_collectives():
 
 
 # ----------------------------------------------------------------------------------------------
-# 3. spec section 6 table rows
+# 3. one row per transition
 # ----------------------------------------------------------------------------------------------
 
 def test_chunk_rule_and_local_shape_oracle():

@@ -5,13 +5,10 @@ dict taken under one parallelism must equal the single-device model's, and load 
 """
 from __future__ import annotations
 
-import pathlib
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from test_checkpoint import _model  # noqa: E402
 from test_fsdp import _tp_batch, _tp_build  # noqa: E402
 

@@ -5,7 +5,9 @@ from .placement import Partial, Placement, Replicate, Shard
 from .spec import DTensorSpec
 from .tensor import DTensor, distribute_tensor
 from .factories import empty, full, ones, rand, randn, zeros
-from .implicit import MixedTensorError, implicit_replication
+from .implicit import implicit_replication
+from . import errors
+from .errors import MixedTensorError, ShardingError
 from . import debug
 from .debug import CommTrace, visualize_sharding
 from .redistribute import explain_redistribute
@@ -16,7 +18,7 @@ from .parallel import distribute_module
 __all__ = [
     "CommTrace", "DTensor", "DTensorSpec", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard",
     "distribute_tensor", "explain_redistribute", "init_device_mesh", "run_spmd", "visualize_sharding",
-    "MixedTensorError", "implicit_replication",
+    "MixedTensorError", "ShardingError", "errors", "implicit_replication",
 ]
 __all__ += ["distribute_module", "empty", "full", "ones", "rand", "randn", "zeros"]
 __all__ += ["MixedPrecisionPolicy", "fully_shard"]

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .errors import PropagationError
 from .placement import display
 
 __all__ = ["op_kind", "note_copies", "forget_copies", "check_writes", "check_placement_change"]
@@ -85,7 +86,7 @@ def check_writes(func: Any, writes: tuple[int, ...], args: tuple, kwargs: dict) 
         for t in a if isinstance(a, (list, tuple)) else (a,):
             why = getattr(t, "_copied_view", None)  # t may be a plain tensor or a number
             if why is not None:
-                raise RuntimeError(
+                raise PropagationError(
                     f"shardtensor: {func} writes into a tensor that is not a view of its base: {why}. The write "
                     "would not reach the base, and the two would silently disagree. Write into the base instead, "
                     "redistribute the base first so the view stays local (e.g. to Replicate), or .clone() the "
@@ -101,7 +102,7 @@ def check_placement_change(func: Any, me: Any, new_spec: Any, moved: bool) -> No
         return
     old = display(me._spec.placements, me._spec.shard_order)
     new = display(new_spec.placements, new_spec.shard_order) if new_spec is not None else "other placements"
-    raise RuntimeError(
+    raise PropagationError(
         f"shardtensor: {func} on a DTensor with placements {old} would make it {new}, but it shares storage "
         "with views that would keep the old placements and silently disagree. Redistribute it first "
         f"(e.g. x = x.redistribute(mesh, [Replicate()] * mesh.ndim)) or use the out-of-place op")

@@ -48,12 +48,7 @@ def implicit_allowed(t: torch.Tensor) -> bool:
     return _state.depth > 0 or t.numel() == 1 or torch._C._current_graph_task_id() != -1
 
 
-class MixedTensorError(RuntimeError):
-    """A plain tensor met DTensors where it cannot be taken as a replicated value.
-
-    A RuntimeError, as torch's DTensor raises: a TypeError raised under ``Tensor.__add__`` would
-    be turned by torch into ``NotImplemented`` and end as Python's bare "unsupported operand".
-    """
+from .errors import MixedTensorError  # noqa: E402
 
 
 def plain_tensor_error(op: Any, t: torch.Tensor) -> MixedTensorError:

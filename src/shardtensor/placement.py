@@ -208,7 +208,7 @@ def local_shape_and_offset(
     placements: Sequence[Placement],
     order: ShardOrder | None = None,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Local shape and global offset of the rank at ``coordinate`` (spec redistribute 1.4).
+    """Local shape and global offset of the rank at ``coordinate`` (docs/placements.md).
 
     An empty piece reports the global length as its offset; a rank outside the mesh
     (``coordinate=None``) gets shape ``(0,)`` and an empty offset.

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from . import comm
 from .compile import keep_dynamo_out, rank_key, stable_hash
@@ -19,8 +19,9 @@ from .implicit import implicit_allowed, implicit_replication, plain_tensor_error
 from .mesh import DeviceMesh, resolve_mesh
 from .pieces import check_pieces, check_shape, layout_stride, local_order
 from .placement import (OrderedPlacements, Partial, Placement, Replicate, Shard, chunk, display,
-                        local_shape_and_offset, normalize_placements, unpartial)
+                        normalize_placements, unpartial)
 from .listops import is_list_op, run_per_mesh
+from .errors import UnsupportedOpError
 from .propagation import MeshMismatchError, flatten_call, propagate, route, unflatten_call
 from .redistribute import redistribute_local
 from .redistribute.execute import partition
@@ -230,12 +231,12 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
                 out = r[1](*args, **kwargs)
             return out if view else forget_copies(out)  # a non-view op's results are its own memory
         except NotImplementedError as e:
-            if str(func) in str(e):
+            if isinstance(e, UnsupportedOpError) and e.op == func:
                 raise
             pls = ", ".join(display(a.placements, a.shard_order) for a in tree_flatten((args, kwargs))[0]
                             if isinstance(a, DTensor))
-            raise NotImplementedError(f"shardtensor: {func} has no sharding rule and its decomposition failed "
-                                      f"(input placements: {pls}): {e}") from e
+            raise UnsupportedOpError(f"shardtensor: {func} has no sharding rule and its decomposition failed "
+                                      f"(input placements: {pls}): {e}", func) from e
     flat, treedef = flatten_call(args, kwargs)
     specs: list[DTensorSpec | None] = []
     plain: list[int] | None = None

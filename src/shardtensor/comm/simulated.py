@@ -22,20 +22,7 @@ from .base import DEFAULT_TIMEOUT_S, Completed, Group, Transport, Work, reduce_s
 from ..rng import rank_generators
 
 
-class RankAbortedError(RuntimeError):
-    """Raised in a rank whose collective cannot finish because another rank failed."""
-
-
-class CollectiveTimeoutError(TimeoutError):
-    """A collective did not complete within the timeout."""
-
-
-class CollectiveMismatchError(RuntimeError):
-    """Ranks of one group issued different collectives at the same place in the group's order."""
-
-
-class StuckRanksError(TimeoutError):
-    """Ranks still ran after the world failed or its other ranks finished, past the timeout."""
+from ..errors import CollectiveMismatchError, CollectiveTimeoutError, RankAbortedError, StuckRanksError  # noqa: E402
 
 
 class _Slot:

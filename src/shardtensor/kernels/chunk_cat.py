@@ -33,18 +33,17 @@ full chunks at once).  TensorIterator coalesces the destination view into ``q_i`
 ``L * q_i``) runs of ``c_i * r_i`` contiguous elements, so the copy runs at memcpy speed and is
 parallelised over the intra-op threads like a plain ``copy_``.  The reference CPU path composes
 ``pad`` and ``cat`` and so moves every byte twice (plus an allocation).  Dtype widening
-(bf16 -> fp32, spec 1.4) happens inside ``copy_``.
+(bf16 -> fp32) happens inside ``copy_``.
 
 Per-call Python overhead is kept small: the integer layout (all view sizes, strides and
 offsets) is computed once per input signature (shapes, strides, dtypes, devices, ``dim``,
-``num_chunks``) and cached, and a cache hit also means the spec 1.2 checks already passed for
+``num_chunks``) and cached, and a cache hit also means the checks already passed for
 that signature.  A call then only builds the views with ``as_strided`` and issues one
 ``torch._foreach_copy_`` and one ``torch._foreach_zero_``.  That is a few microseconds per
 tensor, negligible next to FSDP-sized copies (``benchmarks/chunk_cat.py`` measures it).
 
-The spec lets shardtensor call the installed ``torch._chunk_cat`` when a self-test shows it
-conforms; this module does not, because on CPU the reference's ``out=`` path reaches half
-memcpy speed at best and its ``out=`` rules differ from spec 1.4 (it resizes a mis-shaped ``out`` and
+This module does not call the installed ``torch._chunk_cat`` even where it conforms, because on CPU the reference's ``out=`` path reaches half
+memcpy speed at best and its ``out=`` rules differ from ours (it resizes a mis-shaped ``out`` and
 accepts narrowing casts).
 
 ``split_with_sizes_copy`` is the inverse pattern: one ``copy_`` per piece from a ``narrow`` view
@@ -71,7 +70,7 @@ class ChunkCatDimError(IndexError, RuntimeError):
 
 
 class SplitSizesError(RuntimeError, ValueError):
-    """``split_sizes`` do not sum to the split dim (``RuntimeError`` and ``ValueError``, spec 3.1)."""
+    """``split_sizes`` do not sum to the split dim (``RuntimeError`` and ``ValueError``)."""
 
 
 def _wrap_dim(dim: int, ndim: int) -> int:
@@ -158,7 +157,7 @@ _MAX_PLANS = 256
 
 
 def _make_plan(tensors: List[torch.Tensor], dim: int, k: int) -> _Plan:
-    """Validate (spec 1.2) and lay out every tensor's band of the ``(L, k, T)`` output (module doc)."""
+    """Validate and lay out every tensor's band of the ``(L, k, T)`` output (module doc)."""
     d, lead = _check_inputs(tensors, dim, k)
     widths = [_band_width(t, d, k) for t in tensors]
     total = sum(widths)
@@ -233,8 +232,8 @@ def chunk_cat(tensors: Sequence[torch.Tensor], dim: int, num_chunks: int,
               out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Pad each tensor along ``dim`` to a multiple of ``num_chunks``, chunk it and concatenate the chunks.
 
-    Returns a new contiguous ``lead + [num_chunks, sum_i c_i * r_i]`` tensor (spec 1.1), or writes
-    into ``out`` in place and returns it (spec 1.4: contiguous, same device, same dtype or a float
+    Returns a new contiguous ``lead + [num_chunks, sum_i c_i * r_i]`` tensor, or writes
+    into ``out`` in place and returns it (contiguous, same device, same dtype or a float
     widening, exact numel in any shape; an empty ``out`` is resized).  Raises ``RuntimeError``.
     """
     tensors = _as_tensor_list(tensors)
@@ -320,7 +319,7 @@ def _resize_output(t: torch.Tensor, shape: Tuple[int, ...]) -> None:
 
 def split_with_sizes_copy(tensor: torch.Tensor, split_sizes: Sequence[int], dim: int = 0,
                           out: Optional[Sequence[torch.Tensor]] = None) -> Optional[List[torch.Tensor]]:
-    """Split ``tensor`` along ``dim`` into pieces of ``split_sizes`` and copy them (spec 3.1).
+    """Split ``tensor`` along ``dim`` into pieces of ``split_sizes`` and copy them.
 
     Without ``out`` returns a list of new contiguous tensors.  With ``out`` copies piece ``i`` into
     ``out[i]`` (resized to the piece's shape, with a warning if it was non-empty) and returns

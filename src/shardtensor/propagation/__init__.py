@@ -109,8 +109,7 @@ def unflatten_call(flat: list, treedef: Any) -> tuple[tuple, dict]:
     return tree_unflatten(flat, treedef)
 
 
-class MeshMismatchError(RuntimeError, ValueError):
-    """Tensor arguments of one op live on different meshes."""
+from ..errors import MeshMismatchError, PropagationError, ShardingError, UnsupportedOpError  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -232,9 +231,9 @@ def register(*ops: Any, scalars_by_sign: bool = False) -> Callable[[Rule], Rule]
     return deco
 
 
-def unsupported(op: Any, specs: list[DTensorSpec | None], why: str = "has no sharding rule") -> NotImplementedError:
+def unsupported(op: Any, specs: list[DTensorSpec | None], why: str = "has no sharding rule") -> UnsupportedOpError:
     placements = [display(s.placements, s.shard_order) for s in specs if s is not None]
-    return NotImplementedError(f"shardtensor: {op} {why} (input placements: {', '.join(placements)})")
+    return UnsupportedOpError(f"shardtensor: {op} {why} (input placements: {', '.join(placements)})", op)
 
 
 class _LRU:
@@ -380,13 +379,11 @@ def propagate(op, flat: list[Any], specs: list[DTensorSpec | None], treedef) -> 
     call = Call(op, flat, specs, treedef)
     try:
         d = rule(call)
-    except (NotImplementedError, MeshMismatchError):
+    except (ShardingError, NotImplementedError):
         raise
-    except RuntimeError as e:
-        if str(e).startswith("shardtensor:") or "in-place" in str(e) or "Partial" in str(e):
-            raise
-        raise RuntimeError(f"shardtensor: sharding propagation failed on {op} "
-                           f"(input placements: {_placements(specs)}): {e}") from e
+    except RuntimeError as e:  # torch's own checks, met while the rule evaluated metadata
+        raise PropagationError(f"shardtensor: sharding propagation failed on {op} "
+                               f"(input placements: {_placements(specs)}): {e}") from e
     if isinstance(d, list):
         d = decide(call, d)
     elif isinstance(d, Candidate):

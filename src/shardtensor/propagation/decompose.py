@@ -2,7 +2,7 @@
 
 Three sources, tried in order for an op that has no rule:
 
-1. ``DECOMPOSITIONS`` -- our own table (spec ops.md section 9): ``max.dim`` into
+1. ``DECOMPOSITIONS`` -- our own table: ``max.dim`` into
    ``amax`` + ``argmax``, ``var_mean``, generic ``sum``/``squeeze``, ``floor_divide``,
    ``split.Tensor``, ``unbind``, ``split_with_sizes_copy``, ``trace``, ``lift_fresh`` ...
 2. ``out=`` overloads: the functional overload, then ``copy_`` into each ``out`` tensor (the
@@ -18,6 +18,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+
+from ..errors import PropagationError
 
 aten = torch.ops.aten
 
@@ -68,7 +70,7 @@ def _out_decomposition(op) -> Callable | None:
         single = not isinstance(res, (tuple, list))
         for o, r in zip(out, [res] if single else res):
             if tuple(o.shape) != tuple(r.shape):
-                raise RuntimeError(f"shardtensor: {op}: out= tensor has shape {tuple(o.shape)}, the result "
+                raise PropagationError(f"shardtensor: {op}: out= tensor has shape {tuple(o.shape)}, the result "
                                    f"{tuple(r.shape)} (resizing a sharded out tensor is not supported)")
             o.copy_(r)
         return out[0] if single else tuple(out)
@@ -93,7 +95,7 @@ def find_decomposition(op) -> Callable[..., Any] | None:
     return decomposition_table.get(op)
 
 
-# -- the table of spec ops.md section 9 ------------------------------------------------------
+# -- our own decompositions ----------------------------------------------------------------
 
 def _all_dims(x) -> list[int]:
     return list(range(x.ndim))

@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..errors import PropagationError
 from ..placement import Partial, Placement, Replicate, Shard, display
 from ..spec import DTensorSpec
 
@@ -92,7 +93,7 @@ def _moves(call, cand: Candidate) -> bool:
 def select(call, cands: Sequence[Candidate]) -> Candidate:
     """The cheapest candidate (ties: first zero-movement one, then first listed)."""
     if not cands:
-        raise RuntimeError(_msg(call, "has no valid sharding candidate"))
+        raise PropagationError(_msg(call, "has no valid sharding candidate"))
     if len(cands) == 1:
         best, cost = cands[0], _cost(call, cands[0])
     else:
@@ -104,7 +105,7 @@ def select(call, cands: Sequence[Candidate]) -> Candidate:
         if best is None:
             best = cands[costs.index(cost)]
     if math.isinf(cost):
-        raise RuntimeError(_msg(call, "has no candidate reachable from the inputs' placements"))
+        raise PropagationError(_msg(call, "has no candidate reachable from the inputs' placements"))
     return best
 
 

@@ -1,8 +1,8 @@
-"""The alpha-beta cost model of redistribution plans (spec redistribute 2.2).
+"""The alpha-beta cost model of redistribution plans (docs/redistribution.md).
 
 A step changes the placement of one mesh dim ``j`` (``k = k_j`` ranks per group) and works
 on the step's *logical shape* ``l``: the global shape with every sharding of the step's state
-applied except mesh dim ``j``'s own (spec 3.3).  Sizes are taken at coordinate 0 at every
+applied except mesh dim ``j``'s own.  Sizes are taken at coordinate 0 at every
 level, i.e. the largest piece, which is also the padded size the collectives move; this makes
 the cost rank independent.  With coordinate 0 a tensor dim ``d`` split by the mesh dims ``M``
 has length ``ceil(L_d / prod(k_i, i in M))`` whatever their order (``ceil(ceil(a/b)/c) ==
@@ -133,7 +133,7 @@ def step_comm(step, global_shape: Sequence[int], mesh_shape: Sequence[int]) -> t
         return "reduce_scatter", (k - 1) * _prod(sizes), 1, k - 1
     if {src.reduce_op, dst.reduce_op} == {"sum", "avg"}:
         return "rescale", 0, 1, 0
-    # another partial kind: all-reduce, then partition (spec T8)
+    # another partial kind: all-reduce, then partition
     return "all_reduce", 2 * (k - 1) * _prod(ell), k, 2 * (k - 1)
 
 

@@ -201,7 +201,7 @@ def _coords(mesh_shape: tuple[int, ...]) -> np.ndarray:
 
 
 def _boxes(shape, mesh_shape, coords, pl, order):
-    """Offsets and sizes ``(ranks, ndim)`` of every rank's block (spec 1.4, vectorised)."""
+    """Offsets and sizes ``(ranks, ndim)`` of every rank's block (``local_shape_and_offset``, vectorised)."""
     size = np.empty((len(coords), len(shape)), dtype=np.int64)
     size[:] = shape
     off = np.zeros_like(size)

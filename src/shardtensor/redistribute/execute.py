@@ -127,7 +127,7 @@ def _apply_flat(t: torch.Tensor, step: FlatStep, global_shape, mesh: DeviceMesh,
 
 def apply_step(t: torch.Tensor, step: Step, global_shape, mesh: DeviceMesh,
                async_op: bool = False) -> "torch.Tensor | Work":
-    """One transition (redistribute spec T0-T8) on the local tensor ``t``.
+    """One transition (docs/redistribution.md) on the local tensor ``t``.
 
     With ``async_op`` the collective is issued and a ``Work`` returned whose ``wait()`` gives
     the result (a local step gives a ``Completed`` one).

@@ -204,17 +204,16 @@ def _order_entries(order: Any) -> dict[int, tuple[int, ...]]:
     if isinstance(order, str):
         return parse_shard_order(order)
     items = order.items() if isinstance(order, Mapping) else order
-    out: dict[int, tuple[int, ...]] = {}
     try:
-        for d, js in items:
-            if d in out:
-                raise ValueError(f"shard order {order!r} lists tensor dim {d} twice")
-            out[d] = tuple(js)
-    except (TypeError, ValueError) as e:
-        if isinstance(e, ValueError) and "twice" in str(e):
-            raise
+        entries = [(d, tuple(js)) for d, js in items]
+    except (TypeError, ValueError):
         raise TypeError(f"shard order must be a str like '0:1,0', a dict {{tensor dim: [mesh dims]}} or "
                         f"((tensor dim, (mesh dims...)), ...), got {order!r}") from None
+    out: dict[int, tuple[int, ...]] = {}
+    for d, js in entries:
+        if d in out:
+            raise ValueError(f"shard order {order!r} lists tensor dim {d} twice")
+        out[d] = js
     return out
 
 

@@ -1,4 +1,4 @@
-"""``new_*`` factories called on a DTensor (spec propagation.md 7).
+"""``new_*`` factories called on a DTensor.
 
 | size argument | output | local call |
 |---|---|---|

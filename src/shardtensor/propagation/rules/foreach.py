@@ -1,4 +1,4 @@
-"""Foreach ops and fused optimizers (spec ops.md 8.1-8.6): one decision entry per list element.
+"""Foreach ops and fused optimizers: one decision entry per list element.
 
 A foreach op is its element op applied at each list index, so its decision is built from the
 element op's own rule (the pointwise rule, ``copy_``, ``zero_``), one element at a time:
@@ -35,6 +35,7 @@ import functools
 import torch
 from torch.utils._pytree import tree_flatten
 
+from ...errors import PropagationError
 from ...placement import Partial, Placement, Replicate, Shard
 from ...spec import DTensorSpec
 from .. import Call, Decision, register, unflatten_call, unsupported
@@ -131,7 +132,7 @@ def _element_calls(call: Call, elem_op) -> list[tuple[list[int], Call]]:
             if n is None:
                 n = len(v)
             elif len(v) != n:
-                raise RuntimeError(f"shardtensor: {call.op}: list arguments differ in length ({n} and {len(v)})")
+                raise PropagationError(f"shardtensor: {call.op}: list arguments differ in length ({n} and {len(v)})")
         values.append((a, True, v))
     elem_schema = elem_op._schema.arguments
     out = []
@@ -216,7 +217,7 @@ def _foreach_decision(call: Call, elem_op, rule, elements, shared: set[int], att
             if want != self_spec or (out is not None and (out.placements != self_spec.placements
                                                            or out.shard_order != self_spec.shard_order)):
                 got = out.placements if out is not None else want.placements
-                raise RuntimeError(
+                raise PropagationError(
                     f"shardtensor: {call.op}: in-place on element {k} with placements {self_spec.placements} would "
                     f"need placements {got}; redistribute self or use the out-of-place op")
         else:
@@ -305,7 +306,7 @@ def fused_optimizer_rule(call: Call) -> Decision:
     for i, pos in enumerate(params):
         s = call.specs[pos]
         if any(p.is_partial() for p in s.placements):
-            raise RuntimeError(f"shardtensor: {call.op}: param {i} is Partial {s.placements}; optimizer params "
+            raise PropagationError(f"shardtensor: {call.op}: param {i} is Partial {s.placements}; optimizer params "
                                "must be Replicate or Shard")
     grad_scale = call.arg("grad_scale", None)
     for lname in lists[1:]:
@@ -313,7 +314,7 @@ def fused_optimizer_rule(call: Call) -> Decision:
         if not pos_list:
             continue
         if len(pos_list) != len(params):
-            raise RuntimeError(f"shardtensor: {call.op}: {lname} has {len(pos_list)} tensors, params {len(params)}")
+            raise PropagationError(f"shardtensor: {call.op}: {lname} has {len(pos_list)} tensors, params {len(params)}")
         for i, (pp, pos) in enumerate(zip(params, pos_list)):
             if pos is None:
                 raise unsupported(call.op, call.specs, f"with a plain tensor in {lname}[{i}]")
@@ -322,7 +323,7 @@ def fused_optimizer_rule(call: Call) -> Decision:
             if want == s:
                 continue
             if inplace and lname != "grads":
-                raise RuntimeError(f"shardtensor: {call.op}: {lname}[{i}] has placements {s.placements} but its param "
+                raise PropagationError(f"shardtensor: {call.op}: {lname}[{i}] has placements {s.placements} but its param "
                                    f"{ps.placements}; the optimizer state is updated in place and cannot move")
             if inplace and grad_scale is not None:
                 raise unsupported(call.op, call.specs, f"with grad_scale and grads[{i}] placed {s.placements} unlike "
@@ -424,7 +425,7 @@ def _fused_sgd(op) -> Callable[..., None]:
                 if not isinstance(p, DTensor) or not isinstance(g, DTensor):
                     raise unsupported(op, specs, "with plain tensors mixed with DTensors")
                 if any(q.is_partial() for q in p.placements):
-                    raise RuntimeError(f"shardtensor: {op}: param {i} is Partial {p.placements}; optimizer params "
+                    raise PropagationError(f"shardtensor: {op}: param {i} is Partial {p.placements}; optimizer params "
                                        "must be Replicate or Shard")
             local_g = []
             for p, g in zip(params, grads):

@@ -1,10 +1,10 @@
-"""Indexing ops: flips, rolls, gathers, scatters, advanced indexing (spec ops.md 9 for roll).
+"""Indexing ops: flips, rolls, gathers, scatters, advanced indexing.
 
 These ops move values around; every Partial kind passes a pure selection, and a pair of
 operands that are combined (``self`` and ``src``) may stay Partial together where the op is
 linear in them or takes each output element from exactly one of them.  Per mesh dim the
 options below are offered; a candidate picks one option per mesh dim (partial kinds of one
-tensor must commute, ops.md 1.4) and the engine keeps the cheapest.
+tensor must commute) and the engine keeps the cheapest.
 
 | op | options per mesh dim (inputs -> output) |
 |---|---|
@@ -61,7 +61,7 @@ def _norm(dim: int, n: int) -> int:
 
 
 def _commuting(pls: Sequence[Placement]) -> bool:
-    """Partial kinds on one tensor must commute (ops.md 1.4)."""
+    """Partial kinds on one tensor must commute."""
     parts = [p for p in pls if isinstance(p, Partial)]
     if not parts:
         return True

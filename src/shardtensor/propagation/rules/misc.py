@@ -1,4 +1,4 @@
-"""Linalg, diagonals, triangles, upsampling (spec ops.md 3), data-dependent ops and random ops.
+"""Linalg, diagonals, triangles, upsampling, data-dependent ops and random ops.
 
 | op | required input | output |
 |---|---|---|
@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ... import rng
+from ...errors import PropagationError
 from ...placement import Partial, Placement, Replicate, Shard, unpartial
 from ...spec import DTensorSpec
 from .. import Call, Decision, register, unflatten_call, unsupported
@@ -352,7 +353,7 @@ def random_fill_rule(call: Call) -> Decision:
     """In-place random fills: this rank's block of the fill of the global tensor."""
     s = call.specs[0]
     if any(p.is_partial() for p in s.placements):
-        raise RuntimeError(f"shardtensor: {call.op} on a Partial tensor {s.placements} would change its value; "
+        raise PropagationError(f"shardtensor: {call.op} on a Partial tensor {s.placements} would change its value; "
                            "redistribute it to Replicate first")
     op = call.op
 
@@ -370,7 +371,7 @@ def bernoulli_rule(call: Call) -> Decision:
     s = call.specs[0]
     op = call.op
     if any(p.is_partial() for p in s.placements):
-        raise RuntimeError(f"shardtensor: {op} on a Partial tensor {s.placements} would change its value")
+        raise PropagationError(f"shardtensor: {op} on a Partial tensor {s.placements} would change its value")
     ppos = call.pos("p")
     if ppos is None:
         raise unsupported(op, call.specs, "with a plain probability tensor")

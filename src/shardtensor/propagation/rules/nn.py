@@ -1,6 +1,6 @@
-"""Neural-network ops: softmax, nll_loss, layer/RMS norm, top-k/sort, dropout (spec ops.md 4-7).
+"""Neural-network ops: softmax, nll_loss, layer/RMS norm, top-k/sort, dropout.
 
-Notation as in ops.md: ``unpartial`` turns every Partial into Replicate, ``gather(π, E)``
+Notation: ``unpartial`` turns every Partial into Replicate, ``gather(π, E)``
 also replicates shards of the dims in ``E``, ``gather_from(π, a)`` those of every dim ``>= a``,
 ``drop``/``insert`` renumber shards when a dim disappears/appears.
 
@@ -55,6 +55,7 @@ from typing import Any, Sequence
 import torch
 
 from ... import comm, rng
+from ...errors import PropagationError
 from ...placement import Partial, Placement, Replicate, Shard, unpartial
 from ...spec import DTensorSpec, contiguous_stride
 from .. import Call, Decision, register, unsupported
@@ -67,7 +68,7 @@ Pl = tuple[Placement, ...]
 __all__ = ["unpartial", "gather", "gather_from", "drop", "insert", "mask_piece", "draw_seed"]
 
 
-# -- placement transforms (ops.md section 0) ------------------------------------------------
+# -- placement transforms --------------------------------------------------------------------
 
 def gather(pl: Sequence[Placement], dims: Sequence[int]) -> Pl:
     """``unpartial``, and shards of ``dims`` -> Replicate."""
@@ -294,7 +295,7 @@ def layer_norm_backward_rule(call: Call) -> Decision:
     names = ["weight", "bias"] if layer else ["weight"]
     for k, name in enumerate(names):
         if mask[k + 1] and call.arg(name) is None:
-            raise RuntimeError(f"shardtensor: {call.op}: output_mask asks for d_{name} but {name} is None")
+            raise PropagationError(f"shardtensor: {call.op}: output_mask asks for d_{name} but {name} is None")
     rep = (Replicate(),) * x.mesh.ndim
     cands = []
     for src in (x, g):

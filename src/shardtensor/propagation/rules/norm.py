@@ -1,4 +1,4 @@
-"""Vector norms: a sharded reduced dim becomes the p-norm partial ``PN(ord)`` (spec ops.md 2.8-2.9).
+"""Vector norms: a sharded reduced dim becomes the p-norm partial ``PN(ord)``.
 
 ==========================================  =====================================  ==================
 op                                          ``S(d in D)`` -> / Partial kept         local step

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ...errors import PropagationError
 from ...placement import Partial, Placement, Replicate, Shard, unpartial
 from ...spec import DTensorSpec
 from .. import TAG_RULES, Call, Decision, register, unsupported
@@ -199,8 +200,8 @@ def pointwise_rule(call: Call) -> Decision:
         self_spec = call.specs[0]
         if self_spec is None or inputs[0] != self_spec or tuple(out_pl) != self_spec.placements:
             have = None if self_spec is None else self_spec.placements
-            raise RuntimeError(
-                f"{call.op}: in-place op on self with placements {have} would need output placements "
+            raise PropagationError(
+                f"shardtensor: {call.op}: in-place op on self with placements {have} would need output placements "
                 f"{tuple(out_pl)}; use the out-of-place op"
             )
     output = type(out)(specs_out) if out_list else specs_out[0]

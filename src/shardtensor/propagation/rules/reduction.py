@@ -1,4 +1,4 @@
-"""Reductions over dims: one shared machinery (spec ops.md 1.5, 2.1-2.7, 2.10).
+"""Reductions over dims: one shared machinery.
 
 ``D`` (the reduced dims) comes from the dim argument: absent / ``None`` / ``[]`` -> all dims,
 an int or a list -> those dims; a 0-d input reduces nothing.  ``D`` is checked against the
@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from ... import comm
+from ...errors import PropagationError
 from ...placement import Partial, Placement, Replicate, Shard
 from ...spec import DTensorSpec
 from .. import Call, Decision, register, unsupported
@@ -91,11 +92,11 @@ def require_nonempty(op: Any, spec: DTensorSpec, D: Sequence[int], all_dims: boo
     """
     name = op._schema.name.split("::")[-1]
     if all_dims and math.prod(spec.shape) == 0:
-        raise RuntimeError(f"shardtensor: {name}(): Expected reduction dim to be specified for input.numel() == 0 "
+        raise PropagationError(f"shardtensor: {name}(): Expected reduction dim to be specified for input.numel() == 0 "
                            f"(global shape {tuple(spec.shape)}). Specify the reduction dim with the 'dim' argument.")
     for d in D:
         if spec.shape[d] == 0:
-            raise RuntimeError(f"shardtensor: {name}(): Expected reduction dim {d} to have non-zero size "
+            raise PropagationError(f"shardtensor: {name}(): Expected reduction dim {d} to have non-zero size "
                                f"(global shape {tuple(spec.shape)}).")
 
 
@@ -104,7 +105,7 @@ def _new_dim(d: int, D: Sequence[int], keepdim: bool) -> int:
 
 
 def reduce_out(pl: Sequence[Placement], D: Sequence[int], keepdim: bool, kind: Placement | None) -> Pl:
-    """``reduce_out`` of the spec: ``S(d in D)`` -> ``kind``, other shards renumbered."""
+    """The output placements of a reduction over ``D``: ``S(d in D)`` -> ``kind``, other shards renumbered."""
     out: list[Placement] = []
     for p in pl:
         if isinstance(p, Shard):
@@ -275,7 +276,7 @@ def _evenly_split(spec: DTensorSpec, pl: Sequence[Placement], D: Sequence[int]) 
 
 @register(*_KIND)
 def decomposable_rule(call: Call) -> Decision:
-    """sum / mean / prod / amax / amin / max / min / any / all (spec 2.1-2.4)."""
+    """sum / mean / prod / amax / amin / max / min / any / all."""
     pos = call.pos("self")
     s = call.specs[pos]
     dim, keepdim = dim_args(call)

@@ -1,7 +1,7 @@
-"""View ops and the size arguments of view-like ops (spec propagation.md 7, ops.md 8.7-8.9, 9).
+"""View ops and the size arguments of view-like ops.
 
 Every rule here moves data without combining values, so every Partial kind passes unchanged
-unless a row says otherwise.  ``insert``/``drop`` renumber shard dims as in ops.md section 0.
+unless a row says otherwise.  ``insert``/``drop`` renumber shard dims when a dim is inserted or dropped.
 
 | op | required | output |
 |---|---|---|
@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ... import comm
+from ...errors import PropagationError
 from ...placement import NormPartial, Partial, Placement, Replicate, Shard, ShardOrder, chunk, unpartial
 from ...spec import DTensorSpec
 from .. import Call, Decision, register, unsupported
@@ -310,7 +311,7 @@ def unsqueeze_rule(call: Call) -> Decision:
 
 @register(aten.select.int, aten.select_copy.int)
 def select_rule(call: Call) -> Decision:
-    """ops.md 8.8: output ``drop(pi, dim)`` (negative dim and index normalised, every partial passes).
+    """Output ``drop(pi, dim)`` (negative dim and index normalised, every partial passes).
 
     A sharded ``dim`` is not gathered: the rank holding the row selects it and broadcasts it
     over the mesh dims that shard ``dim`` (one row moves instead of the whole dim).
@@ -377,7 +378,7 @@ def slice_rule(call: Call) -> Decision:
 
 @register(aten.split_with_sizes.default)
 def split_with_sizes_rule(call: Call) -> Decision:
-    """ops.md 9: ``gather(dim)``; every output takes the required placements; partials pass."""
+    """``gather(dim)``; every output takes the required placements; partials pass."""
     s = call.specs[0]
     dim = _norm(call.arg("dim", 0), s.ndim)
     return follow(call, 0, {d: d for d in range(s.ndim)}, list(call.out_meta), gather=[dim])
@@ -423,7 +424,7 @@ def slice_backward_rule(call: Call) -> Decision:
     return _decision(call, {0: required}, out_spec, _local_sizes(call, "input_sizes", out_spec))
 
 
-# -- scatters (ops.md 8.9) ---------------------------------------------------------------------
+# -- scatters -------------------------------------------------------------------------------------
 
 def _scatter_target(self_spec: DTensorSpec, src_spec: DTensorSpec, dim: int, src_to_self: dict[int, int],
                     whole: bool) -> list[Placement]:
@@ -480,7 +481,7 @@ def select_scatter_rule(call: Call) -> Decision:
     return _scatter_decision(call, dim, {d: d + (d >= dim) for d in range(s.ndim - 1)}, False)
 
 
-# -- cat / stack (ops.md 8.7) ----------------------------------------------------------------
+# -- cat / stack --------------------------------------------------------------------------------
 
 def _common(call: Call, positions: list[int], gather_dim: int | None) -> tuple[Placement, ...]:
     """The cheapest placements shared by every input (modeled cost; all-R always offered)."""
@@ -514,7 +515,7 @@ def cat_rule(call: Call) -> Decision:
     all_pos = call.positions("tensors")
     for k, i in enumerate(all_pos):
         if i is not None and call.specs[i].ndim == 0:
-            raise RuntimeError(f"shardtensor: torch.cat: zero-dimensional tensor (at position {k}) cannot be "
+            raise PropagationError(f"shardtensor: torch.cat: zero-dimensional tensor (at position {k}) cannot be "
                                "concatenated, as in torch; use torch.stack, or unsqueeze it first")
     out = call.out_meta
     if any(p is None for p in all_pos):
