@@ -60,10 +60,10 @@ class AsyncLocalTensor(torch.Tensor):
         """An async tensor with ``t``'s shape, dtype and device (``t`` is not kept)."""
         return cls(work, t.shape, t.dtype, t.device)
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:  # type: ignore[override]
         return func(*_unwrap(args), **_unwrap(kwargs or {}))
 
     def wait(self) -> torch.Tensor:
@@ -82,7 +82,7 @@ class AsyncLocalTensor(torch.Tensor):
         """True when ``wait()`` would not block on communication."""
         return self._work.is_completed()
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         if not self._work.is_completed():
             return (f"AsyncLocalTensor(pending, shape={tuple(self.shape)}, dtype={self.dtype}, "
                     f"device={self.device})")

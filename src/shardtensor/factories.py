@@ -31,7 +31,7 @@ def _sizes(who: str, size: tuple[Any, ...]) -> tuple[int, ...]:
 
 
 def _make(who: str, size: tuple[int, ...], fill: Any, *, dtype: torch.dtype | None, layout: torch.layout,
-          requires_grad: bool, device_mesh: DeviceMesh | None, placements: Sequence[Placement] | None) -> DTensor:
+          requires_grad: bool, device_mesh: DeviceMesh | None, placements: Sequence[Placement] | None) -> Any:
     """The DTensor of ``size`` whose blocks are ``fill(local)`` (``fill`` None: uninitialized)."""
     if layout != torch.strided:
         raise ValueError(f"shardtensor.{who}: layout must be torch.strided, got {layout}")

@@ -50,7 +50,7 @@ def run_per_mesh(func: Any, args: tuple, kwargs: dict, call: Callable, wrap: Cal
     bound.update(kwargs)
     first = bound[names[0]]
     n = len(first)
-    groups: dict[DeviceMesh, list[int]] = {}
+    groups: dict[DeviceMesh | None, list[int]] = {}
     for i, t in enumerate(first):
         groups.setdefault(_mesh_of(t), []).append(i)
     results = []

@@ -43,7 +43,7 @@ class DeviceMesh:
         self._all: Group = tuple(flat)
         self._coords: dict[int, tuple[int, ...]] = {r: c for r, c in zip(flat, _row_major(self._shape))}
         self._rank_at = {c: r for r, c in self._coords.items()}
-        self._groups: dict[int, list[Group]] = {}
+        self._groups: dict[int, dict[int | tuple[int, ...], Group]] = {}
         self._key = (device_type, self._shape, self._all, mesh_dim_names)
         self._hash = hash(self._key)
         self._root: DeviceMesh | None = None  # the mesh this one was cut from by mesh[...], and its dims there
@@ -54,7 +54,7 @@ class DeviceMesh:
     def _all_groups(self) -> list[Group]:
         """Every group a collective may use: each mesh dim's, each flattened set of mesh dims'
         (for one collective over several dims), and the whole mesh."""
-        out = []
+        out: list[Group] = []
         m = self.mesh.ndim
         for r in range(1, m):
             for dims in itertools.combinations(range(m), r):
@@ -126,7 +126,7 @@ class DeviceMesh:
         idx: list[object] = list(self._coord)
         for d in dims:
             idx[d] = slice(None)
-        sub = self.mesh[tuple(idx)]
+        sub = self.mesh[tuple(idx)]  # type: ignore[index]  # ints and slices
         keep = sorted(dims)
         sub = sub.permute([keep.index(d) for d in dims]) if keep != dims else sub
         names_out = tuple(self.mesh_dim_names[d] for d in dims) if self.mesh_dim_names else None
@@ -148,14 +148,14 @@ class DeviceMesh:
         groups = self._groups.get(rank)
         if groups is None:
             groups = self._groups[rank] = self._groups_through(self._coords[rank])
-        if type(mesh_dim) is tuple:
+        if isinstance(mesh_dim, tuple):
             g = groups.get(mesh_dim)
             if g is None:
                 g = groups[mesh_dim] = self._group_along(self._coords[rank], mesh_dim)
             return g
         return groups[mesh_dim]
 
-    def _groups_through(self, coord: tuple[int, ...]) -> dict:
+    def _groups_through(self, coord: tuple[int, ...]) -> dict[int | tuple[int, ...], Group]:
         return {j: self._group_along(coord, (j,)) for j in range(self.ndim)}
 
     def _group_along(self, coord: tuple[int, ...], dims: tuple[int, ...]) -> Group:
@@ -174,7 +174,7 @@ class DeviceMesh:
     def group_size(self, mesh_dim: int | tuple[int, ...] | None) -> int:
         if mesh_dim is None:
             return len(self._all)
-        if type(mesh_dim) is tuple:
+        if isinstance(mesh_dim, tuple):
             return math.prod(self._shape[j] for j in mesh_dim)
         return self._shape[mesh_dim]
 

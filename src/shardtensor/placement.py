@@ -93,7 +93,7 @@ class NormPartial(Partial):
     ``L^p`` in fp32).  Equal only to a ``NormPartial`` with the same ``p``.
     """
 
-    norm: float
+    norm: float  # type: ignore[misc]  # set by __init__ (a dataclass field without a default)
 
     def __init__(self, norm: float | str = 2.0) -> None:
         if isinstance(norm, str):
@@ -218,7 +218,7 @@ def local_shape_and_offset(
     shape = list(global_shape)
     offset = [0] * len(shape)
     for j in execution_order(placements, order):
-        d = placements[j].dim  # type: ignore[union-attr]
+        d = placements[j].dim  # type: ignore[attr-defined]  # execution_order yields shards only
         s, o = chunk(shape[d], mesh_shape[j], coordinate[j])
         shape[d] = s
         offset[d] = global_shape[d] if s == 0 else offset[d] + o

@@ -50,7 +50,7 @@ class DTensor(torch.Tensor):
         r._spec = spec
         return r
 
-    def __repr__(self) -> str:  # noqa: D105
+    def __repr__(self) -> str:  # type: ignore[override]  # noqa: D105
         return (f"DTensor(local_tensor={self._local_tensor}, device_mesh={self._spec.mesh}, "
                 f"placements={self.placements!r})")
 

@@ -19,7 +19,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -197,6 +197,7 @@ def train_rank(cfg: Config, ref: list[float], show: bool) -> RankResult:
                   f"|diff| {d:.1e}  ({time.perf_counter() - t0:.1f} s)", flush=True)
     res.seconds = time.perf_counter() - t0
     for name, p in model.named_parameters():
+        p = cast(Any, p)  # a DTensor parameter
         res.params.append((name, tuple(p.shape), display(p.placements, p.shard_order), tuple(p.to_local().shape)))
     return res
 

@@ -70,7 +70,7 @@ class Work:
 
     def __init__(self, wait_fn: Callable[[], Any], done_fn: Callable[[], bool] | None = None,
                  post: Callable[[Any], torch.Tensor] | None = None) -> None:
-        self._wait_fn = wait_fn
+        self._wait_fn: Callable[[], Any] | None = wait_fn
         self._done_fn = done_fn
         self._post = post
         self._lock = threading.Lock()
@@ -117,7 +117,7 @@ class Completed(Work):
 
     __slots__ = ()
 
-    def __init__(self, result: torch.Tensor) -> None:
+    def __init__(self, result: Any) -> None:
         super().__init__(lambda: result)
         self.wait()
 

@@ -78,7 +78,7 @@ class FSDPState:
         self._graph_built = any(t.requires_grad for t in tensors)
         for p, t in zip(self.group.params, tensors):
             for mod, name in p.owners:
-                mod._parameters[name] = t
+                mod._parameters[name] = t  # type: ignore[assignment]  # a plain tensor on purpose
         return args, kwargs
 
     # -- prefetch: the next all-gather overlaps this module's compute ---------------------

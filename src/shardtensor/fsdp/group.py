@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -172,7 +172,8 @@ class ParamGroup:
             return [None] * len(params)
         for i, p in enumerate(params):
             if p.accumulated is not None:
-                local[i] = p.accumulated if local[i] is None else p.accumulated.add_(local[i])
+                mine = local[i]
+                local[i] = p.accumulated if mine is None else p.accumulated.add_(mine)
                 p.accumulated = None
         out: list[DTensor | None] = [None] * len(params)
         todo = []
@@ -262,7 +263,7 @@ class _Unshard(torch.autograd.Function):
         return tuple(handle.group.params[i].unsharded_view(handle.buffers[i]) for i in idx)
 
     @staticmethod
-    def backward(ctx, *grads):
+    def backward(ctx: Any, *grads: Any) -> Any:
         handle: Unsharded = ctx.handle
         group = handle.group
         params = [group.params[i] for i in ctx.idx]

@@ -5,6 +5,7 @@ See the package docstring for the layout on 1-D and 2-D (dp x tp) meshes.
 from __future__ import annotations
 
 import math
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -103,6 +104,7 @@ class FSDPParam:
         placements[dp] = Shard(0)
         order = None
         if tp is not None:
+            assert tp_pl is not None
             placements[tp] = tp_pl
             if tp_pl == Shard(0):
                 order = ((0, (tp, dp)),)
@@ -111,15 +113,16 @@ class FSDPParam:
         if self.spec.local_shape != tuple(local.shape):
             raise AssertionError(f"FSDP layout of {self.fqn}: spec {self.spec} gives local shape "
                                  f"{self.spec.local_shape}, the padded shard has {tuple(local.shape)}")
-        self.sharded = nn.Parameter(DTensor(local, self.spec), requires_grad=param.requires_grad)
-        self.sharded._local_tensor = local
+        sharded: Any = nn.Parameter(DTensor(local, self.spec), requires_grad=param.requires_grad)
+        sharded._local_tensor = local
+        self.sharded = sharded
 
     @property
     def fqn(self) -> str:
         mod, name = self.owners[0]
         return f"{type(mod).__name__}.{name}"
 
-    def _layout(self, param: nn.Parameter, info: MeshInfo) -> tuple[DeviceMesh, int, int | None, Placement | None]:
+    def _layout(self, param: Any, info: MeshInfo) -> tuple[DeviceMesh, int, int | None, Placement | None]:
         """The sharded parameter's mesh, its dp dim, its tp dim and TP placement (None: no TP).
 
         A plain parameter lives on the FSDP mesh.  A DTensor parameter on a 1-D TP mesh lives on

@@ -169,7 +169,7 @@ def _make_plan(tensors: List[torch.Tensor], dim: int, k: int) -> _Plan:
         out_lead = (acc,) + out_lead
         acc *= size
     copies = []
-    zeros = []
+    zeros: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
     col = 0
     for i, (t, width) in enumerate(zip(tensors, widths)):
         sizes, strides = tuple(t.shape), t.stride()

@@ -284,6 +284,7 @@ class PrepareModuleInput(ParallelStyle):
             inputs = (inputs,)
         if self.input_layouts is None:
             return inputs
+        assert self.desired_input_layouts is not None
         if len(inputs) != len(self.input_layouts):
             raise ValueError(f"PrepareModuleInput: the module got {len(inputs)} positional inputs but "
                              f"input_layouts has {len(self.input_layouts)}")
@@ -326,6 +327,7 @@ class PrepareModuleOutput(ParallelStyle):
                              f"{len(self.desired_output_layouts)} desired_output_layouts")
 
     def _prepare_outputs(self, outputs: Any, mesh: DeviceMesh) -> Any:
+        assert self.output_layouts is not None and self.desired_output_layouts is not None
         single = not isinstance(outputs, tuple)
         outs = (outputs,) if single else outputs
         if len(outs) != len(self.output_layouts):

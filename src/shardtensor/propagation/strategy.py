@@ -106,6 +106,7 @@ def select(call, cands: Sequence[Candidate]) -> Candidate:
             best = cands[costs.index(cost)]
     if math.isinf(cost):
         raise PropagationError(_msg(call, "has no candidate reachable from the inputs' placements"))
+    assert best is not None
     return best
 
 

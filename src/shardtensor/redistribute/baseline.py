@@ -54,6 +54,7 @@ def baseline_plan(src: tuple[Placement, ...], src_order: ShardOrder, dst: tuple[
             cur[j] = new
             lst.pop()
             if lands:
+                assert e is not None
                 order.setdefault(e, []).append(j)
                 keep[e] += 1
 

@@ -19,6 +19,13 @@ from .planner import plan_for
 from .steps import ExchangeStep, FlatStep, Step
 
 
+def _coord(mesh: DeviceMesh) -> list[int]:
+    """This rank's coordinate (the executor only runs on ranks of the mesh)."""
+    coord = mesh.get_coordinate()
+    assert coord is not None, "redistribution on a rank outside the mesh"
+    return coord
+
+
 def _pad_to(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
     extra = length - t.shape[dim]
     if extra == 0:
@@ -66,7 +73,7 @@ def _nested_pieces(length: int, ks: list[int]) -> list[tuple[int, int]]:
 
 def _apply_exchange(t: torch.Tensor, step: ExchangeStep, global_shape, mesh: DeviceMesh, a: bool = False):
     """The whole change of ``step.dims`` in one all-to-all of unpadded blocks (``exchange.py``)."""
-    coord = tuple(mesh.get_coordinate())
+    coord = tuple(_coord(mesh))
     send, recv = blocks(tuple(global_shape), tuple(mesh.shape), coord, step.dims, step.placements, step.order,
                         step.target, step.target_order)
     _, held = local_shape_and_offset(global_shape, mesh.shape, coord, step.placements, step.order)
@@ -95,7 +102,7 @@ def _apply_exchange(t: torch.Tensor, step: ExchangeStep, global_shape, mesh: Dev
 def _apply_flat(t: torch.Tensor, step: FlatStep, global_shape, mesh: DeviceMesh, a: bool = False):
     """One collective over the flattened group of ``step.dims`` (major first)."""
     src, dst, dims = step.src, step.dst, step.dims
-    coord = mesh.get_coordinate()
+    coord = _coord(mesh)
     ks = [mesh.shape[j] for j in dims]
     me = 0
     for j, k in zip(dims, ks):
@@ -150,7 +157,7 @@ def _apply(t: torch.Tensor, step: Step, global_shape, mesh: DeviceMesh, a: bool)
     k = mesh.shape[j]
     if src == dst or k == 1:
         return t
-    coord = mesh.get_coordinate()
+    coord = _coord(mesh)
     me = coord[j]
     if isinstance(src, Replicate) and isinstance(dst, Shard):
         size, off = chunk(t.shape[dst.dim], k, me)
@@ -247,11 +254,12 @@ def redistribute_local(t: torch.Tensor, src_spec, dst_spec, async_op: bool = Fal
     steps = plan_for(src_spec, dst_spec)
     if async_op and steps:
         for step in steps[:-1]:
-            t = apply_step(t, step, src_spec.shape, mesh)
+            t = _apply(t, step, src_spec.shape, mesh, False)
         work = apply_step(t, steps[-1], src_spec.shape, mesh, async_op=True)
         if type(work) is Completed:
             return work.wait()
+        assert isinstance(work, Work)
         return AsyncLocalTensor(work, dst_spec.local_shape_and_offset()[0], t.dtype, t.device)
     for step in steps:
-        t = apply_step(t, step, src_spec.shape, mesh)
+        t = _apply(t, step, src_spec.shape, mesh, False)
     return t

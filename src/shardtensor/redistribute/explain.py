@@ -32,7 +32,6 @@ a fully split tensor, e.g. ``S(0) -> R`` on a 1-D mesh; it ignores the shard ord
 """
 from __future__ import annotations
 
-import itertools
 import math
 import re
 import textwrap
@@ -42,255 +41,17 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..placement import (Partial, Placement, Replicate, Shard, ShardOrder, default_shard_order, display,
-                         local_shape_and_offset, normalize_placements, validate_shard_order, REDUCE_OPS)
+from ..placement import Partial, Placement, Replicate, Shard, ShardOrder, display
 from .cost import LinkModel, logical_shape, normalize_links, step_comm, step_link
 from .exchange import exchange_dims, exchange_loads
 from .planner import plan
+from .spec_text import (_jnum, _order_from_json, _order_json, _pl_str, format_bytes, format_time, parse_dtype,
+                        parse_placements, parse_shard_order, parse_spec, resolve_spec)
 from .steps import ExchangeStep, FlatStep, Step
 
 __all__ = ["explain_redistribute", "Explanation", "ExplainedStep", "BoundTerm", "parse_placements", "parse_spec",
            "parse_shard_order", "parse_dtype", "format_bytes", "format_time"]
 
-
-
-# -- parsing ------------------------------------------------------------------------------------
-
-_DTYPE_ALIASES = {
-    "fp32": torch.float32, "f32": torch.float32, "float": torch.float32, "float32": torch.float32,
-    "fp16": torch.float16, "f16": torch.float16, "half": torch.float16, "float16": torch.float16,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp64": torch.float64, "f64": torch.float64, "double": torch.float64, "float64": torch.float64,
-}
-
-
-def parse_dtype(dtype: Any) -> torch.dtype:
-    """``torch.bfloat16``, ``"bf16"``, ``"float32"``, ``"torch.int8"``, ... -> a ``torch.dtype``."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if not isinstance(dtype, str):
-        raise TypeError(f"dtype must be a torch.dtype or a name like 'bf16', got {dtype!r}")
-    name = dtype.strip().lower().removeprefix("torch.")
-    if name in _DTYPE_ALIASES:
-        return _DTYPE_ALIASES[name]
-    found = getattr(torch, name, None)
-    if isinstance(found, torch.dtype):
-        return found
-    raise ValueError(f"unknown dtype {dtype!r}; use a torch dtype name (float32, bfloat16, int8, ...) "
-                     f"or one of {', '.join(sorted(_DTYPE_ALIASES))}")
-
-
-_OPS = "|".join(REDUCE_OPS)
-_TOKEN = re.compile(
-    r"^(?:(?P<r>r|replicate(?:\(\))?)"
-    rf"|(?P<p>p|partial(?:\(\))?|(?:p|partial)\((?:reduce_op=)?['\"]?(?P<op>{_OPS})['\"]?\))"
-    r"|(?:s(?P<sd>-?\d+)|(?:s|shard)\((?:dim=)?(?P<sd2>-?\d+)\))(?:\[(?P<pos>\d+)\])?)$")
-
-
-def _split_top(text: str) -> list[str]:
-    """Split on commas outside parentheses/brackets (``"P(max),S1"`` -> ``["P(max)", "S1"]``)."""
-    parts, depth, cur = [], 0, ""
-    for ch in text:
-        if ch in "([":
-            depth += 1
-        elif ch in ")]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError(f"unbalanced parentheses in placements {text!r}")
-        if ch == "," and depth == 0:
-            parts.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    if depth:
-        raise ValueError(f"unbalanced parentheses in placements {text!r}")
-    parts.append(cur)
-    return parts
-
-
-def _strip_outer(text: str) -> str:
-    """``"(S(0), R)"`` -> ``"S(0), R"`` (the display form's outer parentheses are optional)."""
-    if text.startswith("(") and text.endswith(")"):
-        depth = 0
-        for i, ch in enumerate(text):
-            depth += ch == "("
-            depth -= ch == ")"
-            if depth == 0 and i < len(text) - 1:
-                return text  # "(...)...(...)": not one outer pair
-        return text[1:-1]
-    return text
-
-
-def parse_spec(text: str, mesh_ndim: int) -> tuple[tuple[Placement, ...], dict[int, tuple[int, ...]]]:
-    """Placements and the shard-order entries spelled in the display form (docs/placements.md).
-
-    Accepts ``"S0,S1"``, ``"R,S0"``, ``"P,P"``, ``"P(max),S1"``, ``"(S(0), Shard(1))"``,
-    ``"Replicate(), Partial(avg)"`` (case-insensitive, spaces ignored) and nested positions
-    ``"S(0)[1],S(0)[0]"`` (mesh dim 1 splits tensor dim 0 first).  Returns the placements and
-    ``{tensor dim: mesh dims, first-applied first}`` for the tensor dims given with positions.
-    """
-    if not isinstance(text, str):
-        raise TypeError(f"placements text must be a str, got {text!r}")
-    body = _strip_outer(re.sub(r"\s+", "", text))
-    if not body:
-        raise ValueError(f"empty placements {text!r}; give one per mesh dim, e.g. 'S0,R'")
-    tokens = _split_top(body)
-    out: list[Placement] = []
-    pos: dict[int, int] = {}
-    for j, tok in enumerate(tokens):
-        m = _TOKEN.match(tok.lower())
-        if m is None:
-            raise ValueError(f"cannot parse placement {tok!r} (mesh dim {j}) in {text!r}; use R, S<d> / S(<d>), "
-                             f"P / P(<op>) with op in {', '.join(REDUCE_OPS)}")
-        if m.group("r"):
-            out.append(Replicate())
-        elif m.group("p"):
-            out.append(Partial(m.group("op") or "sum"))
-        else:
-            out.append(Shard(int(m.group("sd") if m.group("sd") is not None else m.group("sd2"))))
-            if m.group("pos") is not None:
-                pos[j] = int(m.group("pos"))
-    if len(out) != mesh_ndim:
-        raise ValueError(f"got {len(out)} placements {text!r} for a mesh with {mesh_ndim} dims; "
-                         "give exactly one placement per mesh dim")
-    order: dict[int, tuple[int, ...]] = {}
-    by_dim: dict[int, list[int]] = {}
-    for j, p in enumerate(out):
-        if isinstance(p, Shard):
-            by_dim.setdefault(p.dim, []).append(j)
-    for d, js in by_dim.items():
-        marked = [j for j in js if j in pos]
-        if not marked:
-            continue
-        if len(marked) != len(js) or sorted(pos[j] for j in js) != list(range(len(js))):
-            raise ValueError(f"positions of the mesh dims sharding tensor dim {d} in {text!r} must be "
-                             f"[0]..[{len(js) - 1}], one per mesh dim")
-        order[d] = tuple(sorted(js, key=lambda j: pos[j]))
-    return tuple(out), order
-
-
-def parse_placements(text: str, mesh_ndim: int) -> tuple[Placement, ...]:
-    """``"S0,S1"`` / ``"R,S0"`` / ``"P,P"`` / ``"P(max),S1"`` -> placements, one per mesh dim.
-
-    Raises ``ValueError`` for unknown tokens, unbalanced parentheses or the wrong count.
-    Nested positions (``S(0)[1]``) are accepted but dropped here; ``parse_spec`` keeps them.
-    """
-    return parse_spec(text, mesh_ndim)[0]
-
-
-def parse_shard_order(text: str) -> dict[int, tuple[int, ...]]:
-    """``"0:1,0"`` -> ``{0: (1, 0)}``; several tensor dims separated by ``;`` (``"0:1,0;1:2"``)."""
-    if not isinstance(text, str):
-        raise TypeError(f"shard order text must be a str, got {text!r}")
-    out: dict[int, tuple[int, ...]] = {}
-    entries = [e for e in re.sub(r"\s+", "", text).split(";") if e]
-    if not entries:
-        raise ValueError(f"empty shard order {text!r}; use 'tensor_dim:mesh_dim,mesh_dim' e.g. '0:1,0'")
-    for e in entries:
-        m = re.fullmatch(r"(-?\d+):(\d+(?:,\d+)*)", e)
-        if m is None:
-            raise ValueError(f"cannot parse shard order entry {e!r} of {text!r}; use 'tensor_dim:mesh dims "
-                             "first-applied first', e.g. '0:1,0', entries separated by ';'")
-        d = int(m.group(1))
-        if d in out:
-            raise ValueError(f"shard order {text!r} lists tensor dim {d} twice")
-        out[d] = tuple(int(x) for x in m.group(2).split(","))
-    return out
-
-
-def _order_entries(order: Any) -> dict[int, tuple[int, ...]]:
-    if order is None:
-        return {}
-    if isinstance(order, str):
-        return parse_shard_order(order)
-    items = order.items() if isinstance(order, Mapping) else order
-    try:
-        entries = [(d, tuple(js)) for d, js in items]
-    except (TypeError, ValueError):
-        raise TypeError(f"shard order must be a str like '0:1,0', a dict {{tensor dim: [mesh dims]}} or "
-                        f"((tensor dim, (mesh dims...)), ...), got {order!r}") from None
-    out: dict[int, tuple[int, ...]] = {}
-    for d, js in entries:
-        if d in out:
-            raise ValueError(f"shard order {order!r} lists tensor dim {d} twice")
-        out[d] = js
-    return out
-
-
-def _resolve(what: str, value: Any, order: Any, mesh_ndim: int, ndim: int) -> tuple[tuple[Placement, ...], ShardOrder]:
-    """Placements (sequence or text) + order (None, text, dict, pairs) -> validated (placements, order).
-
-    Entries of the order replace the default (left-to-right) entries of their tensor dims only.
-    """
-    marked: dict[int, tuple[int, ...]] = {}
-    if isinstance(value, str):
-        value, marked = parse_spec(value, mesh_ndim)
-    elif isinstance(value, Sequence) and not isinstance(value, Placement):
-        value = tuple(parse_placements(p, 1)[0] if isinstance(p, str) else p for p in value)
-    try:
-        pl = normalize_placements(value, ndim, mesh_ndim)
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"{what}: {e}") from None
-    def wrap(d):
-        return d + ndim if isinstance(d, int) and not isinstance(d, bool) and d < 0 else d
-
-    given = {wrap(d): js for d, js in _order_entries(order).items()}
-    marked = {wrap(d): js for d, js in marked.items()}
-    for d, js in marked.items():
-        if d in given and tuple(given[d]) != js:
-            raise ValueError(f"{what}: shard order {order!r} contradicts the positions in the placements "
-                             f"for tensor dim {d}: {js}")
-    entries = dict(default_shard_order(pl))
-    entries.update(marked)
-    entries.update(given)
-    try:
-        return pl, validate_shard_order(pl, tuple(entries.items()))
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"{what}: {e}") from None
-
-
-# -- formatting ---------------------------------------------------------------------------------
-
-def _num(x: float) -> str:
-    s = f"{x:.2f}".rstrip("0").rstrip(".")
-    return s or "0"
-
-
-def format_bytes(b: float) -> str:
-    """``96`` -> ``96 B``, ``24576`` -> ``24 KiB``, ``1536`` -> ``1.5 KiB`` (2 decimals at most)."""
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if b >= scale:
-            return f"{_num(b / scale)} {unit}"
-    return f"{_num(b)} B"
-
-
-def format_time(t: float) -> str:
-    if t == 0:
-        return "0"
-    if t < 1e-3:
-        return f"{_num(t * 1e6)} us"
-    if t < 1:
-        return f"{_num(t * 1e3)} ms"
-    return f"{_num(t)} s"
-
-
-def _jnum(x: Fraction | float) -> int | float:
-    """An exact count as an int when whole, else a float (JSON)."""
-    if isinstance(x, Fraction):
-        return int(x) if x.denominator == 1 else float(x)
-    return int(x) if float(x).is_integer() else float(x)
-
-
-def _pl_str(pl: Sequence[Placement]) -> list[str]:
-    return [str(p) for p in pl]
-
-
-def _order_json(order: ShardOrder) -> list:
-    return [[d, list(js)] for d, js in order]
-
-
-def _order_from_json(obj) -> ShardOrder:
-    return tuple((int(d), tuple(int(j) for j in js)) for d, js in obj)
 
 
 # -- the explanation ----------------------------------------------------------------------------
@@ -360,7 +121,7 @@ class BoundTerm:
     src: Placement
     dst: Placement
     collective: str          # "" when the mesh dim needs no communication
-    bytes: float
+    bytes: float | Fraction
     latency_terms: int
     reason: str
 
@@ -494,7 +255,9 @@ class Explanation:
         on the arrow.  1-D/2-D tensors are drawn as blocks labelled with the ranks holding them
         (rank = row-major index of the mesh coordinate); higher ranks get a per-dim description.
         Uses matplotlib's Agg canvas only (no pyplot state).  Returns ``png_path``."""
-        _draw(self, png_path, dpi)
+        from ..debug.plan_drawing import draw_plan
+
+        draw_plan(self, png_path, dpi)
         return png_path
 
 
@@ -594,8 +357,8 @@ def explain_redistribute(mesh_shape: Sequence[int], shape: Sequence[int], src, d
     dt = parse_dtype(dtype)
     itemsize = dt.itemsize
     m, n = len(mesh_shape), len(shape)
-    src_pl, s_order = _resolve("source", src, src_order, m, n)
-    dst_pl, d_order = _resolve("target", dst, dst_order, m, n)
+    src_pl, s_order = resolve_spec("source", src, src_order, m, n)
+    dst_pl, d_order = resolve_spec("target", dst, dst_order, m, n)
     lk = normalize_links(links, m)
     steps = plan(src_pl, s_order, dst_pl, d_order, shape, mesh_shape, itemsize, None if links is None else lk)
 
@@ -621,146 +384,23 @@ def explain_redistribute(mesh_shape: Sequence[int], shape: Sequence[int], src, d
     lb_time = sum(t.latency_terms * lk[t.mesh_dim].alpha + lk[t.mesh_dim].beta * float(t.bytes) for t in terms)
     if any(t.collective for t in terms):
         lb_time += min(lk[t.mesh_dim].launch for t in terms if t.collective)  # at least one collective
-    dims = exchange_dims(src_pl, s_order, dst_pl, d_order, mesh_shape)
-    if dims is not None:
+    xdims = exchange_dims(src_pl, s_order, dst_pl, d_order, mesh_shape)
+    if xdims is not None:
         # one exchange over several mesh dims is not a sum of per-dim steps: the bound is then
         # also at most what some rank misses of its target block (it must receive that much)
-        missing = Fraction(exchange_loads(shape, mesh_shape, dims, src_pl, s_order, dst_pl, d_order)[1] * itemsize)
+        missing = Fraction(exchange_loads(shape, mesh_shape, xdims, src_pl, s_order, dst_pl, d_order)[1] * itemsize)
         if missing < lb:
             lb = missing
-            lb_time = min(lb_time, min(lk[j].launch for j in dims) + min(lk[j].beta for j in dims) * float(missing))
+            lb_time = min(lb_time, min(lk[j].launch for j in xdims) + min(lk[j].beta for j in xdims) * float(missing))
     terms = tuple(BoundTerm(t.mesh_dim, t.src, t.dst, t.collective, _jnum(Fraction(t.bytes)), t.latency_terms, t.reason)
                   for t in terms)
 
     notes = []
-    for j, (a, b) in enumerate(zip(src_pl, dst_pl)):
-        if isinstance(a, Shard) and isinstance(b, Partial) and mesh_shape[j] > 1:
-            notes.append(f"mesh dim {j}: {a} -> {b} is refused by DTensor.redistribute in the forward pass"
+    for j, (pa, pb) in enumerate(zip(src_pl, dst_pl)):
+        if isinstance(pa, Shard) and isinstance(pb, Partial) and mesh_shape[j] > 1:
+            notes.append(f"mesh dim {j}: {pa} -> {pb} is refused by DTensor.redistribute in the forward pass"
                          "; the plan is what the planner returns")
     if links is not None:
         notes.append("links given: the executor plans with the default links, so its steps may differ")
     return Explanation(mesh_shape, shape, str(dt).removeprefix("torch."), itemsize, src_pl, s_order, dst_pl,
                        d_order, lk, tuple(out), _jnum(total), total_time, _jnum(lb), lb_time, terms, tuple(notes))
-
-
-# -- drawing --------------------------------------------------------------------------------------
-
-def _ranks_label(ranks: Sequence[int]) -> str:
-    from ..debug.visualize import _ranks_label as f
-
-    return f(ranks)
-
-
-def _state_blocks(shape, mesh_shape, pl, order):
-    """((offset, size) per dim) -> ranks holding that block, and the ranks holding empty pieces."""
-    blocks: dict[tuple, list[int]] = {}
-    empty: list[int] = []
-    for rank, coord in enumerate(itertools.product(*(range(k) for k in mesh_shape))):
-        s, o = local_shape_and_offset(shape, mesh_shape, coord, pl, order)
-        if any(x == 0 for x in s):
-            empty.append(rank)
-        else:
-            blocks.setdefault(tuple(zip(o, s)), []).append(rank)
-    return blocks, empty
-
-
-def _dims_text(shape, mesh_shape, pl, order) -> list[str]:
-    if not shape:
-        return ["scalar: every rank holds the whole value"]
-    lists = dict(order)
-    out = []
-    for d, size in enumerate(shape):
-        js = lists.get(d, ())
-        if not js:
-            out.append(f"dim {d} ({size}): not split")
-            continue
-        sizes = []
-        for sub in itertools.product(*(range(mesh_shape[j]) for j in js)):
-            coord = [0] * len(mesh_shape)
-            for j, c in zip(js, sub):
-                coord[j] = c
-            sizes.append(local_shape_and_offset(shape, mesh_shape, coord, pl, order)[0][d])
-        by = " then ".join(f"m{j} x{mesh_shape[j]}" for j in js)
-        out.append(f"dim {d} ({size}): split by {by}: {','.join(map(str, sizes))}")
-    return out
-
-
-def _draw_state(ax, ex: Explanation, pl, order, palette) -> None:
-    from matplotlib.patches import Rectangle
-
-    shape, mesh_shape = ex.shape, ex.mesh_shape
-    nd = len(shape)
-    partial = [j for j, p in enumerate(pl) if isinstance(p, Partial)]
-    notes = [f"P over m{j}: ranks hold terms" for j in partial]
-    ax.set_title(display(pl, order), fontsize=9)
-    if nd in (1, 2) and math.prod(shape) > 0:
-        blocks, empty = _state_blocks(shape, mesh_shape, pl, order)
-        ncell = len(blocks)
-        fs = 8 if ncell <= 8 else 6 if ncell <= 32 else 4
-        for (key, ranks) in sorted(blocks.items()):
-            (r0, rs), (c0, cs) = ((0, 1), key[0]) if nd == 1 else key
-            ax.add_patch(Rectangle((c0, r0), cs, rs, facecolor=palette[min(ranks) % len(palette)], edgecolor="black",
-                                   linewidth=0.8))
-            ax.text(c0 + cs / 2, r0 + rs / 2, ("P " if partial else "") + _ranks_label(ranks), ha="center",
-                    va="center", fontsize=fs)
-        width, rows = shape[-1], (1 if nd == 1 else shape[0])
-        ax.set_xlim(0, width)
-        ax.set_ylim(rows, 0)
-        xt = sorted({k[-1][0] for k in blocks} | {width})
-        ax.set_xticks(xt if len(xt) <= 9 else [0, width])
-        ax.xaxis.tick_top()
-        ax.tick_params(labelsize=7)
-        if nd == 1:
-            ax.set_yticks([])
-        else:
-            yt = sorted({k[0][0] for k in blocks} | {rows})
-            ax.set_yticks(yt if len(yt) <= 9 else [0, rows])
-        if empty:
-            notes.append("empty: " + _ranks_label(empty))
-        ax.set_xlabel("\n".join(notes), fontsize=7)
-    else:
-        ax.axis("off")
-        body = _dims_text(shape, mesh_shape, pl, order) if math.prod(shape) > 0 or nd == 0 else ["(no elements)"]
-        ax.text(0.0, 0.9, "\n".join(body + notes), va="top", ha="left", family="monospace", fontsize=7,
-                transform=ax.transAxes)
-
-
-def _draw(ex: Explanation, path: str, dpi: int) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    from ..debug.visualize import _PALETTE
-
-    nd = len(ex.shape)
-    rows = list(ex.steps) or [None]
-    row_h = 1.5 if nd == 1 else 2.4 if nd == 2 else 0.6 + 0.22 * max(nd, 2)
-    nranks = math.prod(ex.mesh_shape)
-    footer = ""
-    if len(ex.mesh_shape) > 1 and nranks <= 16:
-        coords = itertools.product(*(range(k) for k in ex.mesh_shape))
-        footer = "ranks: " + "  ".join(f"r{r}={tuple(c)}" for r, c in enumerate(coords))
-    fig = Figure(figsize=(11, 1.1 + row_h * len(rows) + (0.3 if footer else 0)), dpi=dpi, layout="constrained")
-    FigureCanvasAgg(fig)
-    gs = fig.add_gridspec(len(rows), 3, width_ratios=[4, 2.4, 4])
-    fig.suptitle(f"{ex.shape} {ex.dtype} on mesh {ex.mesh_shape}: {ex.src} -> {ex.dst}\n"
-                 f"total {format_bytes(ex.total_bytes)} per rank, {format_time(ex.total_time)};  "
-                 f"lower bound {format_bytes(ex.lower_bound_bytes)}", fontsize=10)
-    for i, st in enumerate(rows):
-        left, mid, right = (fig.add_subplot(gs[i, c]) for c in range(3))
-        if st is None:
-            _draw_state(left, ex, ex.src_placements, ex.src_order, _PALETTE)
-            _draw_state(right, ex, ex.dst_placements, ex.dst_order, _PALETTE)
-            label = "no steps\n(same spec)"
-        else:
-            _draw_state(left, ex, st.placements_before, st.order_before, _PALETTE)
-            _draw_state(right, ex, st.placements_after, st.order_after, _PALETTE)
-            what = ("direct exchange" if st.collective == "all_to_all" and st.mesh_dims else f"{st.src} -> {st.dst}")
-            label = (f"step {st.index}: mesh dim {st.dims_label} (k={st.group_size})\n{what}\n"
-                     f"{st.collective}\n{format_bytes(st.bytes)} per rank\n{format_time(st.time)}")
-        mid.axis("off")
-        mid.annotate("", xy=(0.98, 0.5), xytext=(0.02, 0.5), xycoords="axes fraction",
-                     arrowprops=dict(arrowstyle="-|>", lw=1.5, color="#444444"))
-        mid.text(0.5, 0.56, label, ha="center", va="bottom", fontsize=8, transform=mid.transAxes)
-    if footer:
-        fig.supxlabel(footer, fontsize=7)
-    fig.savefig(path, format="png")
