@@ -36,7 +36,8 @@ from shardtensor.placement import Partial, Replicate, Shard, default_shard_order
 from shardtensor.redistribute import exchange, planner  # noqa: E402
 from shardtensor.redistribute.baseline import baseline_plan as simple_plan  # noqa: E402
 from shardtensor.redistribute.cost import normalize_links, plan_cost  # noqa: E402
-from shardtensor.redistribute.search import norm_order, search  # noqa: E402
+from shardtensor.redistribute.planner import norm_order  # noqa: E402
+from shardtensor.redistribute.search import search  # noqa: E402
 from shardtensor.redistribute.steps import Step  # noqa: E402
 
 REFERENCE = os.path.join(os.path.dirname(__file__), "planner_bytes_2026-11-25.json")

@@ -22,8 +22,8 @@ from shardtensor.placement import default_shard_order, local_shape_and_offset
 from shardtensor.redistribute import explain_redistribute
 from shardtensor.redistribute.cost import LinkModel, step_comm
 from shardtensor.redistribute.execute import apply_step
+from shardtensor.redistribute.planner import per_dim_plan
 from shardtensor.redistribute.planner import plan as best_plan
-from shardtensor.redistribute.search import per_dim_plan
 from shardtensor.redistribute.exchange import blocks, exchange_dims, exchange_loads
 from shardtensor.redistribute.steps import ExchangeStep, FlatStep
 from test_redistribute import dense, expected_slice, make_source, rank_events

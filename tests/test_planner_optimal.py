@@ -24,8 +24,7 @@ from shardtensor.redistribute import planner
 from shardtensor.redistribute.cost import LinkModel, logical_shape, plan_cost, step_comm
 from shardtensor.redistribute.execute import apply_step
 from shardtensor.redistribute.baseline import baseline_plan as simple_plan
-from shardtensor.redistribute.planner import plan_uncached
-from shardtensor.redistribute.search import per_dim_plan
+from shardtensor.redistribute.planner import per_dim_plan, plan_uncached
 from shardtensor.redistribute.steps import Step
 from shardtensor.spec import DTensorSpec
 

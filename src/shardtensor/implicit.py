@@ -21,6 +21,8 @@ from typing import Any, Iterator
 
 import torch
 
+from .errors import MixedTensorError
+
 __all__ = ["MixedTensorError", "implicit_replication", "implicit_allowed", "plain_tensor_error"]
 
 
@@ -46,9 +48,6 @@ def implicit_replication() -> Iterator[None]:
 def implicit_allowed(t: torch.Tensor) -> bool:
     """Whether the plain tensor ``t`` may be taken as a replicated value here."""
     return _state.depth > 0 or t.numel() == 1 or torch._C._current_graph_task_id() != -1
-
-
-from .errors import MixedTensorError  # noqa: E402
 
 
 def plain_tensor_error(op: Any, t: torch.Tensor) -> MixedTensorError:

@@ -18,11 +18,9 @@ from typing import Any, Callable
 
 import torch
 
+from ..errors import CollectiveMismatchError, CollectiveTimeoutError, RankAbortedError, StuckRanksError
 from .base import DEFAULT_TIMEOUT_S, Completed, Group, Transport, Work, reduce_stack
 from ..rng import rank_generators
-
-
-from ..errors import CollectiveMismatchError, CollectiveTimeoutError, RankAbortedError, StuckRanksError  # noqa: E402
 
 
 class _Slot:

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..errors import MeshMismatchError, PropagationError, ShardingError, UnsupportedOpError
 from ..placement import display
 from ..spec import DTensorSpec
 
@@ -107,9 +108,6 @@ def unflatten_call(flat: list, treedef: Any) -> tuple[tuple, dict]:
         _rebuild(kw, flat, i, vals)
         return tuple(args), dict(zip(names, vals))
     return tree_unflatten(flat, treedef)
-
-
-from ..errors import MeshMismatchError, PropagationError, ShardingError, UnsupportedOpError  # noqa: E402
 
 
 @dataclass(frozen=True)

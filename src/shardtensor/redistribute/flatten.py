@@ -28,9 +28,10 @@ strictly cheaper in latency plus launches, so the search's byte optimality is ke
 from __future__ import annotations
 
 import math
-from ..placement import Partial, Placement, Replicate, Shard, local_shape_and_offset
+
+from ..placement import Partial, Placement, Replicate, Shard
 from .cost import link_of, step_comm, step_latency
-from .exchange import exchange_bound, exchange_comm, exchange_dims
+from .exchange import exchange_bound, exchange_comm, exchange_dims, exchange_floor
 from .search import search
 from .steps import ExchangeStep, FlatStep, Step
 
@@ -82,22 +83,11 @@ def _exchange(score: "_Scorer", best_score: tuple, mesh_shape, dims, src, src_or
     step = ExchangeStep(dims[0], src[dims[0]], dst[dims[0]], src, src_order, dims=dims, target=dst,
                         target_order=dst_order)
     ub = score.raw(dims, exchange_bound(shape, mesh_shape, dims, src, src_order, dst, dst_order), 1, lat)
-    if ub < best_score or score.raw(dims, _rank0_missing(shape, mesh_shape, src, src_order, dst, dst_order), 1,
+    if ub < best_score or score.raw(dims, exchange_floor(shape, mesh_shape, src, src_order, dst, dst_order), 1,
                                     lat) >= best_score:
         return (step,), ub
     num, _ = exchange_comm(shape, mesh_shape, dims, src, src_order, dst, dst_order)
     return (step,), score.raw(dims, num, 1, lat)
-
-
-def _rank0_missing(shape, mesh_shape, src, src_order, dst, dst_order) -> int:
-    """Elements of rank 0's target block that rank 0 does not hold: what it must receive."""
-    zero = (0,) * len(mesh_shape)
-    held = local_shape_and_offset(shape, mesh_shape, zero, src, src_order)
-    need = local_shape_and_offset(shape, mesh_shape, zero, dst, dst_order)
-    both = 1
-    for ho, hs, no, ns in zip(held[1], held[0], need[1], need[0]):
-        both *= max(0, min(ho + hs, no + ns) - max(ho, no))
-    return math.prod(need[0]) - both
 
 
 class _Scorer:

@@ -12,18 +12,22 @@ mesh dims' links differ in bandwidth (floating-point prices could then tie diffe
 """
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from typing import Sequence
 
 from ..placement import Placement, ShardOrder
 from .cost import LinkModel, normalize_links
 from .flatten import improve
-from .search import norm_order, search
+from .search import search
 from .steps import Step
 
-__all__ = ["plan", "plan_for", "clear_cache", "cache_info", "CACHE_SIZE"]
+__all__ = ["plan", "plan_for", "plan_uncached", "per_dim_plan", "norm_order", "clear_cache", "cache_info", "CACHE_SIZE"]
 
 CACHE_SIZE = 8192
+
+# (mesh shape, links, src, src order, dst, dst order, global shape), normalised
+_Args = tuple[tuple[int, ...], tuple[LinkModel, ...], tuple, ShardOrder, tuple, ShardOrder, tuple[int, ...]]
 
 
 def plan(src: Sequence[Placement], src_order: ShardOrder, dst: Sequence[Placement], dst_order: ShardOrder,
@@ -35,13 +39,11 @@ def plan(src: Sequence[Placement], src_order: ShardOrder, dst: Sequence[Placemen
     prices bandwidth first, then latency and launches.  Raises ``ValueError`` on specs whose
     placements and shard order disagree.
     """
-    mesh_shape = tuple(map(int, mesh_shape))
-    links = normalize_links(links, len(mesh_shape))
-    shape = tuple(map(int, global_shape))
-    if len({lk.beta for lk in links}) <= 1:
-        shape, itemsize = _shape_class(shape, mesh_shape), 1
-    return _cached(mesh_shape, links, tuple(src), norm_order(src_order), tuple(dst), norm_order(dst_order), shape,
-                   int(itemsize))
+    ms, lk, a, a_order, b, b_order, shape = _normalized(src, src_order, dst, dst_order, global_shape, mesh_shape,
+                                                        links)
+    if len({x.beta for x in lk}) <= 1:
+        shape, itemsize = _shape_class(shape, ms), 1
+    return _cached(ms, lk, a, a_order, b, b_order, shape, int(itemsize))
 
 
 def plan_for(src_spec, dst_spec) -> tuple[Step, ...]:
@@ -53,20 +55,33 @@ def plan_for(src_spec, dst_spec) -> tuple[Step, ...]:
 def plan_uncached(src, src_order, dst, dst_order, global_shape, mesh_shape, itemsize: int = 4, links=None,
                   stats: dict | None = None) -> tuple[Step, ...]:
     """``plan`` without the cache (benchmarks, tests); ``stats`` receives the search's counters."""
+    args = _normalized(src, src_order, dst, dst_order, global_shape, mesh_shape, links)
+    return _plan(*args, int(itemsize), stats)
+
+
+def per_dim_plan(src: Sequence[Placement], src_order: ShardOrder, dst: Sequence[Placement], dst_order: ShardOrder,
+                 global_shape: Sequence[int], mesh_shape: Sequence[int],
+                 links: LinkModel | Sequence[LinkModel] | None = None) -> tuple[Step, ...]:
+    """The search's plan alone (one mesh dim per step, before ``flatten.improve``), uncached."""
+    return search(*_normalized(src, src_order, dst, dst_order, global_shape, mesh_shape, links))[0]
+
+
+def _normalized(src, src_order, dst, dst_order, global_shape, mesh_shape, links) -> _Args:
+    """The arguments as the search takes them: tuples of ints, links per mesh dim, sorted orders."""
     mesh_shape = tuple(map(int, mesh_shape))
-    links = normalize_links(links, len(mesh_shape))
-    args = (mesh_shape, links, tuple(src), norm_order(src_order), tuple(dst), norm_order(dst_order),
-            tuple(map(int, global_shape)))
-    base, info = search(*args)
+    return (mesh_shape, normalize_links(links, len(mesh_shape)), tuple(src), norm_order(src_order), tuple(dst),
+            norm_order(dst_order), tuple(map(int, global_shape)))
+
+
+def _plan(mesh_shape, links, src, src_order, dst, dst_order, shape, itemsize, stats=None) -> tuple[Step, ...]:
+    """The search's plan, then ``flatten.improve``; ``stats`` receives the search's counters."""
+    base, info = search(mesh_shape, links, src, src_order, dst, dst_order, shape)
     if stats is not None:
         stats.update(info)
-    return improve(base, *args, int(itemsize))
-
-
-@lru_cache(maxsize=CACHE_SIZE)
-def _cached(mesh_shape, links, src, src_order, dst, dst_order, shape, itemsize) -> tuple[Step, ...]:
-    base = search(mesh_shape, links, src, src_order, dst, dst_order, shape)[0]
     return improve(base, mesh_shape, links, src, src_order, dst, dst_order, shape, itemsize)
+
+
+_cached = lru_cache(maxsize=CACHE_SIZE)(_plan)
 
 
 def clear_cache() -> None:
@@ -83,7 +98,18 @@ def _shape_class(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> tuple[i
     """``shape`` with every length that the whole mesh divides, at least twice, replaced by twice
     the mesh size: such a dim is split evenly by every set of mesh dims and never down to one
     element, so every cost the planner compares scales with its length by the same factor."""
-    K = 1
-    for k in mesh_shape:
-        K *= k
+    K = math.prod(mesh_shape)
     return tuple(2 * K if n > K and n % K == 0 else n for n in shape)
+
+
+def norm_order(order) -> ShardOrder:
+    """Sorted ``((tensor dim, (mesh dims...)), ...)`` with plain ints (a no-op for normal orders)."""
+    if type(order) is tuple:
+        prev = -1
+        for e in order:
+            if type(e) is not tuple or len(e) != 2 or type(e[0]) is not int or e[0] <= prev or type(e[1]) is not tuple:
+                break
+            prev = e[0]
+        else:
+            return order
+    return tuple(sorted((int(d), tuple(js)) for d, js in order))

@@ -22,10 +22,10 @@ from typing import Sequence
 
 from ..placement import Partial, Placement, Replicate, Shard, ShardOrder
 from .baseline import baseline_plan
-from .cost import LinkModel, normalize_links
+from .cost import LinkModel
 from .steps import Step
 
-__all__ = ["search", "per_dim_plan", "norm_order", "MAX_EXPANSIONS"]
+__all__ = ["search", "MAX_EXPANSIONS"]
 
 MAX_EXPANSIONS = 1024
 """Expanded states before the search gives up and returns the baseline plan (correct, never
@@ -87,28 +87,6 @@ def search(mesh_shape: tuple[int, ...], links: tuple[LinkModel, ...], src: tuple
         found, mv = prev[found]
         moves.append((mv & 0xFF, mv >> 8 & 0xF, mv >> 12))
     return _to_steps(moves[::-1], src, src_order, dst, dst_order), info
-
-
-def per_dim_plan(src: Sequence[Placement], src_order: ShardOrder, dst: Sequence[Placement], dst_order: ShardOrder,
-                 global_shape: Sequence[int], mesh_shape: Sequence[int],
-                 links: LinkModel | Sequence[LinkModel] | None = None) -> tuple[Step, ...]:
-    """The search's plan (one mesh dim per step, before ``flatten.improve``), uncached."""
-    mesh_shape = tuple(map(int, mesh_shape))
-    return search(mesh_shape, normalize_links(links, len(mesh_shape)), tuple(src), norm_order(src_order), tuple(dst),
-                  norm_order(dst_order), tuple(map(int, global_shape)))[0]
-
-
-def norm_order(order) -> ShardOrder:
-    """Sorted ``((tensor dim, (mesh dims...)), ...)`` with plain ints (a no-op for normal orders)."""
-    if type(order) is tuple:
-        prev = -1
-        for e in order:
-            if type(e) is not tuple or len(e) != 2 or type(e[0]) is not int or e[0] <= prev or type(e[1]) is not tuple:
-                break
-            prev = e[0]
-        else:
-            return order
-    return tuple(sorted((int(d), tuple(js)) for d, js in order))
 
 
 def _free_plan(src, src_order: ShardOrder, dst_order: ShardOrder, compat: list[bool]) -> list | None:
