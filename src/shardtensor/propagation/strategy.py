@@ -1,4 +1,4 @@
-"""Candidates and their selection: the part of propagation every strategy-style rule shares.
+"""What every rule shares: candidates, their selection, and the one way a Decision is built.
 
 A rule that has a choice lists :class:`Candidate` s -- the placements it needs on (some of)
 its tensor arguments and the placements of its outputs -- and :func:`decide` picks one:
@@ -11,11 +11,15 @@ its tensor arguments and the placements of its outputs -- and :func:`decide` pic
 - a minimum of infinity (e.g. every candidate needs Shard -> Partial) raises, naming the op
   and the placements.
 
-Output specs are built fresh from the output metadata (global shape, stride, dtype), so a
-cached decision never shares mutable state with a later call.
+:func:`finish` is the one place a :class:`Decision` is built from required placements; the
+shard order of a moved input is a policy (the default order, :func:`kept_order`, or a rule's
+own).  Rules that think per mesh dim write :data:`Option` rows and :func:`expand` them into
+candidates.  Output specs are built fresh from the output metadata (global shape, stride,
+dtype), so a cached decision never shares mutable state with a later call.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -27,9 +31,36 @@ from ..errors import PropagationError
 from ..placement import Partial, Placement, Replicate, Shard, display
 from ..spec import DTensorSpec
 
-__all__ = ["Candidate", "decide", "select", "input_cost", "out_specs", "replicate", "placements_of"]
+__all__ = ["Candidate", "decide", "finish", "select", "pick", "expand", "dedupe", "input_cost", "out_specs",
+           "replicate", "placements_of", "kept_order", "linear_partial", "compatible_kinds", "LINEAR_KINDS",
+           "Pl", "Option", "Order"]
 
 Pl = tuple[Placement, ...]
+"""Placements over the whole mesh, one per mesh dim."""
+Order = tuple[tuple[int, tuple[int, ...]], ...]
+"""A shard order: ``((tensor dim, mesh dims in split order), ...)``."""
+OrderFn = Callable[[int, DTensorSpec, Pl], "Order | None"]
+"""A shard-order policy: ``(flat position, current spec, new placements) -> order`` (None: default)."""
+Option = tuple[dict[int, Placement], Placement]
+"""One per-mesh-dim choice: required placement per flat position, and the output placement."""
+
+LINEAR_KINDS = ("sum", "avg")
+"""Partial kinds whose combine is linear: sums of terms may be added, scaled and split."""
+
+
+def linear_partial(p: Placement) -> bool:
+    """A plain Partial whose combine is linear (sum or avg); norm partials are not."""
+    return type(p) is Partial and p.reduce_op in LINEAR_KINDS
+
+
+def compatible_kinds(out: Sequence[Placement]) -> bool:
+    """Partials on several mesh dims must commute: only {sum, avg} mix, else all equal."""
+    parts = [p for p in out if isinstance(p, Partial)]
+    if len(parts) < 2:
+        return True
+    if all(linear_partial(p) for p in parts):
+        return True
+    return all(p == parts[0] for p in parts)
 
 
 @dataclass(frozen=True)
@@ -74,6 +105,50 @@ def input_cost(src: DTensorSpec, placements: Pl) -> float:
     return plan_cost(steps, src.shape, mesh.shape, max(src.dtype.itemsize, 1))[1]
 
 
+def kept_order(spec: DTensorSpec, pl: Sequence[Placement]) -> Order:
+    """The shard order for ``pl`` that keeps ``spec``'s order where the same mesh dims still shard a dim."""
+    m = len(pl)
+    order = []
+    done = set()
+    for d, js in spec.shard_order:
+        keep = tuple(j for j in js if pl[j] == Shard(d))
+        new = tuple(j for j in range(m) if pl[j] == Shard(d) and j not in keep)
+        if keep or new:
+            order.append((d, keep + new))
+            done.add(d)
+    for j, p in enumerate(pl):
+        if isinstance(p, Shard) and p.dim not in done:
+            order.append((p.dim, tuple(i for i in range(m) if pl[i] == p)))
+            done.add(p.dim)
+    return tuple(sorted(order))
+
+
+def expand(options: Sequence[Sequence[Option]], positions: Sequence[int],
+           valid: Callable[[Candidate], bool] | None = None) -> list[Candidate]:
+    """Cartesian product of per-mesh-dim options into mesh-wide candidates (invalid ones dropped)."""
+    cands = []
+    for combo in itertools.product(*options):
+        inputs = {pos: tuple(opt[0].get(pos, Replicate()) for opt in combo) for pos in positions}
+        out = tuple(opt[1] for opt in combo)
+        if not compatible_kinds(out):
+            continue
+        cand = Candidate(inputs, out)
+        if valid is None or valid(cand):
+            cands.append(cand)
+    return cands
+
+
+def dedupe(cands: Sequence[Candidate]) -> list[Candidate]:
+    """``cands`` without repeats (the first of equal candidates kept, so selection is unchanged)."""
+    out, seen = [], set()
+    for c in cands:
+        key = (tuple(sorted(c.inputs.items())), repr(c.output))
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
 def _cost(call, cand: Candidate) -> float:
     total = 0.0
     for pos, pl in cand.inputs.items():
@@ -110,6 +185,13 @@ def select(call, cands: Sequence[Candidate]) -> Candidate:
     return best
 
 
+def pick(call, pos: int, options: Sequence[Pl]) -> Pl:
+    """The cheapest of ``options`` for argument ``pos`` alone (ties: first listed)."""
+    if len(options) == 1:
+        return tuple(options[0])
+    return tuple(select(call, [Candidate({pos: o}) for o in options]).inputs[pos])
+
+
 def _msg(call, why: str) -> str:
     pls = [display(s.placements, s.shard_order) for s in call.specs if s is not None]
     return f"shardtensor: {call.op} {why} (input placements: {', '.join(pls)})"
@@ -132,20 +214,47 @@ def out_specs(mesh, meta: Any, pl: Any) -> Any:
     return None
 
 
-def decide(call, cands: Sequence[Candidate] | Candidate, *, kernel: Callable | None = None,
-           local_args: Callable | None = None, meta: Any = None):
-    """Select a candidate and turn it into a cached-safe :class:`Decision`."""
+def finish(call, required: dict[int, Pl], output: Any, *, order: OrderFn | str | None = None,
+           kernel: Callable | None = None, local_args: Callable | None = None,
+           reorder_all: bool = False):
+    """The :class:`Decision` that moves each ``required`` position to its placements.
+
+    A moved input takes the shard order ``order`` gives (the default order when None, its own
+    where the same mesh dims still shard for ``"kept"``, see :func:`kept_order`); every
+    other input keeps its spec, unless ``reorder_all`` moves kept inputs with a non-default
+    order to the default one (for rules whose outputs are labelled in the default order).
+    """
     from . import Decision
 
-    cand = cands if isinstance(cands, Candidate) else select(call, cands)
     inputs = list(call.specs)
-    redistribute = False
-    for pos, pl in cand.inputs.items():
+    moved = False
+    for pos, pl in required.items():
         s = call.specs[pos]
         pl = tuple(pl)
-        if s.placements != pl or not s.is_default_order:
-            # outputs are labelled with the default shard order, so inputs must have it too
-            inputs[pos] = s.with_placements(pl)
-            redistribute = True
+        want = s.with_placements(pl, None if order is None else kept_order(s, pl) if order == "kept"
+                                 else order(pos, s, pl))  # type: ignore[operator]
+        if want != s:
+            inputs[pos] = want
+            moved = True
+    if reorder_all:
+        for i, s in enumerate(inputs):
+            if s is not None and not s.is_default_order:
+                inputs[i] = s.with_placements(s.placements)
+                moved = True
+    return Decision(tuple(inputs), output, moved, local_args, kernel)
+
+
+def decide(call, cands: Sequence[Candidate] | Candidate, *, kernel: Callable | None = None,
+           kernel_for: Callable[[Candidate], Callable | None] | None = None, local_args: Callable | None = None,
+           meta: Any = None):
+    """Select a candidate and :func:`finish` it; outputs are built from the output metadata.
+
+    Outputs carry the default shard order, so every input is brought to it (an input kept as
+    it is, but split in another order, would mislabel the outputs).  ``kernel_for(chosen)``
+    gives a custom local step that depends on the chosen candidate.
+    """
+    cand = cands if isinstance(cands, Candidate) else select(call, dedupe(cands))
+    if kernel_for is not None:
+        kernel = kernel_for(cand)
     output = out_specs(call.mesh, call.out_meta if meta is None else meta, cand.output)
-    return Decision(tuple(inputs), output, redistribute, local_args, kernel)
+    return finish(call, cand.inputs, output, kernel=kernel, local_args=local_args, reorder_all=True)

@@ -36,8 +36,8 @@ import torch
 from ...placement import Partial, Replicate, Shard
 from ...spec import DTensorSpec
 from .. import Call, Decision, register, unsupported
-from ..strategy import select
-from .matrix import Option, expand, finish, linear_partial
+from ..strategy import Option, expand, linear_partial, select
+from .matrix import label_decision
 
 aten = torch.ops.aten
 
@@ -75,7 +75,7 @@ def embedding_rule(call: Call) -> Decision:
     def kernel(targets: dict[int, DTensorSpec]) -> Callable | None:
         return _rowwise_lookup(targets[wpos]) if rowwise else None
 
-    return finish(call, cand, labels, _labels(n) + (EMB,), kernel=kernel)
+    return label_decision(call, cand, labels, _labels(n) + (EMB,), kernel=kernel)
 
 
 def _rowwise_lookup(wspec: DTensorSpec) -> Callable:
@@ -116,4 +116,4 @@ def embedding_dense_backward_rule(call: Call) -> Decision:
         options.append(opts)
     cand = select(call, expand(options, [gpos, ipos]))
     labels = {gpos: _labels(n) + (EMB,), ipos: _labels(n)}
-    return finish(call, cand, labels, (VOCAB, EMB))
+    return label_decision(call, cand, labels, (VOCAB, EMB))

@@ -41,6 +41,7 @@ from ...spec import DTensorSpec
 from .. import Call, Decision, register, unflatten_call, unsupported
 from ..decompose import decomposition
 from ..strategy import decide
+from .pointwise import PARTIAL_ROWS
 
 aten = torch.ops.aten
 
@@ -62,7 +63,6 @@ ELEMENT_BY_OVERLOAD: dict[str, dict[str, Any]] = {
     "ScalarAndTensor": {"pow": "pow.Scalar"},
 }
 ELEMENT_BY_OVERLOAD["ScalarList"] = ELEMENT_BY_OVERLOAD["Scalar"]
-ADDITIVE_ELEMENTS = {aten.add.Tensor, aten.sub.Tensor}
 NATIVE_INPLACE = {aten.copy_.default, aten.zero_.default}
 
 
@@ -204,7 +204,7 @@ def _foreach_decision(call: Call, elem_op, rule, elements, shared: set[int], att
         if inplace and self_spec is None:
             raise unsupported(call.op, call.specs, f"writes into a plain tensor at index {k}")
         if inplace and elem_op not in NATIVE_INPLACE:
-            keep = elem_op in ADDITIVE_ELEMENTS
+            keep = PARTIAL_ROWS.get(elem_op) == "terms"
             ecall.specs = [s if e == 0 or s is None else _aligned(self_spec, s, keep) for e, s in enumerate(ecall.specs)]
         d = rule(ecall)
         if not isinstance(d, Decision):

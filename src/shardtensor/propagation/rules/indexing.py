@@ -37,7 +37,7 @@ from ...placement import NormPartial, Partial, Placement, Replicate, Shard
 from ...spec import DTensorSpec
 from .. import Call, Decision, register, unsupported
 from ..decompose import decomposition
-from ..strategy import Candidate, decide, select
+from ..strategy import Candidate, decide
 
 aten = torch.ops.aten
 
@@ -120,13 +120,6 @@ def _dedupe(opts: list[Opt]) -> list[Opt]:
         if o not in res:
             res.append(o)
     return res
-
-
-def _finish(call: Call, cands: Sequence[Candidate],
-            kernel_for: Callable[[Candidate], Callable | None] | None = None) -> Decision:
-    """Cheapest candidate; inputs get the default shard order (so chunks of paired tensors align)."""
-    best = select(call, cands)
-    return decide(call, best, kernel=kernel_for(best) if kernel_for is not None else None)
 
 
 def _partial_kinds(*specs: DTensorSpec | None) -> list[Partial]:
@@ -248,7 +241,7 @@ def gather_rule(call: Call) -> Decision:
         opts.append(((p, R), p))
     per_dim = [_dedupe(_first(opts, (s.placements[j], ix.placements[j]))) for j in range(s.mesh.ndim)]
     pairs = [(0, d, 1, d) for d in range(s.ndim)]
-    return _finish(call, _candidates([sp, ip], per_dim, pairs))
+    return decide(call, _candidates([sp, ip], per_dim, pairs))
 
 
 def _first(opts: list[Opt], current: tuple[Placement, ...]) -> list[Opt]:
@@ -300,7 +293,7 @@ def scatter_rule(call: Call) -> Decision:
                for j in range(s.mesh.ndim)]
     pairs = [(0, d, 1, d) for d in range(s.ndim)] + [(1, d, 2, d) for d in range(ix.ndim)] + \
         [(2, d, 1, d) for d in range(ix.ndim)]
-    return _finish(call, _candidates([sp, ip, rp], per_dim, pairs))
+    return decide(call, _candidates([sp, ip, rp], per_dim, pairs))
 
 
 @register(aten.scatter.value, aten.scatter_.value)
@@ -328,7 +321,7 @@ def scatter_value_rule(call: Call) -> Decision:
         return _term_kernel(op, "value", 3, best.output, mesh)
 
     pairs = [(0, d, 1, d) for d in range(s.ndim)]
-    return _finish(call, _candidates([sp, ip], per_dim, pairs), kernel_for)
+    return decide(call, _candidates([sp, ip], per_dim, pairs), kernel_for=kernel_for)
 
 
 @decomposition(aten.scatter_add.default)
@@ -366,7 +359,7 @@ def index_add_rule(call: Call) -> Decision:
     per_dim = [_dedupe(_first(opts, (s.placements[j], ix.placements[j], src.placements[j])))
                for j in range(s.mesh.ndim)]
     pairs = [(0, d, 2, d) for d in range(s.ndim)]
-    return _finish(call, _candidates([sp, ip, rp], per_dim, pairs))
+    return decide(call, _candidates([sp, ip, rp], per_dim, pairs))
 
 
 # -- advanced indexing -----------------------------------------------------------------------
@@ -436,7 +429,7 @@ def index_rule(call: Call) -> Decision:
         opts.append(((p,) + rr, p))
     cur = lambda j: (s.placements[j],) + tuple(call.specs[p].placements[j] if p is not None else R for p in ipos)
     per_dim = [_dedupe(_first(opts, cur(j))) for j in range(s.mesh.ndim)]
-    return _finish(call, _candidates([sp] + ipos, per_dim))
+    return decide(call, _candidates([sp] + ipos, per_dim))
 
 
 @register(aten.index_put_.default, aten._index_put_impl_.default)
@@ -462,7 +455,7 @@ def index_put_rule(call: Call) -> Decision:
         for x in vshape:
             numel *= x
         if len(slots) != 1 or numel != 1 or ipos[0] is None:
-            return _finish(call, _candidates([sp] + ipos + [vp], [opts] * s.mesh.ndim), _values_kernel(call, vp))
+            return decide(call, _candidates([sp] + ipos + [vp], [opts] * s.mesh.ndim), kernel_for=_values_kernel(call, vp))
         a = dims[0]
         m = call.specs[ipos[0]]
         for d in range(s.ndim):
@@ -489,7 +482,7 @@ def index_put_rule(call: Call) -> Decision:
     cur = lambda j: ((s.placements[j],) + tuple(call.specs[p].placements[j] if p is not None else R for p in ipos)
                      + ((v.placements[j],) if v is not None else (R,)))
     per_dim = [_dedupe(_first(opts, cur(j))) for j in range(s.mesh.ndim)]
-    return _finish(call, _candidates([sp] + ipos + [vp], per_dim), _values_kernel(call, vp))
+    return decide(call, _candidates([sp] + ipos + [vp], per_dim), kernel_for=_values_kernel(call, vp))
 
 
 @decomposition(aten.index_put.default)

@@ -36,7 +36,7 @@ that order (operands with another order are reordered).
 """
 from __future__ import annotations
 
-import itertools
+from dataclasses import replace
 from typing import Any, Callable, Hashable, Sequence
 
 import torch
@@ -44,45 +44,11 @@ import torch
 from ...placement import Partial, Placement, Replicate, Shard
 from ...spec import DTensorSpec
 from .. import Call, Decision, register, unsupported
-from ..strategy import Candidate, select
+from ..strategy import Candidate, Option, expand, finish, linear_partial, select
 
 aten = torch.ops.aten
 
 Labels = tuple[Hashable | None, ...]
-Option = tuple[dict[int, Placement], Placement]
-"""One per-mesh-dim choice: required placement per flat position, and the output placement."""
-
-LINEAR_KINDS = ("sum", "avg")
-
-
-def linear_partial(p: Placement) -> bool:
-    """A plain Partial whose combine is linear (sum or avg); norm partials are not."""
-    return type(p) is Partial and p.reduce_op in LINEAR_KINDS
-
-
-def compatible_kinds(out: Sequence[Placement]) -> bool:
-    """Partials on several mesh dims must commute: only {sum, avg} mix, else all equal."""
-    parts = [p for p in out if isinstance(p, Partial)]
-    if len(parts) < 2:
-        return True
-    if all(linear_partial(p) for p in parts):
-        return True
-    return all(p == parts[0] for p in parts)
-
-
-def expand(options: Sequence[Sequence[Option]], positions: Sequence[int],
-           valid: Callable[[Candidate], bool] | None = None) -> list[Candidate]:
-    """Cartesian product of per-mesh-dim options into mesh-wide candidates (invalid ones dropped)."""
-    cands = []
-    for combo in itertools.product(*options):
-        inputs = {pos: tuple(opt[0].get(pos, Replicate()) for opt in combo) for pos in positions}
-        out = tuple(opt[1] for opt in combo)
-        if not compatible_kinds(out):
-            continue
-        cand = Candidate(inputs, out)
-        if valid is None or valid(cand):
-            cands.append(cand)
-    return cands
 
 
 def _ascending(pl: Sequence[Placement], d: int) -> tuple[int, ...]:
@@ -99,9 +65,9 @@ def _order_for(pl: Sequence[Placement], labels: Labels, label_order: dict) -> tu
     return tuple(order)
 
 
-def finish(call: Call, cand: Candidate, labels: dict[int, Labels], out_labels: Labels, *,
-           kernel: Callable[[dict[int, DTensorSpec]], Callable | None] | None = None) -> Decision:
-    """Turn a selected candidate into a Decision whose shard orders agree across a label.
+def label_decision(call: Call, cand: Candidate, labels: dict[int, Labels], out_labels: Labels, *,
+                   kernel: Callable[[dict[int, DTensorSpec]], Callable | None] | None = None) -> Decision:
+    """:func:`finish` a selected candidate with shard orders that agree across a label.
 
     ``labels`` gives each constrained tensor's label per dim (``None`` for a broadcast dim);
     ``kernel(targets)`` may return a custom local step given the required input specs.
@@ -113,16 +79,13 @@ def finish(call: Call, cand: Candidate, labels: dict[int, Labels], out_labels: L
             for d, js in s.shard_order:
                 if len(js) > 1 and labels[pos][d] is not None:
                     label_order.setdefault(labels[pos][d], js)
-    targets: dict[int, DTensorSpec] = {}
-    for pos, pl in cand.inputs.items():
-        s = call.specs[pos]
-        targets[pos] = s.with_placements(tuple(pl), _order_for(pl, labels[pos], label_order))
-    inputs = tuple(targets.get(i, s) for i, s in enumerate(call.specs))
     meta = call.out_meta
     out_spec = DTensorSpec.build(call.mesh, cand.output, meta.shape, meta.stride(), meta.dtype,
                                  _order_for(cand.output, out_labels, label_order))
-    changed = any(t != call.specs[pos] for pos, t in targets.items())
-    return Decision(inputs, out_spec, changed, None, kernel(targets) if kernel is not None else None)
+    d = finish(call, cand.inputs, out_spec, order=lambda pos, s, pl: _order_for(pl, labels[pos], label_order))
+    if kernel is None:
+        return d
+    return replace(d, kernel=kernel({pos: d.inputs[pos] for pos in cand.inputs}))
 
 
 def einsum_options(call: Call, operands: Sequence[tuple[int, Labels]], out_labels: Labels,
@@ -213,7 +176,7 @@ def _product(call: Call) -> Decision:
     cands = expand(options, list(labels))
     broadcast = bias is not None and (len(bias[1]) < len(out_labels) or None in bias[1])
     kernel = (lambda targets, op=call.op: _broadcast_bias(op)) if broadcast else None
-    return finish(call, select(call, cands), labels, out_labels, kernel=kernel)
+    return label_decision(call, select(call, cands), labels, out_labels, kernel=kernel)
 
 
 def _broadcast_bias(op: Any) -> Callable:

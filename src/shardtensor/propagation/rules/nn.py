@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
@@ -59,11 +59,9 @@ from ...errors import PropagationError
 from ...placement import Partial, Placement, Replicate, Shard, unpartial
 from ...spec import DTensorSpec, contiguous_stride
 from .. import Call, Decision, register, unsupported
-from ..strategy import Candidate, decide
+from ..strategy import Candidate, Pl, decide
 
 aten = torch.ops.aten
-
-Pl = tuple[Placement, ...]
 
 __all__ = ["unpartial", "gather", "gather_from", "drop", "insert", "mask_piece", "draw_seed"]
 
@@ -103,33 +101,6 @@ def _dim(d: int, ndim: int) -> int:
     return d % ndim if ndim else 0
 
 
-def _finish(d: Decision) -> Decision:
-    """Kept inputs with a non-default shard order are moved to the default order.
-
-    Output specs are built with the default order, so an input whose placements survive
-    but whose nested shards split in another order would mislabel the outputs.
-    """
-    inputs = list(d.inputs)
-    moved = False
-    for i, s in enumerate(inputs):
-        if s is not None and not s.is_default_order:
-            inputs[i] = s.with_placements(s.placements)
-            moved = True
-    return replace(d, inputs=tuple(inputs), redistribute=True) if moved else d
-
-
-def _decide(call: Call, cands: Sequence[Candidate], **kw: Any) -> Decision:
-    return _finish(decide(call, _dedupe(cands), **kw))
-
-
-def _dedupe(cands: Sequence[Candidate]) -> list[Candidate]:
-    out, seen = [], set()
-    for c in cands:
-        key = (tuple(sorted(c.inputs.items())), repr(c.output))
-        if key not in seen:
-            seen.add(key)
-            out.append(c)
-    return out
 
 
 # -- 4. softmax / log_softmax ---------------------------------------------------------------
@@ -140,7 +111,7 @@ def softmax_rule(call: Call) -> Decision:
     x = call.specs[0]
     dim = _dim(call.arg("dim"), x.ndim)
     pl = gather(x.placements, [dim])
-    return _decide(call, [Candidate({0: pl}, pl)])
+    return decide(call, [Candidate({0: pl}, pl)])
 
 
 @register(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)
@@ -153,7 +124,7 @@ def softmax_backward_rule(call: Call) -> Decision:
     dim = _dim(call.arg("dim"), gs.ndim)
     src = os_ if _shards(os_, os_.placements) > _shards(gs, gs.placements) else gs
     pl = gather(src.placements, [dim])
-    return _decide(call, [Candidate({g: pl, o: pl}, pl)])
+    return decide(call, [Candidate({g: pl, o: pl}, pl)])
 
 
 # -- 5. nll_loss ----------------------------------------------------------------------------
@@ -206,7 +177,7 @@ def nll_loss_forward_rule(call: Call) -> Decision:
             loss = tuple(k or p for k, p in zip(kept, summed))
             out = (loss, summed if reduction == 2 else rep)
         cands.append(Candidate(inputs, out))
-    d = _decide(call, cands)
+    d = decide(call, cands)
     dims = [j for j, p in enumerate(d.inputs[tp].placements) if isinstance(p, Shard)]
     if reduction != 1 or not dims:
         return d
@@ -241,7 +212,7 @@ def nll_loss_backward_rule(call: Call) -> Decision:
         if twp is not None and reduction == 1:
             inputs[twp] = rep
         cands.append(Candidate(inputs, out))
-    return replace(_decide(call, cands), kernel=_nll_backward_kernel(call.op))
+    return replace(decide(call, cands), kernel=_nll_backward_kernel(call.op))
 
 
 def _nll_backward_kernel(op):
@@ -277,7 +248,7 @@ def layer_norm_rule(call: Call) -> Decision:
         if p is not None:
             inputs[p] = rep
     n_out = 3 if call.op is aten.native_layer_norm.default else 2
-    return _decide(call, [Candidate(inputs, [a] * n_out)])
+    return decide(call, [Candidate(inputs, [a] * n_out)])
 
 
 @register(aten.native_layer_norm_backward.default, aten._fused_rms_norm_backward.default)
@@ -310,7 +281,7 @@ def layer_norm_backward_rule(call: Call) -> Decision:
         wg = _weight_grad_pl(a, axis)
         outs = [a if mask[0] else None] + [wg if mask[k + 1] else None for k in range(len(names))]
         cands.append(Candidate(inputs, outs))
-    return _decide(call, cands)
+    return decide(call, cands)
 
 
 # -- 7. topk / sort -------------------------------------------------------------------------
@@ -338,9 +309,9 @@ def topk_rule(call: Call) -> Decision:
     x = call.specs[0]
     if x.ndim == 0:
         pl = unpartial(x.placements)
-        return _decide(call, [Candidate({0: pl}, [pl, pl])])
+        return decide(call, [Candidate({0: pl}, [pl, pl])])
     dim = _dim(call.arg("dim", -1), x.ndim)
-    return _decide(call, [Candidate({0: pl}, [pl, pl]) for pl in _expand(x, dim)])
+    return decide(call, [Candidate({0: pl}, [pl, pl]) for pl in _expand(x, dim)])
 
 
 @register(aten.sort.default, aten.sort.stable)
@@ -349,9 +320,9 @@ def sort_rule(call: Call) -> Decision:
     x = call.specs[0]
     if x.ndim == 0:
         pl = unpartial(x.placements)
-        return _decide(call, [Candidate({0: pl}, [pl, pl])])
+        return decide(call, [Candidate({0: pl}, [pl, pl])])
     dim = _dim(call.arg("dim", -1), x.ndim)
-    return _decide(call, [Candidate({0: pl}, [pl, pl]) for pl in _expand(x, dim)])
+    return decide(call, [Candidate({0: pl}, [pl, pl]) for pl in _expand(x, dim)])
 
 
 # -- dropout / bernoulli: the RNG rule --------------------------------------------------------
@@ -410,7 +381,7 @@ def native_dropout_rule(call: Call) -> Decision:
     x = call.specs[0]
     train = call.arg("train")
     if train is False:
-        return _decide(call, [Candidate({}, [x.placements, unpartial(x.placements)])])
+        return decide(call, [Candidate({}, [x.placements, unpartial(x.placements)])])
     pl = unpartial(x.placements)
     want = x.with_placements(pl)
     mesh = call.mesh
@@ -421,7 +392,7 @@ def native_dropout_rule(call: Call) -> Decision:
         mask = mask_piece(want, draw_seed(mesh, None, inp.device), inp.device) < q
         return inp.mul(mask).mul_(scale), mask
 
-    return _decide(call, [Candidate({0: pl}, [pl, pl])], kernel=kernel)
+    return decide(call, [Candidate({0: pl}, [pl, pl])], kernel=kernel)
 
 
 @register(aten.bernoulli_.float)
@@ -455,4 +426,4 @@ def bernoulli_rule(call: Call) -> Decision:
         u = mask_piece(want, draw_seed(mesh, generator, self.device), self.device)
         return (u < p).to(self.dtype)
 
-    return _decide(call, [Candidate({0: pl}, pl)], kernel=kernel)
+    return decide(call, [Candidate({0: pl}, pl)], kernel=kernel)

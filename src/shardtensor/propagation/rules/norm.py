@@ -25,8 +25,8 @@ import torch
 
 from ...placement import NormPartial, Partial, Shard
 from .. import Call, Decision, register, unsupported
-from .reduction import (check_dims, choices, empty_safe, finish, order_for, out_order, out_spec, pick, reduce_out,
-                        reduced_dims)
+from ..strategy import finish, kept_order, pick
+from .reduction import check_dims, choices, empty_safe, out_order, out_spec, reduce_out, reduced_dims
 
 aten = torch.ops.aten
 
@@ -80,8 +80,8 @@ def vector_norm_rule(call: Call) -> Decision:
     if fill is not None and any(isinstance(p, Shard) and p.dim in D for p in req):
         kernel = empty_safe(call.op, D, keepdim, lambda dt: fill, meta.dtype)
     out_pl = reduce_out(req, D, keepdim, pn)
-    order = out_order(order_for(s, req), out_pl, D, keepdim)
-    return finish(call, {pos: req}, out_spec(call, meta, out_pl, order), kernel=kernel)
+    order = out_order(kept_order(s, req), out_pl, D, keepdim)
+    return finish(call, {pos: req}, out_spec(call, meta, out_pl, order), kernel=kernel, order="kept")
 
 
 @register(aten._foreach_norm.Scalar)
@@ -101,7 +101,7 @@ def foreach_norm_rule(call: Call) -> Decision:
         required[pos] = req
         outs.append(out_spec(call, meta, reduce_out(req, D, False, pn), ()))
     dtypes = [m.dtype for m in metas]
-    return finish(call, required, type(metas)(outs), kernel=_foreach_kernel(pn.norm, dtypes))
+    return finish(call, required, type(metas)(outs), kernel=_foreach_kernel(pn.norm, dtypes), order="kept")
 
 
 def _foreach_kernel(p: float, dtypes: Sequence[torch.dtype]) -> Callable:

@@ -2,17 +2,20 @@
 
 Per mesh dim: if any input is sharded on a non-broadcast dim, the output is sharded there and
 every input follows (Replicate where it broadcasts).  Otherwise Partial inputs stay Partial
-only for ops that commute with the partial's reduction:
+only for ops that commute with the partial's reduction, written as data in ``PARTIAL_ROWS``:
 
-- identity-like ops (clone, detach, alias, float casts) keep any Partial kind;
-- additive ops (add, sub) of Partial(sum|avg) terms and Replicate tensors (the Replicate
-  operands are partitioned locally, no communication);
-- multiplicative ops (mul, div, neg) with exactly one Partial(sum|avg) factor (the numerator
-  of a division), every other operand Replicate or a scalar.
+- ``any``: identity-like ops (clone, detach, alias) keep any Partial kind;
+- ``cast``: a dtype cast keeps it where it commutes with the reduction (:func:`cast_keeps`);
+- ``terms``: add/sub of Partial(sum|avg) terms and Replicate tensors (the Replicate operands
+  are partitioned locally, no communication);
+- ``factor``: mul/neg with exactly one Partial(sum|avg) factor, every other operand
+  Replicate or a scalar; ``numerator``: the same for a division, the factor on top.
 
 Anything else reduces its Partial inputs to Replicate first.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -20,14 +23,22 @@ from ...errors import PropagationError
 from ...placement import Partial, Placement, Replicate, Shard, unpartial
 from ...spec import DTensorSpec
 from .. import TAG_RULES, Call, Decision, register, unsupported
+from ..strategy import LINEAR_KINDS, linear_partial
 
 aten = torch.ops.aten
 
 IDENTITY = {aten.clone.default, aten.detach.default, aten.alias.default, aten._to_copy.default, aten.positive.default}
-ADDITIVE = {aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor}
-MULTIPLICATIVE = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.neg.default,
-                  aten.mul_.Tensor, aten.mul_.Scalar, aten.div_.Tensor, aten.div_.Scalar, aten.neg_.default}
-LINEAR_KINDS = ("sum", "avg")
+PARTIAL_ROWS: dict[Any, str] = {
+    **dict.fromkeys([aten.clone.default, aten.detach.default, aten.alias.default, aten.positive.default], "any"),
+    aten._to_copy.default: "cast",
+    **dict.fromkeys([aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor], "terms"),
+    **dict.fromkeys([aten.mul.Tensor, aten.mul.Scalar, aten.div.Scalar, aten.neg.default, aten.mul_.Tensor,
+                     aten.mul_.Scalar, aten.div_.Scalar, aten.neg_.default], "factor"),
+    **dict.fromkeys([aten.div.Tensor, aten.div_.Tensor], "numerator"),
+}
+"""How each op treats a Partial operand (see the module docstring); ops not listed reduce it."""
+EVERY_OPERAND = ("any", "cast", "terms")
+"""Rows under which every tensor operand takes the Partial (others: only the Partial factor)."""
 EXTRA_POINTWISE = {
     aten.floor_divide.default, aten.floor_divide.Scalar, aten.floor_divide_.Tensor, aten.floor_divide_.Scalar,
     aten.rsub.Tensor, aten.rsub.Scalar, aten.hardswish.default, aten.hardswish_.default,
@@ -45,21 +56,20 @@ def _is_inplace(op) -> bool:
 
 
 def _keeps_partial(call: Call, kinds: set[str], partial_args: list[int]) -> bool:
-    op = call.op
-    if op in IDENTITY:
-        if op is aten._to_copy.default:
-            return len(kinds) == 1 and cast_keeps(next(iter(kinds)), call.specs[partial_args[0]].dtype,
-                                                  call.out_meta.dtype)
-        return True
-    if len(kinds) != 1 or next(iter(kinds)) not in LINEAR_KINDS:
+    """Whether the output may stay Partial on a mesh dim where ``partial_args`` are Partial(``kinds``)."""
+    row = PARTIAL_ROWS.get(call.op)
+    if row is None or len(kinds) != 1:
         return False
-    if op in ADDITIVE:
+    kind = next(iter(kinds))
+    if row == "any":
+        return True
+    if row == "cast":
+        return cast_keeps(kind, call.specs[partial_args[0]].dtype, call.out_meta.dtype)
+    if kind not in LINEAR_KINDS:
+        return False
+    if row == "terms":
         return all(call.specs[i] is not None for i in range(min(2, len(call.flat))))
-    if op in MULTIPLICATIVE:
-        if len(partial_args) != 1:
-            return False
-        return not (op in (aten.div.Tensor, aten.div_.Tensor) and partial_args[0] != 0)
-    return False
+    return len(partial_args) == 1 and (row == "factor" or partial_args[0] == 0)
 
 
 def cast_keeps(kind: str, src: torch.dtype, dst: torch.dtype) -> bool:
@@ -98,9 +108,8 @@ def _inplace_rule(call: Call) -> Decision:
     for j, p in enumerate(me.placements):
         if not isinstance(p, Partial):
             continue
-        linear = type(p) is Partial and p.reduce_op in LINEAR_KINDS
-        if not (linear and ((call.op in MULTIPLICATIVE and call.op not in ADDITIVE)
-                            or (call.op in ADDITIVE and others == [1]))):
+        row = PARTIAL_ROWS.get(call.op)
+        if not (linear_partial(p) and (row in ("factor", "numerator") or (row == "terms" and others == [1]))):
             self_pl[j] = Replicate()
     if tuple(self_pl) != me.placements:
         inputs[0] = me.with_placements(self_pl)
@@ -113,7 +122,7 @@ def _inplace_rule(call: Call) -> Decision:
                 d = p.dim - (nd - s.ndim)
                 need.append(Shard(d) if d >= 0 and s.shape[d] == me.shape[p.dim] else Replicate())
             elif isinstance(p, Partial):
-                need.append(p if call.op in ADDITIVE else Replicate())
+                need.append(p if PARTIAL_ROWS.get(call.op) == "terms" else Replicate())
             else:
                 need.append(Replicate())
         order = []
@@ -175,7 +184,7 @@ def pointwise_rule(call: Call) -> Decision:
                 kind = Partial(next(iter(kinds)))
                 out_pl.append(kind)
                 for i in pos:
-                    if call.op in ADDITIVE or call.op in IDENTITY:
+                    if PARTIAL_ROWS[call.op] in EVERY_OPERAND:
                         in_pl[i][j] = kind
                     else:
                         in_pl[i][j] = kind if i in partial else Replicate()

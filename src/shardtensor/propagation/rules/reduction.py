@@ -44,14 +44,13 @@ from ...errors import PropagationError
 from ...placement import Partial, Placement, Replicate, Shard
 from ...spec import DTensorSpec
 from .. import Call, Decision, register, unsupported
-from ..strategy import Candidate, select
+from ..strategy import Pl, finish, kept_order, pick
 
 aten = torch.ops.aten
 
-__all__ = ["reduced_dims", "reduce_out", "out_order", "order_for", "choices", "finish", "identity_of",
+__all__ = ["reduced_dims", "reduce_out", "out_order", "choices", "identity_of",
            "reduced_local_shape", "MAX_CANDIDATES"]
 
-Pl = tuple[Placement, ...]
 MAX_CANDIDATES = 64
 
 
@@ -120,24 +119,6 @@ def reduce_out(pl: Sequence[Placement], D: Sequence[int], keepdim: bool, kind: P
     return tuple(out)
 
 
-def order_for(spec: DTensorSpec, pl: Sequence[Placement]):
-    """A shard order for ``pl`` that keeps ``spec``'s order where the same mesh dims still shard."""
-    m = len(pl)
-    order = []
-    done = set()
-    for d, js in spec.shard_order:
-        keep = tuple(j for j in js if pl[j] == Shard(d))
-        new = tuple(j for j in range(m) if pl[j] == Shard(d) and j not in keep)
-        if keep or new:
-            order.append((d, keep + new))
-            done.add(d)
-    for j, p in enumerate(pl):
-        if isinstance(p, Shard) and p.dim not in done:
-            order.append((p.dim, tuple(i for i in range(m) if pl[i] == p)))
-            done.add(p.dim)
-    return tuple(sorted(order))
-
-
 def out_order(order, out_pl: Sequence[Placement], D: Sequence[int], keepdim: bool):
     """The input order carried to the output: dims renumbered, reduced dims dropped."""
     res = []
@@ -177,27 +158,6 @@ def choices(spec: DTensorSpec, D: Sequence[int], *, decomposable: bool,
         else:
             per.append([p])
     return list(itertools.islice(itertools.product(*per), MAX_CANDIDATES))
-
-
-def pick(call: Call, pos: int, options: list[Pl]) -> Pl:
-    """The cheapest of ``options`` for argument ``pos`` (engine cost; ties: first listed)."""
-    if len(options) == 1:
-        return tuple(options[0])
-    return tuple(select(call, [Candidate({pos: o}) for o in options]).inputs[pos])
-
-
-def finish(call: Call, required: dict[int, Pl], outputs: Any, *, kernel: Callable | None = None,
-           local_args: Callable | None = None) -> Decision:
-    """A Decision from required placements per position and output specs (orders kept)."""
-    inputs = list(call.specs)
-    moved = False
-    for pos, pl in required.items():
-        s = call.specs[pos]
-        want = s.with_placements(pl, order_for(s, pl))
-        if want != s:
-            inputs[pos] = want
-            moved = True
-    return Decision(tuple(inputs), outputs, moved, local_args, kernel)
 
 
 def out_spec(call: Call, meta: torch.Tensor, pl: Sequence[Placement], order) -> DTensorSpec:
@@ -301,8 +261,8 @@ def decomposable_rule(call: Call) -> Decision:
     elif call.op in _EMPTY_RAISES and any(isinstance(p, Shard) and p.dim in D for p in req):
         kernel = empty_safe(call.op, D, keepdim, lambda dt, k=kind: identity_of(k, dt), meta.dtype)
     out_pl = reduce_out(req, D, keepdim, Partial(kind))
-    order = out_order(order_for(s, req), out_pl, D, keepdim)
-    return finish(call, {pos: req}, out_spec(call, meta, out_pl, order), kernel=kernel)
+    order = out_order(kept_order(s, req), out_pl, D, keepdim)
+    return finish(call, {pos: req}, out_spec(call, meta, out_pl, order), kernel=kernel, order="kept")
 
 
 def _uneven_mean(spec: DTensorSpec, D: Sequence[int], keepdim: bool, out_dtype: torch.dtype) -> Callable:
@@ -347,9 +307,9 @@ def selecting_rule(call: Call) -> Decision:
         check_dims(call, s, D, keepdim, metas[0])
         req = pick(call, pos, choices(s, D, decomposable=False, keep=lambda p: False))
         out_pl = reduce_out(req, D, keepdim, None)
-        order = out_order(order_for(s, req), out_pl, D, keepdim)
+        order = out_order(kept_order(s, req), out_pl, D, keepdim)
         outs = [out_spec(call, m, out_pl, order) for m in metas]
-    return finish(call, {pos: req}, type(meta)(outs) if isinstance(meta, (tuple, list)) else outs[0])
+    return finish(call, {pos: req}, type(meta)(outs) if isinstance(meta, (tuple, list)) else outs[0], order="kept")
 
 
 def _schema_default(op: Any, name: str) -> Any:
@@ -384,11 +344,11 @@ def var_std_rule(call: Call) -> Decision:
     partial_out = not is_std and denom > 0
     kind = Partial("sum") if partial_out else Replicate()
     out_pl = reduce_out(req, D, keepdim, kind)
-    order = out_order(order_for(s, req), out_pl, D, keepdim)
+    order = out_order(kept_order(s, req), out_pl, D, keepdim)
     kernel = None
     if J:
         kernel = _var_kernel(s.mesh, J, D, keepdim, n_global, denom, is_std, partial_out, meta.dtype)
-    return finish(call, {pos: req}, out_spec(call, meta, out_pl, order), kernel=kernel)
+    return finish(call, {pos: req}, out_spec(call, meta, out_pl, order), kernel=kernel, order="kept")
 
 
 def _var_meta(spec: DTensorSpec, D: Sequence[int], keepdim: bool) -> torch.Tensor:
@@ -444,10 +404,10 @@ def scan_rule(call: Call) -> Decision:
     else:
         D = (call.arg("dim") % s.ndim,)
     req = pick(call, pos, choices(s, D, decomposable=False, keep=lambda p: type(p) is Partial and p.reduce_op in kept))
-    order = order_for(s, req)
+    order = kept_order(s, req)
     meta = call.out_meta
     if isinstance(meta, (tuple, list)):
         out = type(meta)(out_spec(call, m, req, order) for m in meta)
     else:
         out = out_spec(call, meta, req, order)
-    return finish(call, {pos: req}, out)
+    return finish(call, {pos: req}, out, order="kept")

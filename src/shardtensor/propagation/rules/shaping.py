@@ -15,7 +15,7 @@ import torch
 
 from ...placement import NormPartial, Partial, Placement
 from .. import Call, Decision, register
-from .matrix import linear_partial
+from ..strategy import linear_partial
 from .view import follow
 
 aten = torch.ops.aten
