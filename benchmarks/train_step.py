@@ -7,7 +7,7 @@
 Also times shardtensor with FSDP's prefetch of the next all-gather switched off.
 
 Four gloo processes on localhost (``OMP_NUM_THREADS=1``), mesh (2, 2) = ("dp", "tp").  Both
-libraries get the same model (``shardtensor.train.TinyLM``, same initial values), the same TP
+libraries get the same model (``shardtensor.examples.tiny_lm.TinyLM``, same initial values), the same TP
 plan (q/k/v and MLP up column-wise, attention out and MLP down row-wise, head column-wise with a
 replicated output), FSDP on dp (each block, then the root), Adam, and the same batches (each dp
 rank takes its half).  Per step the time is the slowest rank's (all-reduce MAX), after a barrier;
@@ -32,7 +32,7 @@ def _step_loop(model, dp_rank: int, warmup: int, iters: int, device: str):
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from shardtensor.train import BATCH, batch
+    from shardtensor.examples.tiny_lm import BATCH, batch
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -73,7 +73,7 @@ def _rank_ours(rank: int, world: int, warmup: int, iters: int, device: str = "cp
     _setup(rank, device)
     from shardtensor import init_device_mesh
     from shardtensor.fsdp import FSDPModule
-    from shardtensor.train import build_model, parallelize
+    from shardtensor.examples.tiny_lm import build_model, parallelize
 
     mesh = init_device_mesh(device, (2, 2), mesh_dim_names=("dp", "tp"))
     m0 = parallelize(build_model(0).to(device), mesh)
@@ -95,7 +95,7 @@ def _rank_torch(rank: int, world: int, warmup: int, iters: int, device: str = "c
     from torch.distributed.tensor.parallel import ColwiseParallel as TC, RowwiseParallel as TRW
     from torch.distributed.tensor.parallel import parallelize_module as t_par
 
-    from shardtensor.train import build_model
+    from shardtensor.examples.tiny_lm import build_model
 
     tmesh = t_mesh(device, (2, 2), mesh_dim_names=("dp", "tp"))
     tm = build_model(0).to(device)

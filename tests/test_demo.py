@@ -19,7 +19,7 @@ def test_demo_trains_and_matches_single_device(tmp_path):
 
 
 def test_demo_decreases_the_loss():
-    from shardtensor.train import Config, reference_losses
+    from shardtensor.examples.tiny_lm import Config, reference_losses
 
     losses = reference_losses(Config(steps=6))
     assert losses[-1] < losses[0]

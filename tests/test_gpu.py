@@ -62,7 +62,7 @@ def test_sim_world_trains_tp_x_fsdp_on_cuda():
 
 
 def test_demo_in_the_simulated_world_on_cuda(capsys):
-    from shardtensor.train import main
+    from shardtensor.examples.tiny_lm import main
 
     assert main(steps=3, device="cuda") == 0
     assert "losses match single-device training" in capsys.readouterr().out

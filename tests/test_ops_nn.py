@@ -202,7 +202,7 @@ def test_fused_rms_norm_rule():
     """On CPU ``_fused_rms_norm`` is CompositeImplicitAutograd (never dispatched); call the
     pipeline directly for the forward and check the backward's decision."""
     from shardtensor.propagation import propagate
-    from shardtensor.tensor import dispatch
+    from shardtensor.dispatch import dispatch
     from torch.utils._pytree import tree_flatten
 
     x = data("any", (7, 3, 4), gen(24))

@@ -3,7 +3,7 @@
 Differential checks (``opcheck.check``) on meshes (4,) and (2,2) with lengths 8, 7 and 3 on
 the sharded dims, Partial(sum)/Partial(max) inputs (data movement passes any partial), forward
 and backward; explicit placement and communication assertions where shards must survive;
-propagation.md section 11 rows 6-8 (local sizes and strides per rank).
+and the local sizes and strides each rank gets from the size arguments of view-like ops.
 """
 from __future__ import annotations
 
@@ -293,7 +293,7 @@ def test_split_outputs_and_partials():
     assert not events and res[0] == [(Partial("max"),), (Partial("max"),)]
 
 
-# -- size arguments of view / factory ops (propagation.md 11, rows 6-8) --------------------------
+# -- size arguments of view / factory ops: local sizes per rank --------------------------------------
 
 def test_new_zeros_local_shapes():
     def body(mesh):

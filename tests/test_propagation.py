@@ -13,7 +13,7 @@ import torch
 from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor, init_device_mesh, run_spmd
 from shardtensor.propagation import (Candidate, Decision, MeshMismatchError, _freeze, cache_info, clear_cache, decide,
                                      register)
-import shardtensor.propagation as prop
+import shardtensor.propagation.call as call_module
 
 TIMEOUT = 30.0
 
@@ -147,13 +147,13 @@ def test_cost_follows_the_planner_bytes():
 def test_second_call_is_a_hit_without_metadata_or_rule(monkeypatch):
     """#1 and #23: a hit builds no meta tensors and calls no rule."""
     metas = {"n": 0}
-    real = prop._out_meta
+    real = call_module._out_meta
 
     def counting(*a, **k):
         metas["n"] += 1
         return real(*a, **k)
 
-    monkeypatch.setattr(prop, "_out_meta", counting)
+    monkeypatch.setattr(call_module, "_out_meta", counting)
     clear_cache()
     CALLS["pick"] = 0
 

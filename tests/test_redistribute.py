@@ -1,7 +1,7 @@
 """Redistribution in the simulated world, checked against the dense tensor.
 
 The oracle is always the dense tensor: after any redistribution ``full_tensor()`` equals the
-value before it, and every rank's local piece equals the slice that section 1.4
+value before it, and every rank's local piece equals the slice that the chunk rule
 (``placement.local_shape_and_offset``) assigns to it.  Values are small integers stored in
 float32, so every reduction, partition (``V/k``) and average is exact and equality is exact.
 
@@ -44,7 +44,7 @@ def dense(shape, seed=0) -> torch.Tensor:
 
 
 def expected_slice(full: torch.Tensor, mesh_shape, coord, placements, order=None) -> torch.Tensor:
-    """The piece of ``full`` that section 1.4 assigns to ``coord``."""
+    """The piece of ``full`` that the chunk rule (docs/placements.md) assigns to ``coord``."""
     shp, off = local_shape_and_offset(tuple(full.shape), tuple(mesh_shape), coord, placements, order)
     out = full
     for d, (s, o) in enumerate(zip(shp, off)):

@@ -1,4 +1,4 @@
-"""Command line: ``shardtensor demo`` and ``shardtensor plan``."""
+"""Command line: ``shardtensor demo``, ``shardtensor tour`` and ``shardtensor plan``."""
 from __future__ import annotations
 
 import argparse
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     plan_parser = _add_plan_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from .train import main as train_main
+        from .examples.tiny_lm import main as train_main
 
         _check_device(parser, args.device)
         if args.backend == "nccl" and "RANK" not in os.environ:
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return train_main(backend=args.backend, steps=args.steps, png=args.png, device=args.device)
     if args.command == "tour":
-        from .demo import main as tour_main
+        from .examples.tour import main as tour_main
 
         return tour_main()
     if args.command == "plan":

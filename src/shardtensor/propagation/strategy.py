@@ -30,9 +30,10 @@ import torch
 from ..errors import PropagationError
 from ..placement import Partial, Placement, Replicate, Shard, display
 from ..spec import DTensorSpec
+from .call import Decision
 
 __all__ = ["Candidate", "decide", "finish", "select", "pick", "expand", "dedupe", "input_cost", "out_specs",
-           "replicate", "placements_of", "kept_order", "linear_partial", "compatible_kinds", "LINEAR_KINDS",
+           "replicate", "placements_of", "kept_order", "linear_partial", "any_partial", "no_partial", "compatible_kinds", "LINEAR_KINDS",
            "Pl", "Option", "Order"]
 
 Pl = tuple[Placement, ...]
@@ -51,6 +52,16 @@ LINEAR_KINDS = ("sum", "avg")
 def linear_partial(p: Placement) -> bool:
     """A plain Partial whose combine is linear (sum or avg); norm partials are not."""
     return type(p) is Partial and p.reduce_op in LINEAR_KINDS
+
+
+def any_partial(p: Placement) -> bool:
+    """For ops that move values without combining them: every Partial kind passes."""
+    return True
+
+
+def no_partial(p: Placement) -> bool:
+    """For ops that combine values non-linearly: every Partial is reduced first."""
+    return False
 
 
 def compatible_kinds(out: Sequence[Placement]) -> bool:
@@ -214,25 +225,26 @@ def out_specs(mesh, meta: Any, pl: Any) -> Any:
     return None
 
 
-def finish(call, required: dict[int, Pl], output: Any, *, order: OrderFn | str | None = None,
+def finish(call, required: dict[int, Pl] | dict[int, DTensorSpec], output: Any, *, order: OrderFn | str | None = None,
            kernel: Callable | None = None, local_args: Callable | None = None,
            reorder_all: bool = False):
-    """The :class:`Decision` that moves each ``required`` position to its placements.
+    """The :class:`Decision` that moves each ``required`` position to its placements (or spec).
 
     A moved input takes the shard order ``order`` gives (the default order when None, its own
     where the same mesh dims still shard for ``"kept"``, see :func:`kept_order`); every
     other input keeps its spec, unless ``reorder_all`` moves kept inputs with a non-default
     order to the default one (for rules whose outputs are labelled in the default order).
     """
-    from . import Decision
-
     inputs = list(call.specs)
     moved = False
-    for pos, pl in required.items():
+    for pos, need in required.items():
         s = call.specs[pos]
-        pl = tuple(pl)
-        want = s.with_placements(pl, None if order is None else kept_order(s, pl) if order == "kept"
-                                 else order(pos, s, pl))  # type: ignore[operator]
+        if isinstance(need, DTensorSpec):
+            want = need
+        else:
+            pl = tuple(need)
+            want = s.with_placements(pl, None if order is None else kept_order(s, pl) if order == "kept"
+                                     else order(pos, s, pl))  # type: ignore[operator]
         if want != s:
             inputs[pos] = want
             moved = True

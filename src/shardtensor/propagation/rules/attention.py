@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from ...placement import Placement, Replicate, Shard
-from .. import Call, Decision, register, unsupported
+from ..call import Call, Decision
+from ..registry import register, unsupported
 from ..strategy import Candidate, decide
 
 aten = torch.ops.aten

@@ -35,7 +35,8 @@ import torch
 
 from ...placement import Partial, Replicate, Shard
 from ...spec import DTensorSpec
-from .. import Call, Decision, register, unsupported
+from ..call import Call, Decision
+from ..registry import register, unsupported
 from ..strategy import Option, expand, linear_partial, select
 from .matrix import label_decision
 

@@ -16,7 +16,9 @@ import torch
 
 from ...placement import Replicate, Shard, unpartial
 from ...spec import DTensorSpec
-from .. import Call, Decision, register
+from ..call import Call, Decision
+from ..registry import register
+from ..strategy import finish
 
 aten = torch.ops.aten
 
@@ -53,15 +55,14 @@ def new_factory_rule(call: Call) -> Decision:
     """Follow ``self`` when the size is its shape, else a Replicate output with global sizes."""
     s = call.specs[0]
     meta = call.out_meta
-    inputs = tuple(call.specs)
     if tuple(meta.shape) != tuple(s.shape):
         out = DTensorSpec.build(s.mesh, [Replicate()] * s.mesh.ndim, meta.shape, meta.stride(), meta.dtype)
-        return Decision(inputs, out, False)
+        return finish(call, {}, out)
     keep = call.op in KEEPS_PARTIAL
     pl = s.placements if keep else unpartial(s.placements)
     out = DTensorSpec.build(s.mesh, pl, s.shape, meta.stride(), meta.dtype, s.shard_order)
     if not any(isinstance(p, Shard) for p in pl):
-        return Decision(inputs, out, False)
+        return finish(call, {}, out)
     size_slots = call.slots("size")
     stride_slots = call.slots("stride") if call.op is aten.new_empty_strided.default else None
     global_stride = tuple(meta.stride())
@@ -73,4 +74,4 @@ def new_factory_rule(call: Call) -> Decision:
             flat = put_sizes(flat, stride_slots, dense_stride_like(shape, global_stride))
         return flat
 
-    return Decision(inputs, out, False, local_args)
+    return finish(call, {}, out, local_args=local_args)

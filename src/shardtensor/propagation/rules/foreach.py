@@ -38,8 +38,8 @@ from torch.utils._pytree import tree_flatten
 from ...errors import PropagationError
 from ...placement import Partial, Placement, Replicate, Shard
 from ...spec import DTensorSpec
-from .. import Call, Decision, register, unflatten_call, unsupported
-from ..decompose import decomposition
+from ..call import Call, Decision, unflatten_call
+from ..registry import register, rule_for, unsupported
 from ..strategy import decide
 from .pointwise import PARTIAL_ROWS
 
@@ -162,13 +162,11 @@ def foreach_rule(call: Call) -> Decision:
     A tensor shared by all elements (``other`` of ``.Tensor``) whose elements disagree is
     retried as Replicate, then (out-of-place only) with every Partial list element reduced.
     """
-    from .. import route
-
     elem_op = _element_op(call.op)
     if elem_op is None:
         raise unsupported(call.op, call.specs, "has no element op known to shardtensor")
-    rule = route(elem_op)
-    if rule is None or isinstance(rule, tuple):
+    rule = rule_for(elem_op)
+    if rule is None:
         raise unsupported(call.op, call.specs, f"(element op {elem_op} has no sharding rule)")
     elements = _element_calls(call, elem_op)
     seen: set[int] = set()
@@ -377,7 +375,7 @@ def contiguous_fused(op, *args: Any, **kwargs: Any) -> Any:
 
 # -- registration --------------------------------------------------------------------------
 
-def _overloads(name: str) -> list[Any]:
+def overloads(name: str) -> list[Any]:
     packet = getattr(aten, name, None)
     if packet is None:
         return []
@@ -392,81 +390,13 @@ def _overloads(name: str) -> list[Any]:
 
 FOREACH_OPS: list[Any] = []
 for _n in [*UNARY, *ARITH, *CLAMPS, "addcmul", "addcdiv", "pow", "lerp"]:
-    for _op in _overloads(f"_foreach_{_n}") + _overloads(f"_foreach_{_n}_"):
+    for _op in overloads(f"_foreach_{_n}") + overloads(f"_foreach_{_n}_"):
         if _element_op(_op) is not None:
             FOREACH_OPS.append(_op)
 FOREACH_OPS += [aten._foreach_copy_.default, aten._foreach_zero_.default]
 FUSED_OPS: list[Any] = [op for n in ("_fused_adam", "_fused_adam_", "_fused_adamw", "_fused_adamw_")
-                        for op in _overloads(n)]
-
-
-def _fused_sgd(op) -> Callable[..., None]:
-    """``_fused_sgd_``: the fused kernel on local shards when every momentum buffer has its
-    param's placements (grads move to them); otherwise the same update in foreach ops.
-
-    Torch creates the first momentum buffers with ``empty_like(grad)``, so a ``Partial`` grad
-    gives a ``Partial`` buffer that the fused kernel cannot update in place; the foreach form
-    keeps such a buffer ``Partial`` (as ``foreach=True`` SGD does).
-    """
-
-    def run(params, grads, bufs, *, weight_decay, momentum, lr, dampening, nesterov, maximize, is_first_step,
-            grad_scale=None, found_inf=None) -> None:
-        from ...tensor import DTensor, redistribute_local
-
-        kw = dict(weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov,
-                  maximize=maximize, is_first_step=is_first_step, grad_scale=grad_scale, found_inf=found_inf)
-        same = all(isinstance(b, DTensor) and isinstance(p, DTensor) and b._spec.placements == p._spec.placements
-                   and b._spec.shard_order == p._spec.shard_order for p, b in zip(params, bufs))
-        if same:
-            flat = [*params, *grads, *bufs]
-            specs = [t._spec if isinstance(t, DTensor) else None for t in flat]
-            n = len(params)
-            for i, (p, g) in enumerate(zip(params, grads)):
-                if not isinstance(p, DTensor) or not isinstance(g, DTensor):
-                    raise unsupported(op, specs, "with plain tensors mixed with DTensors")
-                if any(q.is_partial() for q in p.placements):
-                    raise PropagationError(f"shardtensor: {op}: param {i} is Partial {p.placements}; optimizer params "
-                                       "must be Replicate or Shard")
-            local_g = []
-            for p, g in zip(params, grads):
-                want = g._spec.with_placements(p._spec.placements, p._spec.shard_order)
-                if want != g._spec and grad_scale is not None:
-                    raise unsupported(op, specs, "with grad_scale and grads placed unlike their params (the kernel "
-                                      "unscales grads in place)")
-                local_g.append(g._local_tensor if want == g._spec else redistribute_local(g._local_tensor, g._spec, want))
-            extra = {k: (_replicated_local(v) if isinstance(v, DTensor) else v) for k, v in kw.items()}
-            contiguous_fused(op, [p._local_tensor for p in params], local_g,
-                             [b._local_tensor for b in bufs][:n] if bufs else [], **extra)
-            return None
-        if grad_scale is not None or found_inf is not None:
-            raise unsupported(op, [t._spec for t in [*params, *grads, *bufs] if isinstance(t, DTensor)],
-                              "with grad_scale/found_inf and momentum buffers placed unlike their params")
-        if isinstance(lr, torch.Tensor):
-            lr = lr.item()
-        g = torch._foreach_neg(grads) if maximize else list(grads)
-        if weight_decay != 0:
-            g = torch._foreach_add(g, params, alpha=weight_decay)
-        if momentum != 0:
-            if is_first_step:
-                torch._foreach_copy_(bufs, g)
-            else:
-                torch._foreach_mul_(bufs, momentum)
-                torch._foreach_add_(bufs, g, alpha=1 - dampening)
-            g = torch._foreach_add(g, bufs, alpha=momentum) if nesterov else bufs
-        torch._foreach_add_(params, g, alpha=-lr)
-        return None
-
-    return run
-
-
-def _replicated_local(t) -> torch.Tensor:
-    from ...tensor import redistribute_local
-
-    want = t._spec.with_placements([Replicate()] * t._spec.mesh.ndim)
-    return t._local_tensor if want == t._spec else redistribute_local(t._local_tensor, t._spec, want)
+                        for op in overloads(n)]
 
 
 register(*FOREACH_OPS, scalars_by_sign=True)(foreach_rule)
 register(*FUSED_OPS, scalars_by_sign=True)(fused_optimizer_rule)
-for _op in _overloads("_fused_sgd_"):
-    decomposition(_op)(_fused_sgd(_op))

@@ -20,9 +20,11 @@ import torch
 from ... import comm
 from ...placement import Partial, Placement, Replicate, Shard
 from ...spec import DTensorSpec
-from .. import Call, Decision, register
+from ..call import Call, Decision
+from ..registry import register
 from ... import rng
-from .misc import _gather, _no_partial
+from ..strategy import finish, no_partial
+from .misc import gather_dims
 
 aten = torch.ops.aten
 
@@ -47,7 +49,7 @@ def _bounds(x: torch.Tensor, lo: float, hi: float, mesh: Any, sharded: bool) -> 
 
 @register(aten.histc.default)
 def histc_rule(call: Call) -> Decision:
-    s = _gather(call.specs[0], lambda d: True, _no_partial)
+    s = gather_dims(call.specs[0], lambda d: True, no_partial)
     mesh = s.mesh
     dims = [j for j, p in enumerate(s.placements) if isinstance(p, Shard) and mesh.shape[j] > 1]
     out_pl: list[Placement] = [Partial("sum") if j in dims else Replicate() for j in range(mesh.ndim)]
@@ -58,8 +60,7 @@ def histc_rule(call: Call) -> Decision:
         lo, hi = _bounds(x, float(min), float(max), mesh, bool(dims))
         return torch.histc(x, bins, lo, hi)
 
-    inputs = tuple(s if i == 0 else None for i in range(len(call.flat)))
-    return Decision(inputs, out, s != call.specs[0], None, kernel)
+    return finish(call, {0: s}, out, kernel=kernel)
 
 
 def _check_probabilities(rows: torch.Tensor, num_samples: int, replacement: bool, spec: DTensorSpec) -> None:
@@ -105,5 +106,4 @@ def multinomial_rule(call: Call) -> Decision:
             idx = keys.topk(num_samples, dim=-1).indices
         return idx.reshape(meta.shape if one_row else (p.shape[0], num_samples))
 
-    inputs = tuple(need if i == 0 else None for i in range(len(call.flat)))
-    return Decision(inputs, out, need != s, None, kernel)
+    return finish(call, {0: need}, out, kernel=kernel)

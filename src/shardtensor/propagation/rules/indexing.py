@@ -20,11 +20,8 @@ tensor must commute) and the engine keeps the cheapest.
 | ``nonzero``, ``masked_select`` | data-dependent output shape: raise, asking for ``.full_tensor()`` first |
 
 In-place variants (``scatter_``, ``scatter_add_``, ``scatter_reduce_``, ``index_add_``,
-``index_put_``) share the rules.  ``scatter_add.default`` is a decomposition into
-``scatter_reduce.two(..., "sum", include_self=True)`` so that a plain all-zeros ``self``
-(what the backward of ``cummax``/``cummin`` builds with ``at::zeros``) is accepted as
-Replicate; any other plain ``self`` raises.  ``index_put.default`` likewise accepts a plain
-all-zeros ``values`` (the backward of ``index_put`` builds one).
+``index_put_``) share the rules.  ``scatter_add.default`` and ``index_put.default`` are
+decompositions the dispatcher runs (``shardtensor/dispatch/decompose.py``).
 """
 from __future__ import annotations
 
@@ -35,9 +32,9 @@ import torch
 
 from ...placement import NormPartial, Partial, Placement, Replicate, Shard
 from ...spec import DTensorSpec
-from .. import Call, Decision, register, unsupported
-from ..decompose import decomposition
-from ..strategy import Candidate, decide
+from ..call import Call, Decision
+from ..registry import register, unsupported
+from ..strategy import Candidate, decide, finish
 
 aten = torch.ops.aten
 
@@ -178,9 +175,7 @@ def _gather_dims(call: Call, pos: int, gather: set[int]) -> Decision:
     order = tuple((d, js) for d, js in s.shard_order if d not in gather)
     req = s.with_placements(pl, order)
     out = DTensorSpec.build(s.mesh, pl, meta.shape, meta.stride(), meta.dtype, order)
-    inputs = list(call.specs)
-    inputs[pos] = req
-    return Decision(tuple(inputs), out, req != s)
+    return finish(call, {pos: req}, out)
 
 
 def _inplace(op: Any) -> bool:
@@ -231,10 +226,7 @@ def gather_rule(call: Call) -> Decision:
         raise unsupported(call.op, call.specs, "needs a DTensor index")
     ix = call.specs[ip]
     dim = _norm(call.arg("dim"), s.ndim)
-    opts: list[Opt] = [((R, R), R)]
-    for d in range(ix.ndim):
-        if d != dim and d < s.ndim and s.shape[d] == ix.shape[d]:
-            opts.append(((Shard(d), Shard(d)), Shard(d)))
+    opts = _index_shaped(dim, s, ix)
     if ix.ndim:
         opts.append(((R, Shard(dim)), Shard(dim)))
     for p in _partial_kinds(s):
@@ -242,6 +234,17 @@ def gather_rule(call: Call) -> Decision:
     per_dim = [_dedupe(_first(opts, (s.placements[j], ix.placements[j]))) for j in range(s.mesh.ndim)]
     pairs = [(0, d, 1, d) for d in range(s.ndim)]
     return decide(call, _candidates([sp, ip], per_dim, pairs))
+
+
+def _index_shaped(dim: int, s: DTensorSpec, ix: DTensorSpec, *more: DTensorSpec) -> list[Opt]:
+    """Per-mesh-dim options of the gather/scatter family: all Replicate, or every operand on
+    ``S(d)`` for each dim ``d != dim`` where all their sizes agree (index-shaped ops)."""
+    n = 2 + len(more)
+    opts: list[Opt] = [((R,) * n, R)]
+    for d in range(ix.ndim):
+        if d != dim and d < s.ndim and all(t.shape[d] == ix.shape[d] for t in (s, *more)):
+            opts.append(((Shard(d),) * n, Shard(d)))
+    return opts
 
 
 def _first(opts: list[Opt], current: tuple[Placement, ...]) -> list[Opt]:
@@ -275,10 +278,7 @@ def scatter_rule(call: Call) -> Decision:
     ix, src = call.specs[ip], call.specs[rp]
     dim = _norm(call.arg("dim"), s.ndim)
     reduce = _reduce_of(call)
-    opts: list[Opt] = [((R, R, R), R)]
-    for d in range(ix.ndim):
-        if d != dim and d < s.ndim and s.shape[d] == ix.shape[d] == src.shape[d]:
-            opts.append(((Shard(d), Shard(d), Shard(d)), Shard(d)))
+    opts = _index_shaped(dim, s, ix, src)
     kinds = _REDUCE_KINDS.get(reduce, ()) if reduce is not None else ("sum", "avg", "max", "min", "product")
     if reduce == "mean" and not s.dtype.is_floating_point:
         kinds = ()
@@ -305,10 +305,7 @@ def scatter_value_rule(call: Call) -> Decision:
         raise unsupported(call.op, call.specs, "needs a DTensor index")
     ix = call.specs[ip]
     dim = _norm(call.arg("dim"), s.ndim)
-    opts: list[Opt] = [((R, R), R)]
-    for d in range(ix.ndim):
-        if d != dim and d < s.ndim and s.shape[d] == ix.shape[d]:
-            opts.append(((Shard(d), Shard(d)), Shard(d)))
+    opts = _index_shaped(dim, s, ix)
     for p in _partial_kinds(s):
         if _plain(p):
             opts.append(((p, R), p))
@@ -322,16 +319,6 @@ def scatter_value_rule(call: Call) -> Decision:
 
     pairs = [(0, d, 1, d) for d in range(s.ndim)]
     return decide(call, _candidates([sp, ip], per_dim, pairs), kernel_for=kernel_for)
-
-
-@decomposition(aten.scatter_add.default)
-def _scatter_add(self: Any, dim: int, index: Any, src: Any) -> Any:
-    """``scatter_reduce(..., "sum", include_self=True)``; a plain all-zeros ``self`` counts as Replicate."""
-    from ...tensor import DTensor
-
-    if isinstance(self, torch.Tensor) and not isinstance(self, DTensor):
-        self = _replicated(aten.scatter_add.default, self, index if isinstance(index, DTensor) else src)
-    return aten.scatter_reduce.two(self, dim, index, src, "sum", include_self=True)
 
 
 # -- index_add -------------------------------------------------------------------------------
@@ -483,30 +470,6 @@ def index_put_rule(call: Call) -> Decision:
                      + ((v.placements[j],) if v is not None else (R,)))
     per_dim = [_dedupe(_first(opts, cur(j))) for j in range(s.mesh.ndim)]
     return decide(call, _candidates([sp] + ipos + [vp], per_dim), kernel_for=_values_kernel(call, vp))
-
-
-@decomposition(aten.index_put.default)
-def _index_put(self: Any, indices: Any, values: Any, accumulate: bool = False) -> Any:
-    """``_index_put_impl_`` on a clone; a plain all-zeros ``values`` (what the backward of
-    ``index_put`` builds with ``at::zeros``) counts as Replicate."""
-    values = _replicated(aten.index_put.default, values, self)
-    out = aten.clone.default(self)
-    aten._index_put_impl_.default(out, indices, values, accumulate, False)
-    return out
-
-
-def _replicated(op: Any, t: Any, ref: Any) -> Any:
-    """A plain tensor among DTensors as a Replicate DTensor: only 0-d or all-zeros ones (their
-    value cannot differ between ranks in a way the caller meant), anything else raises."""
-    from ...tensor import DTensor
-
-    if not isinstance(t, torch.Tensor) or isinstance(t, DTensor) or t.ndim == 0:
-        return t
-    if not isinstance(ref, DTensor) or bool(t.any()):
-        raise TypeError(f"{op}: got a plain torch.Tensor of shape {tuple(t.shape)} mixed with DTensors; "
-                        "convert it with distribute_tensor or DTensor.from_local")
-    mesh = ref.device_mesh
-    return DTensor.from_local(t, mesh, [R] * mesh.ndim, run_check=False)
 
 
 def _values_pl(vshape: tuple[int, ...], rnd: int, rd: int, length: int) -> Placement:

@@ -43,7 +43,8 @@ import torch
 
 from ...placement import Partial, Placement, Replicate, Shard
 from ...spec import DTensorSpec
-from .. import Call, Decision, register, unsupported
+from ..call import Call, Decision
+from ..registry import register, unsupported
 from ..strategy import Candidate, Option, expand, finish, linear_partial, select
 
 aten = torch.ops.aten

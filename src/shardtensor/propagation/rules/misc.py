@@ -31,7 +31,9 @@ from ... import rng
 from ...errors import PropagationError
 from ...placement import Partial, Placement, Replicate, Shard, unpartial
 from ...spec import DTensorSpec
-from .. import Call, Decision, register, unflatten_call, unsupported
+from ..call import Call, Decision, unflatten_call
+from ..registry import register, unsupported
+from ..strategy import any_partial, finish, linear_partial, no_partial
 
 aten = torch.ops.aten
 
@@ -46,7 +48,7 @@ def _spec_with(s: DTensorSpec, pl: Sequence[Placement]) -> DTensorSpec:
     return s.with_placements(pl, tuple((d, js) for d, js in order if js))
 
 
-def _gather(s: DTensorSpec, keep_shard: Callable[[int], bool], keep_partial: Callable[[Partial], bool]) -> DTensorSpec:
+def gather_dims(s: DTensorSpec, keep_shard: Callable[[int], bool], keep_partial: Callable[[Partial], bool]) -> DTensorSpec:
     pl: list[Placement] = []
     for p in s.placements:
         if isinstance(p, Shard) and not keep_shard(p.dim):
@@ -64,23 +66,6 @@ def _renumbered(req: DTensorSpec, where: dict[int, int], meta: torch.Tensor) -> 
     return DTensorSpec.build(req.mesh, pl, meta.shape, meta.stride(), meta.dtype, order)
 
 
-def _inputs(call: Call, changes: dict[int, DTensorSpec]) -> tuple[tuple, bool]:
-    inputs = tuple(changes.get(i, s) for i, s in enumerate(call.specs))
-    return inputs, any(r != s for r, s in zip(inputs, call.specs))
-
-
-def _any_partial(p: Partial) -> bool:
-    return True
-
-
-def _linear_partial(p: Partial) -> bool:
-    return p.reduce_op in ("sum", "avg") and type(p) is Partial
-
-
-def _no_partial(p: Partial) -> bool:
-    return False
-
-
 # -- linalg --------------------------------------------------------------------------------
 
 @register(aten._linalg_svd.default, aten.linalg_qr.default, aten._linalg_eigh.default)
@@ -88,15 +73,14 @@ def linalg_rule(call: Call) -> Decision:
     """Batched factorizations: batch-dim shards stay, the matrices are gathered, partials reduced."""
     s = call.specs[0]
     nb = s.ndim - 2
-    req = _gather(s, lambda d: d < nb, _no_partial)
+    req = gather_dims(s, lambda d: d < nb, no_partial)
     outs = []
     for m in call.out_meta:
         if m.ndim >= nb and tuple(m.shape[:nb]) == tuple(s.shape[:nb]):
             outs.append(_renumbered(req, {d: d for d in range(nb)}, m))
         else:
             outs.append(DTensorSpec.build(s.mesh, [Replicate()] * s.mesh.ndim, m.shape, m.stride(), m.dtype))
-    inputs, moved = _inputs(call, {0: req})
-    return Decision(inputs, tuple(outs), moved)
+    return finish(call, {0: req}, tuple(outs))
 
 
 # -- triangles -----------------------------------------------------------------------------
@@ -118,7 +102,7 @@ def triangle_rule(call: Call) -> Decision:
             _, off = s.local_shape_and_offset()
             return op(x, diagonal + off[rows] - off[cols])
 
-    return Decision(tuple(call.specs), out, False, None, kernel)
+    return finish(call, {}, out, kernel=kernel)
 
 
 # -- diagonals -----------------------------------------------------------------------------
@@ -135,11 +119,10 @@ def diagonal_rule(call: Call) -> Decision:
     """Kept dims keep their shards (renumbered); the two diagonal dims are gathered."""
     s = call.specs[0]
     d1, d2 = _diag_dims(s.ndim, call.arg("dim1", 0), call.arg("dim2", 1))
-    req = _gather(s, lambda d: d not in (d1, d2), _any_partial)
+    req = gather_dims(s, lambda d: d not in (d1, d2), any_partial)
     kept = [d for d in range(s.ndim) if d not in (d1, d2)]
     out = _renumbered(req, {d: i for i, d in enumerate(kept)}, call.out_meta)
-    inputs, moved = _inputs(call, {0: req})
-    return Decision(inputs, out, moved)
+    return finish(call, {0: req}, out)
 
 
 def _size_positions(call: Call, name: str) -> list[int]:
@@ -169,21 +152,19 @@ def diagonal_backward_rule(call: Call) -> Decision:
     n = meta.ndim
     d1, d2 = _diag_dims(n, call.arg("dim1"), call.arg("dim2"))
     kept = [d for d in range(n) if d not in (d1, d2)]
-    req = _gather(g, lambda d: d < g.ndim - 1, _any_partial)
+    req = gather_dims(g, lambda d: d < g.ndim - 1, any_partial)
     out = _renumbered(req, {i: d for i, d in enumerate(kept)}, meta)
-    inputs, moved = _inputs(call, {0: req})
-    return Decision(inputs, out, moved, _local_sizes(out, _size_positions(call, "input_sizes")))
+    return finish(call, {0: req}, out, local_args=_local_sizes(out, _size_positions(call, "input_sizes")))
 
 
 @register(aten.diag.default)
 def diag_rule(call: Call) -> Decision:
     """``diag`` moves values between 1-D and 2-D: shards gathered, partials kept."""
     s = call.specs[0]
-    req = _gather(s, lambda d: False, _any_partial)
+    req = gather_dims(s, lambda d: False, any_partial)
     meta = call.out_meta
     out = DTensorSpec.build(s.mesh, req.placements, meta.shape, meta.stride(), meta.dtype)
-    inputs, moved = _inputs(call, {0: req})
-    return Decision(inputs, out, moved)
+    return finish(call, {0: req}, out)
 
 
 @register(aten.diag_embed.default)
@@ -193,10 +174,9 @@ def diag_embed_rule(call: Call) -> Decision:
     meta = call.out_meta
     d1, d2 = _diag_dims(meta.ndim, call.arg("dim1", -2), call.arg("dim2", -1))
     kept = [d for d in range(meta.ndim) if d not in (d1, d2)]
-    req = _gather(s, lambda d: d < s.ndim - 1, _any_partial)
+    req = gather_dims(s, lambda d: d < s.ndim - 1, any_partial)
     out = _renumbered(req, {i: d for i, d in enumerate(kept)}, meta)
-    inputs, moved = _inputs(call, {0: req})
-    return Decision(inputs, out, moved)
+    return finish(call, {0: req}, out)
 
 
 # -- upsampling ----------------------------------------------------------------------------
@@ -220,23 +200,21 @@ def upsample_rule(call: Call) -> Decision:
     """Batch/channel shards stay; interpolation is linear (nearest is a selection)."""
     s = call.specs[0]
     nearest = "nearest" in call.op._schema.name
-    req = _gather(s, lambda d: d < 2, _any_partial if nearest else _linear_partial)
+    req = gather_dims(s, lambda d: d < 2, any_partial if nearest else linear_partial)
     meta = call.out_meta
     out = _renumbered(req, {0: 0, 1: 1}, meta)
-    inputs, moved = _inputs(call, {0: req})
-    return Decision(inputs, out, moved, None, _empty_safe(call.op, out))
+    return finish(call, {0: req}, out, kernel=_empty_safe(call.op, out))
 
 
 @register(*_ops([n + "_backward" for n in UPSAMPLE]))
 def upsample_backward_rule(call: Call) -> Decision:
     """Gradient of upsampling: a sum over the output pixels (linear), batch/channel shards kept."""
     g = call.specs[0]
-    req = _gather(g, lambda d: d < 2, _linear_partial)
+    req = gather_dims(g, lambda d: d < 2, linear_partial)
     meta = call.out_meta
     out = _renumbered(req, {0: 0, 1: 1}, meta)
-    inputs, moved = _inputs(call, {0: req})
-    return Decision(inputs, out, moved, _local_sizes(out, _size_positions(call, "input_size")),
-                    _empty_safe(call.op, out))
+    return finish(call, {0: req}, out, local_args=_local_sizes(out, _size_positions(call, "input_size")),
+                  kernel=_empty_safe(call.op, out))
 
 
 def _empty_safe(op, out: DTensorSpec) -> Callable[..., torch.Tensor]:
@@ -263,12 +241,12 @@ def equal_rule(call: Call) -> Decision:
     if a is None or b is None:
         raise unsupported(call.op, call.specs, "with a plain tensor")
     if tuple(a.shape) != tuple(b.shape):
-        return Decision(tuple(call.specs), None, False, None, lambda *args, **kw: False)
+        return finish(call, {}, None, kernel=lambda *args, **kw: False)
     if (a.placements == b.placements and a.shard_order == b.shard_order
             and not any(p.is_partial() for p in a.placements)):
         mesh = a.mesh
         if all(p.is_replicate() for p in a.placements):
-            return Decision(tuple(call.specs), None, False)
+            return finish(call, {}, None)
 
         def kernel(x: torch.Tensor, y: torch.Tensor) -> bool:
             from ... import comm
@@ -276,22 +254,21 @@ def equal_rule(call: Call) -> Decision:
             same = torch.tensor([1 if torch.equal(x, y) else 0], dtype=torch.int32, device=x.device)
             return bool(comm.all_reduce(same, "min", mesh, None).item())
 
-        return Decision(tuple(call.specs), None, False, None, kernel)
-    return Decision((_replicate(a), _replicate(b)), None, True)
+        return finish(call, {}, None, kernel=kernel)
+    return finish(call, {0: _replicate(a), 1: _replicate(b)}, None)
 
 
 @register(aten.is_pinned.default)
 def is_pinned_rule(call: Call) -> Decision:
     """``is_pinned``: the local block's answer (every rank's block lives in the same kind of memory)."""
-    return Decision(tuple(call.specs), None, False)
+    return finish(call, {}, None)
 
 
 @register(aten._local_scalar_dense.default)
 def item_rule(call: Call) -> Decision:
     """``.item()`` needs the whole value on every rank."""
     s = call.specs[0]
-    req = _replicate(s)
-    return Decision((req,), None, req != s)
+    return finish(call, {0: _replicate(s)}, None)
 
 
 # -- random --------------------------------------------------------------------------------
@@ -341,7 +318,7 @@ def random_like_rule(call: Call) -> Decision:
 
         return _global_fill(out, x, out.dtype, generator, fill).clone()
 
-    return Decision(tuple(call.specs), out, False, None, kernel)
+    return finish(call, {}, out, kernel=kernel)
 
 
 RANDOM_FILL = [aten.uniform_.default, aten.normal_.default, aten.exponential_.default, aten.geometric_.default,
@@ -360,7 +337,7 @@ def random_fill_rule(call: Call) -> Decision:
     def kernel(x: torch.Tensor, *args: Any, generator: torch.Generator | None = None, **kw: Any) -> torch.Tensor:
         return x.copy_(_global_fill(s, x, x.dtype, generator, lambda full, g: op(full, *args, generator=g, **kw)))
 
-    return Decision(tuple(call.specs), s, False, None, kernel)
+    return finish(call, {}, s, kernel=kernel)
 
 
 @register(aten.bernoulli_.Tensor)
@@ -383,5 +360,4 @@ def bernoulli_rule(call: Call) -> Decision:
         u = _global_fill(s, x, torch.float64, generator, lambda full, g: full.uniform_(generator=g))
         return x.copy_(u < p)
 
-    inputs, moved = _inputs(call, {ppos: ps.with_placements(s.placements, s.shard_order)})
-    return Decision(inputs, s, moved, None, kernel)
+    return finish(call, {ppos: ps.with_placements(s.placements, s.shard_order)}, s, kernel=kernel)

@@ -58,8 +58,9 @@ from ... import comm, rng
 from ...errors import PropagationError
 from ...placement import Partial, Placement, Replicate, Shard, unpartial
 from ...spec import DTensorSpec, contiguous_stride
-from .. import Call, Decision, register, unsupported
-from ..strategy import Candidate, Pl, decide
+from ..call import Call, Decision
+from ..registry import register, unsupported
+from ..strategy import Candidate, Pl, decide, finish
 
 aten = torch.ops.aten
 
@@ -303,20 +304,10 @@ def _expand(x: DTensorSpec, dim: int) -> list[Pl]:
     return out
 
 
-@register(aten.topk.default)
-def topk_rule(call: Call) -> Decision:
-    """Values and indices share the input's required layout; ``dim`` never sharded."""
-    x = call.specs[0]
-    if x.ndim == 0:
-        pl = unpartial(x.placements)
-        return decide(call, [Candidate({0: pl}, [pl, pl])])
-    dim = _dim(call.arg("dim", -1), x.ndim)
-    return decide(call, [Candidate({0: pl}, [pl, pl]) for pl in _expand(x, dim)])
-
-
-@register(aten.sort.default, aten.sort.stable)
-def sort_rule(call: Call) -> Decision:
-    """Sort dim gathered; other shards kept (or moved where cheaper)."""
+@register(aten.topk.default, aten.sort.default, aten.sort.stable)
+def topk_sort_rule(call: Call) -> Decision:
+    """Values and indices share the input's required layout; ``dim`` is whole (other shards kept,
+    or moved where cheaper)."""
     x = call.specs[0]
     if x.ndim == 0:
         pl = unpartial(x.placements)
@@ -409,7 +400,7 @@ def bernoulli_inplace_rule(call: Call) -> Decision:
             return self.fill_(fill)
         return self.copy_(u < p)
 
-    return Decision(tuple(call.specs), s, False, None, kernel)
+    return finish(call, {}, s, kernel=kernel)
 
 
 @register(aten.bernoulli.p, aten.bernoulli.default)

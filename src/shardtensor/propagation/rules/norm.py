@@ -24,7 +24,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ...placement import NormPartial, Partial, Shard
-from .. import Call, Decision, register, unsupported
+from ..call import Call, Decision
+from ..registry import register, unsupported
 from ..strategy import finish, kept_order, pick
 from .reduction import check_dims, choices, empty_safe, out_order, out_spec, reduce_out, reduced_dims
 

@@ -22,8 +22,9 @@ import torch
 from ...errors import PropagationError
 from ...placement import Partial, Placement, Replicate, Shard, unpartial
 from ...spec import DTensorSpec
-from .. import TAG_RULES, Call, Decision, register, unsupported
-from ..strategy import LINEAR_KINDS, linear_partial
+from ..call import Call, Decision
+from ..registry import TAG_RULES, register, unsupported
+from ..strategy import LINEAR_KINDS, finish, linear_partial
 
 aten = torch.ops.aten
 
@@ -133,8 +134,7 @@ def _inplace_rule(call: Call) -> Decision:
         want = s.with_placements(need, tuple(sorted(order)))
         if want != s:
             inputs[i] = want
-    changed = any(r is not None and r != s for r, s in zip(inputs, call.specs))
-    return Decision(tuple(inputs), target, changed)
+    return finish(call, {i: x for i, x in enumerate(inputs) if x is not None}, target)
 
 
 def pointwise_rule(call: Call) -> Decision:
@@ -204,7 +204,6 @@ def pointwise_rule(call: Call) -> Decision:
         inputs.append(s.with_placements(in_pl[i], order))
     outs = list(out) if out_list else [out]
     specs_out = [DTensorSpec.build(mesh, out_pl, o.shape, o.stride(), o.dtype, out_order) for o in outs]
-    changed = any(r is not None and r != s for r, s in zip(inputs, call.specs))
     if _is_inplace(call.op):
         self_spec = call.specs[0]
         if self_spec is None or inputs[0] != self_spec or tuple(out_pl) != self_spec.placements:
@@ -214,7 +213,7 @@ def pointwise_rule(call: Call) -> Decision:
                 f"{tuple(out_pl)}; use the out-of-place op"
             )
     output = type(out)(specs_out) if out_list else specs_out[0]
-    return Decision(tuple(inputs), output, changed)
+    return finish(call, {i: x for i, x in enumerate(inputs) if x is not None}, output)
 
 
 def _map_order(spec: DTensorSpec, out_pl: list[Placement], shift: int):
@@ -249,7 +248,7 @@ def inplace_fill_rule(call: Call) -> Decision:
     every rank writes the constant)."""
     s = call.specs[0]
     out = s.unpartial() if call.op in FILL_INPLACE else s
-    return Decision(tuple(call.specs), out, False)
+    return finish(call, {}, out)
 
 
 def like_rule(call: Call) -> Decision:
@@ -258,7 +257,7 @@ def like_rule(call: Call) -> Decision:
     pl = s.placements if call.op in LIKE_KEEP else unpartial(s.placements)
     out = call.out_meta
     out_spec = DTensorSpec.build(s.mesh, pl, out.shape, out.stride(), out.dtype, s.shard_order)
-    return Decision(tuple(call.specs), out_spec, False)
+    return finish(call, {}, out_spec)
 
 
 register(*IDENTITY, *EXTRA_POINTWISE)(pointwise_rule)
@@ -294,7 +293,6 @@ def copy_rule(call: Call) -> Decision:
     if src is not None:
         order = tuple((d - lead, js) for d, js in dst.shard_order if need[js[0]] == Shard(d - lead))
         want = DTensorSpec.build(dst.mesh, need, src.shape, src.stride, src.dtype, order)
-    inputs = tuple(dst if i == 0 else want if i == 1 else None for i in range(len(call.flat)))
     local_args = None
     if parts:
         from ...redistribute.execute import partition
@@ -306,4 +304,4 @@ def copy_rule(call: Call) -> Decision:
                 t = partition(t, op, dst.mesh.shape[j], coord[j])
             return [flat[0], t, *flat[2:]]
 
-    return Decision(inputs, dst, want is not None and want != src, local_args)
+    return finish(call, {} if want is None else {1: want}, dst, local_args=local_args)

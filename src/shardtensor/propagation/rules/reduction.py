@@ -43,7 +43,8 @@ from ... import comm
 from ...errors import PropagationError
 from ...placement import Partial, Placement, Replicate, Shard
 from ...spec import DTensorSpec
-from .. import Call, Decision, register, unsupported
+from ..call import Call, Decision
+from ..registry import register, unsupported
 from ..strategy import Pl, finish, kept_order, pick
 
 aten = torch.ops.aten

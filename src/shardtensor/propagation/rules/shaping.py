@@ -14,7 +14,8 @@ from dataclasses import replace
 import torch
 
 from ...placement import NormPartial, Partial, Placement
-from .. import Call, Decision, register
+from ..call import Call, Decision
+from ..registry import register
 from ..strategy import linear_partial
 from .view import follow
 

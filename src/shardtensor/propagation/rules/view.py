@@ -10,32 +10,26 @@ unless a row says otherwise.  ``insert``/``drop`` renumber shard dims when a dim
 | ``permute``, ``transpose.int``, ``t`` (``movedim``, ``swapaxes``) | as is | ``S(d)`` -> ``S(new position of d)`` |
 | ``squeeze.dims`` (``squeeze``) | ``S`` on a removed dim gathered; only dims of GLOBAL length 1 are removed | ``drop``; the kernel gets the explicit dim list |
 | ``unsqueeze`` | as is | ``insert(pi, dim)`` |
-| ``select.int`` | as is (a sharded ``dim``: the owning rank broadcasts the row) | ``drop(pi, dim)`` with ``S(dim)`` -> R; ``unbind`` decomposes into it |
-| ``slice.Tensor`` (``narrow``) | ``gather(dim)`` unless the slice is the whole dim | same as required |
-| ``split_with_sizes`` (``split``, ``chunk``) | ``gather(dim)`` | every output = required |
-| ``index_select`` | ``gather(dim)`` on self; index Replicate | same as self's required |
 | ``cat`` | one common placement per mesh dim, ``S(dim)`` gathered; cheapest of the inputs' own (gathered, with and without partials) and all-R; legacy ``(0,)`` inputs ignored | the common placement |
 | ``stack`` | one common placement (same candidates, ``S(dim)`` legal) | ``insert(pi, dim)`` |
-| ``select_backward``, ``slice_backward`` | grad: ``S(dim)`` gathered | ``insert`` / same; ``input_sizes`` -> local sizes; plain Partial kinds pass |
-| ``slice_scatter``, ``select_scatter`` | per mesh dim: self's ``S(d)``, ``d != dim``, else src's, else a Partial kind both share, else R | the common target |
 | ``as_strided`` | identity (same size and stride, offset 0) only; anything else raises | as is |
 
-The ``*_copy`` variants of these views share their rules.
+The ``*_copy`` variants of these views share their rules; select, slice and their scatters and
+backwards are in ``slicing.py``.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch
 
-from ... import comm
 from ...errors import PropagationError
 from ...placement import NormPartial, Partial, Placement, Replicate, Shard, ShardOrder, chunk, unpartial
 from ...spec import DTensorSpec
-from .. import Call, Decision, register, unsupported
-from ..strategy import Candidate, select
+from ..call import Call, Decision
+from ..registry import register, unsupported
+from ..strategy import Candidate, any_partial, finish, select
 from .factory import put_sizes
 
 aten = torch.ops.aten
@@ -47,35 +41,24 @@ R = Replicate()
 
 # -- shared helpers --------------------------------------------------------------------------
 
-def _norm(dim: int, n: int) -> int:
+def norm_dim(dim: int, n: int) -> int:
     n = max(n, 1)
     if not -n <= dim < n:
         raise IndexError(f"Dimension out of range (expected to be in range of [{-n}, {n - 1}], but got {dim})")
     return dim % n
 
 
-def _spec(call: Call, meta: torch.Tensor, pl: Sequence[Placement], order: ShardOrder | None) -> DTensorSpec:
+def spec_of(call: Call, meta: torch.Tensor, pl: Sequence[Placement], order: ShardOrder | None) -> DTensorSpec:
     return DTensorSpec.build(call.mesh, pl, meta.shape, meta.stride(), meta.dtype, order)
 
 
-def _decision(call: Call, required: dict[int, DTensorSpec], output: Any,
-              local_args: Callable | None = None, kernel: Callable | None = None) -> Decision:
-    inputs = tuple(required.get(i) for i in range(len(call.flat)))
-    moved = any(r is not None and r != call.specs[i] for i, r in required.items())
-    return Decision(inputs, output, moved, local_args, kernel)
-
-
-def _keep_partial(p: Placement) -> bool:
-    return True
-
-
-def _plain_partial(p: Placement) -> bool:
+def plain_partial(p: Placement) -> bool:
     """Zero-filling ops: a 0 is the identity of sum/avg and absorbing for max/min/product terms alike."""
     return not isinstance(p, NormPartial)
 
 
 def follow(call: Call, pos: int, dim_map: dict[int, int], metas: Any, *, gather: Sequence[int] = (),
-           partial_ok: Callable[[Placement], bool] = _keep_partial, local_args: Callable | None = None,
+           partial_ok: Callable[[Placement], bool] = any_partial, local_args: Callable | None = None,
            kernel: Callable | None = None, decision: bool = True) -> Any:
     """Decision for an op whose output dims come from input dims by ``dim_map`` (in -> out).
 
@@ -100,13 +83,13 @@ def follow(call: Call, pos: int, dim_map: dict[int, int], metas: Any, *, gather:
     if not decision:
         return required, out_pl, out_order
     if isinstance(metas, (list, tuple)):
-        out = type(metas)(_spec(call, m, out_pl, out_order) if isinstance(m, torch.Tensor) else None for m in metas)
+        out = type(metas)(spec_of(call, m, out_pl, out_order) if isinstance(m, torch.Tensor) else None for m in metas)
     else:
-        out = _spec(call, metas, out_pl, out_order)
-    return _decision(call, {pos: required}, out, local_args, kernel)
+        out = spec_of(call, metas, out_pl, out_order)
+    return finish(call, {pos: required}, out, local_args=local_args, kernel=kernel)
 
 
-def _local_sizes(call: Call, name: str, out_spec: DTensorSpec) -> Callable[[list], list] | None:
+def local_sizes(call: Call, name: str, out_spec: DTensorSpec) -> Callable[[list], list] | None:
     """Per-rank rewrite of the size argument ``name`` to the output's local shape."""
     if not any(isinstance(p, Shard) for p in out_spec.placements):
         return None
@@ -222,11 +205,11 @@ def view_rule(call: Call) -> Decision:
         need.append(p)
         out_pl.append(p)
     required = s.with_placements(need, tuple((d, js) for d, (_, js) in sorted(keep.items())))
-    out_spec = _spec(call, out, out_pl, tuple(sorted(keep.values())))
+    out_spec = spec_of(call, out, out_pl, tuple(sorted(keep.values())))
     copy = call.op is aten.view_copy.default
     size_arg = "shape" if call.op is aten.reshape.default else "size"
-    return _decision(call, {0: required}, out_spec, _local_sizes(call, size_arg, out_spec),
-                     _reshape_copy if copy else _reshape)
+    return finish(call, {0: required}, out_spec, local_args=local_sizes(call, size_arg, out_spec),
+                  kernel=_reshape_copy if copy else _reshape)
 
 
 def _reshape(x: torch.Tensor, size: Sequence[int], *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -249,14 +232,14 @@ def expand_rule(call: Call) -> Decision:
     shift = out.ndim - s.ndim
     dim_map = {d: d + shift for d in range(s.ndim) if not (s.shape[d] == 1 and out.shape[d + shift] != 1)}
     required, out_pl, order = follow(call, 0, dim_map, out, decision=False)
-    out_spec = _spec(call, out, out_pl, order)
-    return _decision(call, {0: required}, out_spec, _local_sizes(call, "size", out_spec))
+    out_spec = spec_of(call, out, out_pl, order)
+    return finish(call, {0: required}, out_spec, local_args=local_sizes(call, "size", out_spec))
 
 
 @register(aten.permute.default, aten.permute_copy.default)
 def permute_rule(call: Call) -> Decision:
     s = call.specs[0]
-    dims = [_norm(d, s.ndim) for d in call.arg("dims")]
+    dims = [norm_dim(d, s.ndim) for d in call.arg("dims")]
     return follow(call, 0, {d: i for i, d in enumerate(dims)}, call.out_meta)
 
 
@@ -265,7 +248,7 @@ def transpose_rule(call: Call) -> Decision:
     s = call.specs[0]
     if s.ndim == 0:
         return follow(call, 0, {}, call.out_meta)
-    d0, d1 = _norm(call.arg("dim0"), s.ndim), _norm(call.arg("dim1"), s.ndim)
+    d0, d1 = norm_dim(call.arg("dim0"), s.ndim), norm_dim(call.arg("dim1"), s.ndim)
     dim_map = {d: d for d in range(s.ndim)}
     dim_map[d0], dim_map[d1] = d1, d0
     return follow(call, 0, dim_map, call.out_meta)
@@ -286,7 +269,7 @@ def squeeze_dims_rule(call: Call) -> Decision:
     s = call.specs[0]
     dims = call.arg("dim")
     dims = [dims] if isinstance(dims, int) else list(dims)
-    gone = sorted({_norm(d, s.ndim) for d in dims if s.ndim} & {d for d in range(s.ndim) if s.shape[d] == 1})
+    gone = sorted({norm_dim(d, s.ndim) for d in dims if s.ndim} & {d for d in range(s.ndim) if s.shape[d] == 1})
     dim_map, k = {}, 0
     for d in range(s.ndim):
         if d not in gone:
@@ -303,182 +286,8 @@ def squeeze_dims_rule(call: Call) -> Decision:
 @register(aten.unsqueeze.default, aten.unsqueeze_copy.default)
 def unsqueeze_rule(call: Call) -> Decision:
     s = call.specs[0]
-    dim = _norm(call.arg("dim"), s.ndim + 1)
+    dim = norm_dim(call.arg("dim"), s.ndim + 1)
     return follow(call, 0, {d: d + (d >= dim) for d in range(s.ndim)}, call.out_meta)
-
-
-# -- select / slice / split / index_select -------------------------------------------------
-
-@register(aten.select.int, aten.select_copy.int)
-def select_rule(call: Call) -> Decision:
-    """Output ``drop(pi, dim)`` (negative dim and index normalised, every partial passes).
-
-    A sharded ``dim`` is not gathered: the rank holding the row selects it and broadcasts it
-    over the mesh dims that shard ``dim`` (one row moves instead of the whole dim).
-    """
-    s = call.specs[0]
-    dim = _norm(call.arg("dim"), s.ndim)
-    dim_map = {d: d - (d > dim) for d in range(s.ndim) if d != dim}
-    js = next((js for d, js in s.shard_order if d == dim), ())
-    if not js:
-        return follow(call, 0, dim_map, call.out_meta)
-    n = s.shape[dim]
-    index = call.arg("index")
-    if not -n <= index < n:
-        raise IndexError(f"select(): index {index} out of range for tensor of size {tuple(s.shape)} at dimension {dim}")
-    index %= n
-    owners: list[tuple[int, int]] = []
-    length, offset, mesh = n, 0, s.mesh
-    for j in js:
-        k = mesh.shape[j]
-        c = -(-length // k)
-        r = (index - offset) // c
-        length, off = chunk(length, k, r)
-        offset += off
-        owners.append((j, r))
-    local_index = index - offset
-    out_pl = tuple(R if isinstance(p, Shard) and p.dim == dim else Shard(dim_map[p.dim]) if isinstance(p, Shard)
-                   else p for p in s.placements)
-    out_order = tuple(sorted((dim_map[d], js2) for d, js2 in s.shard_order if d != dim))
-    out_spec = _spec(call, call.out_meta, out_pl, out_order)
-    def kernel(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        coord = mesh.get_coordinate()
-        shape = list(x.shape)
-        del shape[dim]
-        if all(coord[j] == r for j, r in owners):
-            row = x.select(dim, local_index).contiguous()
-        else:
-            row = x.new_empty(shape)
-        wire = row.to(torch.uint8) if row.dtype == torch.bool else row
-        for j, r in reversed(owners):
-            wire = comm.broadcast(wire, r, mesh, j)
-        return wire.to(torch.bool) if row.dtype == torch.bool else wire
-
-    return replace(_decision(call, {0: s}, out_spec, kernel=kernel), copies=True)
-
-
-@register(aten.slice.Tensor, aten.slice_copy.Tensor)
-def slice_rule(call: Call) -> Decision:
-    """A slice that keeps the whole dim is an identity (shards kept); any other gathers ``dim``."""
-    s = call.specs[0]
-    out = call.out_meta
-    if s.ndim == 0:
-        raise unsupported(call.op, call.specs, "on a 0-d tensor")
-    dim = _norm(call.arg("dim", 0), s.ndim)
-    identity = {d: d for d in range(s.ndim)}
-    if out.shape[dim] == s.shape[dim]:
-        op = call.op
-
-        def kernel(x, *args, **kwargs):
-            return op(x, dim, None, None, 1)
-
-        return follow(call, 0, identity, out, kernel=kernel)
-    return follow(call, 0, identity, out, gather=[dim])
-
-
-@register(aten.split_with_sizes.default)
-def split_with_sizes_rule(call: Call) -> Decision:
-    """``gather(dim)``; every output takes the required placements; partials pass."""
-    s = call.specs[0]
-    dim = _norm(call.arg("dim", 0), s.ndim)
-    return follow(call, 0, {d: d for d in range(s.ndim)}, list(call.out_meta), gather=[dim])
-
-
-@register(aten.index_select.default)
-def index_select_rule(call: Call) -> Decision:
-    """Self: ``dim`` gathered, other shards and partials kept; the index is made Replicate."""
-    s = call.specs[0]
-    dim = _norm(call.arg("dim"), s.ndim)
-    required, out_pl, order = follow(call, 0, {d: d for d in range(s.ndim)}, None, gather=[dim], decision=False)
-    need = {0: required}
-    ipos = call.pos("index")
-    if ipos is not None:
-        idx = call.specs[ipos]
-        need[ipos] = idx.with_placements([R] * idx.mesh.ndim)
-    return _decision(call, need, _spec(call, call.out_meta, out_pl, order))
-
-
-# -- backward of select / slice ----------------------------------------------------------------
-
-@register(aten.select_backward.default)
-def select_backward_rule(call: Call) -> Decision:
-    """Output = grad with the selected dim inserted (R there); ``input_sizes`` become local sizes."""
-    g = call.specs[0]
-    out = call.out_meta
-    dim = _norm(call.arg("dim"), out.ndim)
-    required, out_pl, order = follow(call, 0, {d: d + (d >= dim) for d in range(g.ndim)}, None,
-                                     partial_ok=_plain_partial, decision=False)
-    out_spec = _spec(call, out, out_pl, order)
-    return _decision(call, {0: required}, out_spec, _local_sizes(call, "input_sizes", out_spec))
-
-
-@register(aten.slice_backward.default)
-def slice_backward_rule(call: Call) -> Decision:
-    """Output = grad zero-padded along ``dim`` (gathered); ``input_sizes`` become local sizes."""
-    g = call.specs[0]
-    out = call.out_meta
-    dim = _norm(call.arg("dim"), out.ndim)
-    required, out_pl, order = follow(call, 0, {d: d for d in range(g.ndim)}, None, gather=[dim],
-                                     partial_ok=_plain_partial, decision=False)
-    out_spec = _spec(call, out, out_pl, order)
-    return _decision(call, {0: required}, out_spec, _local_sizes(call, "input_sizes", out_spec))
-
-
-# -- scatters -------------------------------------------------------------------------------------
-
-def _scatter_target(self_spec: DTensorSpec, src_spec: DTensorSpec, dim: int, src_to_self: dict[int, int],
-                    whole: bool) -> list[Placement]:
-    target: list[Placement] = []
-    for a, b in zip(self_spec.placements, src_spec.placements):
-        if isinstance(a, Shard) and (a.dim != dim or whole):
-            target.append(a)
-        elif isinstance(b, Shard) and b.dim in src_to_self and (src_to_self[b.dim] != dim or whole):
-            target.append(Shard(src_to_self[b.dim]))
-        elif isinstance(a, Partial) and a == b:
-            target.append(a)
-        else:
-            target.append(R)
-    return target
-
-
-def _scatter_decision(call: Call, dim: int, src_to_self: dict[int, int], whole: bool,
-                      kernel: Callable | None = None) -> Decision:
-    sp, rp = call.pos("self"), call.pos("src")
-    if sp is None or rp is None:
-        raise unsupported(call.op, call.specs, "needs DTensors for both self and src")
-    s, r = call.specs[sp], call.specs[rp]
-    target = _scatter_target(s, r, dim, src_to_self, whole)
-    back = {v: k for k, v in src_to_self.items()}
-    src_pl = [Shard(back[p.dim]) if isinstance(p, Shard) else p for p in target]
-    out_spec = _spec(call, call.out_meta, target, None)
-    return _decision(call, {sp: s.with_placements(target), rp: r.with_placements(src_pl)}, out_spec, kernel=kernel)
-
-
-@register(aten.slice_scatter.default)
-def slice_scatter_rule(call: Call) -> Decision:
-    s = call.specs[call.pos("self")] if call.pos("self") is not None else None
-    if s is None:
-        raise unsupported(call.op, call.specs, "needs a DTensor self")
-    dim = _norm(call.arg("dim", 0), s.ndim)
-    r = call.specs[call.pos("src")] if call.pos("src") is not None else None
-    whole = r is not None and r.shape[dim] == s.shape[dim]
-    kernel = None
-    if whole:
-        op = call.op
-
-        def kernel(x, src, *args, **kwargs):
-            return op(x, src, dim, None, None, 1)
-
-    return _scatter_decision(call, dim, {d: d for d in range(s.ndim)}, whole, kernel)
-
-
-@register(aten.select_scatter.default)
-def select_scatter_rule(call: Call) -> Decision:
-    s = call.specs[call.pos("self")] if call.pos("self") is not None else None
-    if s is None:
-        raise unsupported(call.op, call.specs, "needs a DTensor self")
-    dim = _norm(call.arg("dim"), s.ndim)
-    return _scatter_decision(call, dim, {d: d + (d >= dim) for d in range(s.ndim - 1)}, False)
 
 
 # -- cat / stack --------------------------------------------------------------------------------
@@ -500,13 +309,8 @@ def _common(call: Call, positions: list[int], gather_dim: int | None) -> tuple[P
 
 def _list_decision(call: Call, positions: list[int], common: tuple[Placement, ...],
                    out_pl: tuple[Placement, ...]) -> Decision:
-    required = {}
-    for i in positions:
-        s = call.specs[i]
-        if s.placements != common or not s.is_default_order:
-            s = s.with_placements(common)
-        required[i] = s
-    return _decision(call, required, _spec(call, call.out_meta, out_pl, None))
+    """Every input on ``common`` in the default order (the output's), the output on ``out_pl``."""
+    return finish(call, {i: common for i in positions}, spec_of(call, call.out_meta, out_pl, None))
 
 
 @register(aten.cat.default)
@@ -522,7 +326,7 @@ def cat_rule(call: Call) -> Decision:
         raise unsupported(call.op, call.specs, "with a list mixing DTensors and plain tensors")
     legacy = [i for i in all_pos if call.specs[i].ndim == 1 and call.specs[i].shape[0] == 0 and out.ndim != 1]
     positions = [i for i in all_pos if i not in legacy] or all_pos[:1]
-    dim = _norm(call.arg("dim", 0), out.ndim)
+    dim = norm_dim(call.arg("dim", 0), out.ndim)
     common = _common(call, positions, dim)
     return _list_decision(call, positions, common, common)
 
@@ -534,7 +338,7 @@ def stack_rule(call: Call) -> Decision:
     if not positions or any(p is None for p in positions):
         raise unsupported(call.op, call.specs, "with a list mixing DTensors and plain tensors")
     nd = call.specs[positions[0]].ndim
-    dim = _norm(call.arg("dim", 0), nd + 1)
+    dim = norm_dim(call.arg("dim", 0), nd + 1)
     common = _common(call, positions, None)
     out_pl = tuple(Shard(p.dim + (p.dim >= dim)) if isinstance(p, Shard) else p for p in common)
     return _list_decision(call, positions, common, out_pl)

@@ -133,7 +133,7 @@ def reference_losses(cfg: Config) -> list[float]:
 
 
 def tp_plan() -> dict[str, Any]:
-    from .parallel import ColwiseParallel, RowwiseParallel
+    from shardtensor.parallel import ColwiseParallel, RowwiseParallel
 
     return {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
             "attn.o": RowwiseParallel(), "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()}
@@ -150,9 +150,9 @@ class RankResult:
 def parallelize(model: TinyLM, mesh) -> TinyLM:
     """torch's 2-D recipe: TP on ``mesh["tp"]`` (the blocks' plan, the head column-wise with a
     replicated output), then FSDP on ``mesh["dp"]``: every block, then the root."""
-    from .fsdp import fully_shard
-    from .parallel import ColwiseParallel, parallelize_module
-    from .placement import Replicate
+    from shardtensor.fsdp import fully_shard
+    from shardtensor.parallel import ColwiseParallel, parallelize_module
+    from shardtensor.placement import Replicate
 
     for blk in model.blocks:
         parallelize_module(blk, mesh["tp"], tp_plan())
@@ -165,9 +165,9 @@ def parallelize(model: TinyLM, mesh) -> TinyLM:
 
 def train_rank(cfg: Config, ref: list[float], show: bool) -> RankResult:
     """One rank's part: parallelize, shard, train ``cfg.steps`` Adam steps."""
-    from . import comm
-    from .mesh import init_device_mesh
-    from .placement import display
+    from shardtensor import comm
+    from shardtensor.mesh import init_device_mesh
+    from shardtensor.placement import display
 
     torch.manual_seed(cfg.seed)
     mesh = init_device_mesh(torch.device(cfg.device).type, (2, 2), mesh_dim_names=("dp", "tp"))
@@ -318,7 +318,7 @@ def _torchrun(cfg: Config, backend: str, png: str | None) -> int:
     from dataclasses import replace
     from datetime import timedelta
 
-    from .comm import DEFAULT_TIMEOUT_S
+    from shardtensor.comm import DEFAULT_TIMEOUT_S
 
     device = _process_device(cfg.device, int(os.environ.get("LOCAL_RANK", "0")))
     cfg = replace(cfg, device=device)
@@ -365,7 +365,7 @@ def main(backend: str = "sim", steps: int = 6, png: str | None = None, device: s
               f"{device}", flush=True)
         results = _spawn_gloo(cfg, ref)
         return 0 if report(results, ref, f"4 gloo processes, {device}", png) else 1
-    from .comm import run_spmd
+    from shardtensor.comm import run_spmd
 
     print(f"shardtensor demo -- tiny transformer, FSDP (dp) x TP (tp) on a (2, 2) mesh, simulated world (4 ranks), "
           f"{device}", flush=True)
@@ -374,7 +374,7 @@ def main(backend: str = "sim", steps: int = 6, png: str | None = None, device: s
 
 
 def _is_rank0() -> bool:
-    from .comm import current_transport
+    from shardtensor.comm import current_transport
 
     return current_transport().rank == 0
 

@@ -1,4 +1,4 @@
-"""``shardtensor demo``: a guided tour of placements, redistribution and elementwise ops.
+"""``shardtensor tour``: a guided tour of placements, redistribution and elementwise ops.
 
 Runs on a (2, 2) mesh of 4 ranks -- in the simulated world by default, or in real processes
 when started under ``torchrun --nproc-per-node 4``.  Each step prints the placements, every
@@ -14,10 +14,10 @@ from typing import Any, Callable
 
 import torch
 
-from . import comm
-from .mesh import init_device_mesh
-from .placement import Partial, Replicate, Shard, display
-from .tensor import DTensor, distribute_tensor
+from shardtensor import comm
+from shardtensor.mesh import init_device_mesh
+from shardtensor.placement import Partial, Replicate, Shard, display
+from shardtensor.tensor import DTensor, distribute_tensor
 
 
 @dataclass
@@ -67,7 +67,7 @@ def _fmt_bytes(n: int) -> str:
 
 def print_report(per_rank: list[list[StepResult]], world: str, seconds: float) -> bool:
     """Print one block per step; True when every rank's value matched the dense tensor."""
-    print(f"shardtensor demo -- mesh (2, 2) ('dp', 'tp'), 4 ranks, {world}\n")
+    print(f"shardtensor tour -- mesh (2, 2) ('dp', 'tp'), 4 ranks, {world}\n")
     all_ok = True
     for i, first in enumerate(per_rank[0]):
         rows = [r[i] for r in per_rank]
@@ -88,7 +88,7 @@ def print_report(per_rank: list[list[StepResult]], world: str, seconds: float) -
 
 
 def main(backend: str = "sim") -> int:
-    """Entry of ``shardtensor demo``; exit code 0 when every check passes."""
+    """Entry of ``shardtensor tour``; exit code 0 when every check passes."""
     t0 = time.perf_counter()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         import torch.distributed as dist
@@ -103,7 +103,7 @@ def main(backend: str = "sim") -> int:
             ok = print_report(gathered, f"torch.distributed ({dist.get_backend()})", time.perf_counter() - t0)
         dist.destroy_process_group()
         return 0 if ok else 1
-    from .comm import run_spmd
+    from shardtensor.comm import run_spmd
 
     per_rank: list[Any] = run_spmd(_tour, 4, [])
     return 0 if print_report(per_rank, "simulated world (one process)", time.perf_counter() - t0) else 1

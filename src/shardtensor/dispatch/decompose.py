@@ -11,7 +11,8 @@ Three sources, tried in order for an op that has no rule:
    (``OpOverload.decompose``), then ``torch._decomp.decomposition_table``.
 
 A decomposition runs on the DTensors themselves, so every op it emits goes through dispatch
-(with its own rule, cache entry and redistribution).
+(with its own rule, cache entry and redistribution).  This is the dispatch layer: rules only
+decide, decompositions run.
 """
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ from typing import Any, Callable
 import torch
 
 from ..errors import PropagationError
+from ..placement import Replicate, Shard
+from ..propagation.registry import unsupported
+from ..propagation.rules.foreach import contiguous_fused, overloads
+from ..redistribute import redistribute_local
 
 aten = torch.ops.aten
 
@@ -108,7 +113,6 @@ def _sum_default(x, *, dtype=None):
 
 def _max_min_dim(largest: bool) -> Callable:
     def run(x, dim, keepdim=False):
-        from ..placement import Replicate, Shard
         from ..tensor import DTensor
 
         d = dim % max(x.ndim, 1)
@@ -221,10 +225,8 @@ def _unsafe_split_with_sizes(x, sizes, dim=0):
 
 @decomposition(aten.unbind.int)
 def _unbind(x, dim=0):
-    from ..placement import Replicate, Shard
-    from ..tensor import DTensor
-
     from ..aliasing import note_copies
+    from ..tensor import DTensor
 
     d = dim % x.ndim
     if isinstance(x, DTensor) and any(isinstance(p, Shard) and p.dim == d for p in x.placements):
@@ -255,3 +257,109 @@ def _lift_fresh(x):
 @decomposition(aten.trace.default)
 def _trace(x):
     return aten.sum.dim_IntList(aten.diagonal.default(x), None, False)
+
+
+# -- plain all-zeros tensors that backward formulas build -----------------------------------
+
+@decomposition(aten.scatter_add.default)
+def _scatter_add(self: Any, dim: int, index: Any, src: Any) -> Any:
+    """``scatter_reduce(..., "sum", include_self=True)``; a plain all-zeros ``self`` counts as Replicate."""
+    from ..tensor import DTensor
+
+    if isinstance(self, torch.Tensor) and not isinstance(self, DTensor):
+        self = _replicated(aten.scatter_add.default, self, index if isinstance(index, DTensor) else src)
+    return aten.scatter_reduce.two(self, dim, index, src, "sum", include_self=True)
+
+
+@decomposition(aten.index_put.default)
+def _index_put(self: Any, indices: Any, values: Any, accumulate: bool = False) -> Any:
+    """``_index_put_impl_`` on a clone; a plain all-zeros ``values`` (what the backward of
+    ``index_put`` builds with ``at::zeros``) counts as Replicate."""
+    values = _replicated(aten.index_put.default, values, self)
+    out = aten.clone.default(self)
+    aten._index_put_impl_.default(out, indices, values, accumulate, False)
+    return out
+
+
+def _replicated(op: Any, t: Any, ref: Any) -> Any:
+    """A plain tensor among DTensors as a Replicate DTensor: only 0-d or all-zeros ones (their
+    value cannot differ between ranks in a way the caller meant), anything else raises."""
+    from ..tensor import DTensor
+
+    if not isinstance(t, torch.Tensor) or isinstance(t, DTensor) or t.ndim == 0:
+        return t
+    if not isinstance(ref, DTensor) or bool(t.any()):
+        raise TypeError(f"{op}: got a plain torch.Tensor of shape {tuple(t.shape)} mixed with DTensors; "
+                        "convert it with distribute_tensor or DTensor.from_local")
+    mesh = ref.device_mesh
+    return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+# -- fused SGD ------------------------------------------------------------------------------
+
+def _fused_sgd(op) -> Callable[..., None]:
+    """``_fused_sgd_``: the fused kernel on local shards when every momentum buffer has its
+    param's placements (grads move to them); otherwise the same update in foreach ops.
+
+    Torch creates the first momentum buffers with ``empty_like(grad)``, so a ``Partial`` grad
+    gives a ``Partial`` buffer that the fused kernel cannot update in place; the foreach form
+    keeps such a buffer ``Partial`` (as ``foreach=True`` SGD does).
+    """
+
+    def run(params, grads, bufs, *, weight_decay, momentum, lr, dampening, nesterov, maximize, is_first_step,
+            grad_scale=None, found_inf=None) -> None:
+        from ..tensor import DTensor
+
+        kw = dict(weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov,
+                  maximize=maximize, is_first_step=is_first_step, grad_scale=grad_scale, found_inf=found_inf)
+        same = all(isinstance(b, DTensor) and isinstance(p, DTensor) and b._spec.placements == p._spec.placements
+                   and b._spec.shard_order == p._spec.shard_order for p, b in zip(params, bufs))
+        if same:
+            flat = [*params, *grads, *bufs]
+            specs = [t._spec if isinstance(t, DTensor) else None for t in flat]
+            n = len(params)
+            for i, (p, g) in enumerate(zip(params, grads)):
+                if not isinstance(p, DTensor) or not isinstance(g, DTensor):
+                    raise unsupported(op, specs, "with plain tensors mixed with DTensors")
+                if any(q.is_partial() for q in p.placements):
+                    raise PropagationError(f"shardtensor: {op}: param {i} is Partial {p.placements}; optimizer params "
+                                       "must be Replicate or Shard")
+            local_g = []
+            for p, g in zip(params, grads):
+                want = g._spec.with_placements(p._spec.placements, p._spec.shard_order)
+                if want != g._spec and grad_scale is not None:
+                    raise unsupported(op, specs, "with grad_scale and grads placed unlike their params (the kernel "
+                                      "unscales grads in place)")
+                local_g.append(g._local_tensor if want == g._spec else redistribute_local(g._local_tensor, g._spec, want))
+            extra = {k: (_replicated_local(v) if isinstance(v, DTensor) else v) for k, v in kw.items()}
+            contiguous_fused(op, [p._local_tensor for p in params], local_g,
+                             [b._local_tensor for b in bufs][:n] if bufs else [], **extra)
+            return None
+        if grad_scale is not None or found_inf is not None:
+            raise unsupported(op, [t._spec for t in [*params, *grads, *bufs] if isinstance(t, DTensor)],
+                              "with grad_scale/found_inf and momentum buffers placed unlike their params")
+        if isinstance(lr, torch.Tensor):
+            lr = lr.item()
+        g = torch._foreach_neg(grads) if maximize else list(grads)
+        if weight_decay != 0:
+            g = torch._foreach_add(g, params, alpha=weight_decay)
+        if momentum != 0:
+            if is_first_step:
+                torch._foreach_copy_(bufs, g)
+            else:
+                torch._foreach_mul_(bufs, momentum)
+                torch._foreach_add_(bufs, g, alpha=1 - dampening)
+            g = torch._foreach_add(g, bufs, alpha=momentum) if nesterov else bufs
+        torch._foreach_add_(params, g, alpha=-lr)
+        return None
+
+    return run
+
+
+def _replicated_local(t) -> torch.Tensor:
+    want = t._spec.with_placements([Replicate()] * t._spec.mesh.ndim)
+    return t._local_tensor if want == t._spec else redistribute_local(t._local_tensor, t._spec, want)
+
+
+for _op in overloads("_fused_sgd_"):
+    DECOMPOSITIONS[_op] = _fused_sgd(_op)

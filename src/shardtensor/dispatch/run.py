@@ -1,0 +1,189 @@
+"""Dispatch: every aten op on DTensors, top-down.
+
+``dispatch`` routes the op (:func:`route`: its sharding rule, else a decomposition into ops that
+have rules), asks propagation for the decision, redistributes the inputs it requires, runs the
+local kernel and wraps the result.  Plain tensors met on the way are replicated values where
+``implicit_replication`` allows them, and an error naming the argument elsewhere.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from .. import comm
+from ..aliasing import check_placement_change, check_writes, forget_copies, note_copies, op_kind
+from ..errors import MeshMismatchError, UnsupportedOpError
+from ..implicit import implicit_allowed, implicit_replication, plain_tensor_error
+from ..listops import is_list_op, run_per_mesh
+from ..placement import Replicate, display
+from ..propagation import flatten_call, propagate, rule_for, unflatten_call
+from ..redistribute import redistribute_local
+from ..spec import DTensorSpec
+from ..submesh import off_mesh_result
+from ..tensor import DTensor
+from .decompose import find_decomposition
+
+__all__ = ["dispatch", "route"]
+
+_decomposed: dict[int, Any] = {}
+_MISSING = object()
+
+
+def route(op) -> Any:
+    """How ``op`` is handled: its rule (callable), ``("decompose", fn)``, or ``None`` (unsupported)."""
+    rule = rule_for(op)
+    if rule is not None:
+        return rule
+    fn = _decomposed.get(id(op), _MISSING)
+    if fn is _MISSING:
+        fn = _decomposed[id(op)] = find_decomposition(op)
+    return ("decompose", fn) if fn is not None else None
+
+
+def dispatch(func, args: tuple, kwargs: dict) -> Any:
+    """propagation -> redistribute -> local kernel -> wrap (or a decomposition into ops that have rules)."""
+    view, writes = op_kind(func)
+    if writes:
+        check_writes(func, writes, args, kwargs)
+    r = route(func)
+    if isinstance(r, tuple):
+        _check_plain(func, args, kwargs)
+        try:
+            with implicit_replication():  # plain tensors the decomposition builds are the same on every rank
+                out = r[1](*args, **kwargs)
+            return out if view else forget_copies(out)  # a non-view op's results are its own memory
+        except NotImplementedError as e:
+            if isinstance(e, UnsupportedOpError) and e.op == func:
+                raise
+            pls = ", ".join(display(a.placements, a.shard_order) for a in tree_flatten((args, kwargs))[0]
+                            if isinstance(a, DTensor))
+            raise UnsupportedOpError(f"shardtensor: {func} has no sharding rule and its decomposition failed "
+                                      f"(input placements: {pls}): {e}", func) from e
+    flat, treedef = flatten_call(args, kwargs)
+    specs: list[DTensorSpec | None] = []
+    plain: list[int] | None = None
+    first: DTensor | None = None
+    for i, a in enumerate(flat):
+        if isinstance(a, DTensor):
+            specs.append(a._spec)
+            if first is None:
+                first = a
+        else:
+            if isinstance(a, torch.Tensor) and a.ndim > 0:  # _is_plain, inlined: the hot loop of every op
+                plain = (plain or []) + [i]
+            specs.append(None)
+    if plain is not None:
+        return _dispatch_with_plain(func, flat, specs, treedef, plain)
+    try:
+        decision = propagate(func, flat, specs, treedef)
+    except MeshMismatchError:
+        if not is_list_op(func):
+            raise
+        return run_per_mesh(func, args, kwargs, dispatch, DTensor)
+    # a rank outside the mesh holds an empty (or 0-d placeholder) local tensor and runs nothing; the
+    # size test first keeps the rank lookup off the hot path
+    if first is not None and first._local_tensor.numel() <= 1 and first._spec.mesh._coord is None:
+        return off_mesh_result(func, decision.output, flat[0], first._local_tensor.device, first.dtype,
+                               _returns_self(func), DTensor)
+    if not decision.redistribute:
+        local = [a if s is None else a._local_tensor for a, s in zip(flat, specs)]
+    elif comm.listening():
+        with comm.scope(str(func)):
+            local = _local_args(flat, specs, decision)
+    else:
+        local = _local_args(flat, specs, decision)
+    if decision.local_args is not None:
+        local = decision.local_args(local)
+    largs, lkwargs = unflatten_call(local, treedef)
+    inplace = _returns_self(func)
+    if inplace and first is flat[0]:  # before the kernel writes: raising then loses nothing
+        check_placement_change(func, first, decision.output, local[0] is not first._local_tensor)
+    out = (decision.kernel or func)(*largs, **lkwargs)
+    if inplace:
+        me = flat[0]
+        if isinstance(me, DTensor):
+            if local[0] is not me._local_tensor:
+                me._local_tensor = local[0]
+            if isinstance(decision.output, DTensorSpec) and decision.output != me._spec:
+                me._spec = decision.output
+        return me
+    out = _wrap(out, decision.output)
+    if view:
+        w = decision.inputs[0]
+        note_copies(func, flat[0], decision.copies or (decision.redistribute and w is not None and w != specs[0]), out)
+    return out
+
+
+def _is_plain(a: Any) -> bool:
+    """A non-DTensor tensor with dims (an ``nn.Parameter`` too): it needs a placement to meet DTensors;
+    0-d tensors are scalars to the rules."""
+    return isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.ndim > 0
+
+
+def _check_plain(func, args: tuple, kwargs: dict) -> None:
+    for a in tree_flatten((args, kwargs))[0]:
+        if _is_plain(a) and not implicit_allowed(a):
+            raise plain_tensor_error(func, a)
+
+
+def _dispatch_with_plain(func, flat: list, specs: list, treedef, plain: list[int]) -> Any:
+    """Dispatch with the plain tensors at ``plain`` taken as replicated values (see ``implicit``).
+
+    An in-place op on a plain ``self`` leaves the whole result in that plain tensor and returns it.
+    """
+    mesh = next(s.mesh for s in specs if s is not None)
+    flat = list(flat)
+    plain_self = flat[0] if plain[0] == 0 and _returns_self(func) else None
+    for i in plain:
+        t = flat[i]
+        if not implicit_allowed(t):
+            raise plain_tensor_error(func, t)
+        spec = DTensorSpec.build(mesh, [Replicate()] * mesh.ndim, t.shape, t.stride(), t.dtype)
+        flat[i] = DTensor(t, spec)
+    args, kwargs = unflatten_call(flat, treedef)
+    out = dispatch(func, args, kwargs)
+    if plain_self is not None:
+        full = redistribute_local(out._local_tensor, out._spec, out._spec.with_placements([Replicate()] * mesh.ndim))
+        if full is not plain_self:
+            plain_self.copy_(full)
+        return plain_self
+    return out
+
+
+_SELF_RETURN: dict[int, bool] = {}
+
+
+def _returns_self(func) -> bool:
+    """In-place ops that return their (DTensor) self argument."""
+    r = _SELF_RETURN.get(id(func))
+    if r is None:
+        sch = func._schema
+        rets = sch.returns
+        r = bool(len(rets) == 1 and rets[0].alias_info is not None and rets[0].alias_info.is_write
+                 and sch.arguments and sch.arguments[0].alias_info is not None
+                 and sch.arguments[0].alias_info.is_write and not sch.arguments[0].kwarg_only)
+        _SELF_RETURN[id(func)] = r
+    return r
+
+
+def _local_args(flat: list, specs: list, decision) -> list:
+    """Local tensors of the arguments, redistributed where the decision requires."""
+    local = []
+    for a, s, want in zip(flat, specs, decision.inputs):
+        if s is None:
+            local.append(a)
+        elif decision.redistribute and want is not None and want != s:
+            local.append(redistribute_local(a._local_tensor, s, want))
+        else:
+            local.append(a._local_tensor)
+    return local
+
+
+def _wrap(out: Any, spec: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return DTensor(out, spec)
+    if isinstance(out, (tuple, list)):
+        return type(out)(_wrap(o, s) for o, s in zip(out, spec))
+    return out

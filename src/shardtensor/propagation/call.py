@@ -1,0 +1,218 @@
+"""One op call as the rules see it: flattened arguments, their specs, output metadata, and the
+:class:`Decision` a rule returns for it.
+
+Arguments are flattened once per dispatch (:func:`flatten_call`, a fast path for calls nested at
+most one level), DTensors are seen as their specs, and the global output metadata is computed
+on meta tensors only when a rule asks for it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..spec import DTensorSpec
+
+__all__ = ["Call", "Decision", "FlatCall", "flatten_call", "unflatten_call"]
+
+
+_UNSET = object()
+
+
+class FlatCall(tuple):
+    """Tree spec of a call nested at most one level: ``(arg shapes, kwarg names, kwarg shapes)``.
+
+    An arg shape is ``None`` for a leaf or ``(type, n)`` for a list/tuple/Size of ``n`` leaves.
+    The flat leaves are exactly pytree's, but building and hashing this costs a fraction of a
+    pytree walk, which matters on every cached dispatch.
+    """
+
+    __slots__ = ()
+
+
+_SEQ = (list, tuple)
+_NODES = (list, tuple, dict)
+
+
+def _shape_of(a: Any, flat: list) -> Any:
+    if isinstance(a, _SEQ):
+        for x in a:
+            if isinstance(x, (list, tuple, dict)):
+                raise _Nested
+        flat.extend(a)
+        return (type(a), len(a))
+    if isinstance(a, dict):
+        raise _Nested
+    flat.append(a)
+    return None
+
+
+class _Nested(Exception):
+    pass
+
+
+_PLAIN: dict[int, FlatCall] = {}
+
+
+def flatten_call(args: tuple, kwargs: dict) -> tuple[list, Any]:
+    """``(flat leaves, treedef)`` like ``tree_flatten((args, kwargs))``, fast for shallow calls."""
+    if not kwargs:
+        for a in args:
+            if isinstance(a, _NODES):
+                break
+        else:
+            n = len(args)
+            tdef = _PLAIN.get(n)
+            if tdef is None:
+                tdef = _PLAIN[n] = FlatCall(((None,) * n, (), ()))
+            return list(args), tdef
+    flat: list = []
+    try:
+        shapes = tuple(_shape_of(a, flat) for a in args)
+        if kwargs:
+            kw = tuple(_shape_of(a, flat) for a in kwargs.values())
+            return flat, FlatCall((shapes, tuple(kwargs), kw))
+        return flat, FlatCall((shapes, (), ()))
+    except _Nested:
+        return tree_flatten((args, kwargs))
+
+
+def _rebuild(shapes, flat: list, i: int, out: list) -> int:
+    for sh in shapes:
+        if sh is None:
+            out.append(flat[i])
+            i += 1
+        else:
+            typ, n = sh
+            out.append(typ(flat[i:i + n]))
+            i += n
+    return i
+
+
+def unflatten_call(flat: list, treedef: Any) -> tuple[tuple, dict]:
+    if isinstance(treedef, FlatCall):
+        shapes, names, kw = treedef
+        args: list = []
+        i = _rebuild(shapes, flat, 0, args)
+        if not names:
+            return tuple(args), {}
+        vals: list = []
+        _rebuild(kw, flat, i, vals)
+        return tuple(args), dict(zip(names, vals))
+    return tree_unflatten(flat, treedef)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a rule decided: required spec per flat argument (None = leave it) and output spec(s).
+
+    Decisions are cached and shared by every rank, so nothing in one may depend on the rank;
+    rank-dependent work happens in ``local_args`` and ``kernel``, which run per call.
+    """
+
+    inputs: tuple[DTensorSpec | None, ...]
+    output: Any
+    redistribute: bool
+    local_args: Callable[[list[Any]], list[Any]] | None = None
+    """Per-rank rewrite of the flat local arguments (e.g. global sizes -> this rank's local sizes)."""
+    kernel: Callable[..., Any] | None = None
+    """Custom local step ``kernel(*local_args, **local_kwargs)`` run instead of the op (it may use
+    small collectives, e.g. a scalar all-reduce); ``None`` runs the aten op itself."""
+    copies: bool = False
+    """The kernel returns new memory built from other ranks' data: for a view op, the result does
+    not alias its base (redistributed inputs count as such without this flag)."""
+
+
+class Call:
+    """One op call as the rules see it: flat args, their specs (None for non-DTensors), output meta.
+
+    ``out_meta`` (global output shape/stride/dtype on meta tensors) is computed on first use
+    only, so rules that do not need it never pay for it.
+    """
+
+    __slots__ = ("op", "flat", "specs", "treedef", "_meta")
+
+    def __init__(self, op, flat: list[Any], specs: list[DTensorSpec | None], treedef, out_meta: Any = _UNSET) -> None:
+        self.op, self.flat, self.specs, self.treedef, self._meta = op, flat, specs, treedef, out_meta
+
+    @property
+    def out_meta(self) -> Any:
+        if self._meta is _UNSET:
+            self._meta = _out_meta(self.op, self.flat, self.specs, self.treedef)
+        return self._meta
+
+    @property
+    def tensor_positions(self) -> list[int]:
+        return [i for i, s in enumerate(self.specs) if s is not None]
+
+    @property
+    def mesh(self):
+        return self.specs[self.tensor_positions[0]].mesh
+
+    def args_kwargs(self) -> tuple[tuple, dict]:
+        return unflatten_call(self.flat, self.treedef)
+
+    def spec_args(self) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` with every DTensor replaced by its spec."""
+        return unflatten_call([a if s is None else s for a, s in zip(self.flat, self.specs)], self.treedef)
+
+    def arg(self, name: str, default: Any = None) -> Any:
+        """Argument ``name`` of the op's schema (positional or keyword; DTensors as specs)."""
+        args, kwargs = self.spec_args()
+        if name in kwargs:
+            return kwargs[name]
+        for i, a in enumerate(self.op._schema.arguments):
+            if a.name == name:
+                if i < len(args):
+                    return args[i]
+                return default
+        raise KeyError(f"{self.op} has no argument {name!r}")
+
+    def slots(self, name: str) -> Any:
+        """Flat position(s) of argument ``name``: an int, a list of ints for a list arg, or None."""
+        args, kwargs = unflatten_call(list(range(len(self.flat))), self.treedef)
+        if name in kwargs:
+            return kwargs[name]
+        for i, a in enumerate(self.op._schema.arguments):
+            if a.name == name:
+                return args[i] if i < len(args) else None
+        return None
+
+    def pos(self, name: str) -> int | None:
+        """Flat position of the top-level tensor argument ``name`` (None when absent or not a DTensor)."""
+        where = self.slots(name)
+        if isinstance(where, int) and self.specs[where] is not None:
+            return where
+        return None
+
+    def positions(self, name: str) -> list[int | None]:
+        """Flat positions of the elements of the tensor-list argument ``name`` (None for non-DTensors)."""
+        where = self.slots(name)
+        if not isinstance(where, (list, tuple)):
+            return []
+        return [w if isinstance(w, int) and self.specs[w] is not None else None for w in where]
+
+
+def _meta(spec: DTensorSpec) -> torch.Tensor:
+    return torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device="meta")
+
+
+_META = torch.device("meta")
+
+
+def _to_meta(a: Any, s: DTensorSpec | None) -> Any:
+    if s is not None:
+        return _meta(s)
+    if isinstance(a, torch.Tensor):
+        return a.to("meta")
+    if isinstance(a, torch.device):
+        return _META
+    return a
+
+
+def _out_meta(op, flat, specs, treedef) -> Any:
+    """Output shape/stride/dtype from running the op on meta tensors of the global shapes."""
+    args, kwargs = unflatten_call([_to_meta(a, s) for a, s in zip(flat, specs)], treedef)
+    return op(*args, **kwargs)

@@ -1,0 +1,122 @@
+"""Propagation: (op, input specs, static args) -> Decision, from the rule, cached.
+
+The cache key is cheap and hashable: the op, the call's structure, each DTensor's spec and each
+other argument frozen (scalars by type and sign for ops whose decision depends on nothing more).
+An op without a rule raises ``UnsupportedOpError`` naming the op and the input placements.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from ..errors import MeshMismatchError, PropagationError, ShardingError
+from ..placement import display
+from ..spec import DTensorSpec
+from .call import Call, Decision
+from .registry import _BY_SIGN, rule_for, unsupported
+from .strategy import Candidate, decide
+
+__all__ = ["propagate", "clear_cache", "cache_info"]
+
+
+class _LRU:
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self.data: OrderedDict = OrderedDict()
+        self.hits = self.misses = 0
+
+    def get(self, key):
+        v = self.data.get(key)
+        if v is None:
+            self.misses += 1
+            return None
+        try:
+            self.data.move_to_end(key)
+        except KeyError:  # evicted by another simulated rank meanwhile
+            pass
+        self.hits += 1
+        return v
+
+    def put(self, key, value) -> None:
+        self.data[key] = value
+        if len(self.data) > self.maxsize:
+            self.data.popitem(last=False)
+
+
+_cache = _LRU(4096)
+
+
+def clear_cache(maxsize: int | None = None) -> None:
+    global _cache
+    _cache = _LRU(maxsize or _cache.maxsize)
+
+
+def cache_info() -> dict[str, int]:
+    return {"hits": _cache.hits, "misses": _cache.misses, "size": len(_cache.data), "maxsize": _cache.maxsize}
+
+
+def _sign(v: Any) -> Any:
+    if isinstance(v, (bool, int, float)):
+        if v != v:
+            return (type(v), "nan")
+        return (type(v), (v > 0) - (v < 0))
+    if isinstance(v, complex):
+        return (complex,)
+    return _freeze(v)
+
+
+def _freeze(v: Any) -> Any:
+    if isinstance(v, (bool, int, float, complex)):
+        if isinstance(v, float) and math.isnan(v):
+            return (float, "nan")
+        return (type(v), v)
+    if isinstance(v, torch.Tensor):
+        return ("tensor", tuple(v.shape), v.dtype, v.device)
+    if isinstance(v, (list, tuple)):
+        return tuple(_freeze(x) for x in v)
+    if isinstance(v, dict):
+        return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
+    return v
+
+
+def propagate(op, flat: list[Any], specs: list[DTensorSpec | None], treedef) -> Decision:
+    """The decision for one call, from the cache when the same signature was seen before."""
+    fr = _sign if id(op) in _BY_SIGN else _freeze
+    key = (id(op), treedef, tuple(s if s is not None else fr(a) for a, s in zip(flat, specs)))
+    d = _cache.get(key)
+    if d is not None:
+        return d
+    mesh = None
+    for s in specs:
+        if s is not None:
+            if mesh is None:
+                mesh = s.mesh
+            elif s.mesh != mesh:
+                raise MeshMismatchError(f"{op}: cross-mesh operation, operands live on different meshes "
+                                        f"{mesh!r} and {s.mesh!r}")
+    rule = rule_for(op)
+    if rule is None:
+        raise unsupported(op, specs)
+    call = Call(op, flat, specs, treedef)
+    try:
+        d = rule(call)
+    except (ShardingError, NotImplementedError):
+        raise
+    except RuntimeError as e:  # torch's own checks, met while the rule evaluated metadata
+        raise PropagationError(f"shardtensor: sharding propagation failed on {op} "
+                               f"(input placements: {_placements(specs)}): {e}") from e
+    if isinstance(d, list):
+        d = decide(call, d)
+    elif isinstance(d, Candidate):
+        d = decide(call, d)
+    if not isinstance(d, Decision):
+        raise ValueError(f"shardtensor: rule of {op} returned {type(d).__name__}, expected a Decision or candidates")
+    _cache.put(key, d)
+    return d
+
+
+def _placements(specs) -> str:
+    return ", ".join(display(s.placements, s.shard_order) for s in specs if s is not None)

@@ -1,0 +1,205 @@
+"""Select, slice, split and index_select, their backwards and scatters.
+
+Like the other view ops (``view.py``), these move data without combining values.
+
+| op | required | output |
+|---|---|---|
+| ``select.int`` | as is (a sharded ``dim``: the owning rank broadcasts the row) | ``drop(pi, dim)`` with ``S(dim)`` -> R; ``unbind`` decomposes into it |
+| ``slice.Tensor`` (``narrow``) | ``gather(dim)`` unless the slice is the whole dim | same as required |
+| ``split_with_sizes`` (``split``, ``chunk``) | ``gather(dim)`` | every output = required |
+| ``index_select`` | ``gather(dim)`` on self; index Replicate | same as self's required |
+| ``select_backward``, ``slice_backward`` | grad: ``S(dim)`` gathered | ``insert`` / same; ``input_sizes`` -> local sizes; plain Partial kinds pass |
+| ``slice_scatter``, ``select_scatter`` | per mesh dim: self's ``S(d)``, ``d != dim``, else src's, else a Partial kind both share, else R | the common target |
+
+The ``*_copy`` variants share their rules.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable
+
+import torch
+
+from ... import comm
+from ...placement import Partial, Placement, Shard, chunk
+from ...spec import DTensorSpec
+from ..call import Call, Decision
+from ..registry import register, unsupported
+from ..strategy import finish
+from .view import R, follow, local_sizes, norm_dim, plain_partial, spec_of
+
+aten = torch.ops.aten
+
+
+# -- select / slice / split / index_select -------------------------------------------------
+
+@register(aten.select.int, aten.select_copy.int)
+def select_rule(call: Call) -> Decision:
+    """Output ``drop(pi, dim)`` (negative dim and index normalised, every partial passes).
+
+    A sharded ``dim`` is not gathered: the rank holding the row selects it and broadcasts it
+    over the mesh dims that shard ``dim`` (one row moves instead of the whole dim).
+    """
+    s = call.specs[0]
+    dim = norm_dim(call.arg("dim"), s.ndim)
+    dim_map = {d: d - (d > dim) for d in range(s.ndim) if d != dim}
+    js = next((js for d, js in s.shard_order if d == dim), ())
+    if not js:
+        return follow(call, 0, dim_map, call.out_meta)
+    n = s.shape[dim]
+    index = call.arg("index")
+    if not -n <= index < n:
+        raise IndexError(f"select(): index {index} out of range for tensor of size {tuple(s.shape)} at dimension {dim}")
+    index %= n
+    owners: list[tuple[int, int]] = []
+    length, offset, mesh = n, 0, s.mesh
+    for j in js:
+        k = mesh.shape[j]
+        c = -(-length // k)
+        r = (index - offset) // c
+        length, off = chunk(length, k, r)
+        offset += off
+        owners.append((j, r))
+    local_index = index - offset
+    out_pl = tuple(R if isinstance(p, Shard) and p.dim == dim else Shard(dim_map[p.dim]) if isinstance(p, Shard)
+                   else p for p in s.placements)
+    out_order = tuple(sorted((dim_map[d], js2) for d, js2 in s.shard_order if d != dim))
+    out_spec = spec_of(call, call.out_meta, out_pl, out_order)
+    def kernel(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        coord = mesh.get_coordinate()
+        shape = list(x.shape)
+        del shape[dim]
+        if all(coord[j] == r for j, r in owners):
+            row = x.select(dim, local_index).contiguous()
+        else:
+            row = x.new_empty(shape)
+        wire = row.to(torch.uint8) if row.dtype == torch.bool else row
+        for j, r in reversed(owners):
+            wire = comm.broadcast(wire, r, mesh, j)
+        return wire.to(torch.bool) if row.dtype == torch.bool else wire
+
+    return replace(finish(call, {0: s}, out_spec, kernel=kernel), copies=True)
+
+
+@register(aten.slice.Tensor, aten.slice_copy.Tensor)
+def slice_rule(call: Call) -> Decision:
+    """A slice that keeps the whole dim is an identity (shards kept); any other gathers ``dim``."""
+    s = call.specs[0]
+    out = call.out_meta
+    if s.ndim == 0:
+        raise unsupported(call.op, call.specs, "on a 0-d tensor")
+    dim = norm_dim(call.arg("dim", 0), s.ndim)
+    identity = {d: d for d in range(s.ndim)}
+    if out.shape[dim] == s.shape[dim]:
+        op = call.op
+
+        def kernel(x, *args, **kwargs):
+            return op(x, dim, None, None, 1)
+
+        return follow(call, 0, identity, out, kernel=kernel)
+    return follow(call, 0, identity, out, gather=[dim])
+
+
+@register(aten.split_with_sizes.default)
+def split_with_sizes_rule(call: Call) -> Decision:
+    """``gather(dim)``; every output takes the required placements; partials pass."""
+    s = call.specs[0]
+    dim = norm_dim(call.arg("dim", 0), s.ndim)
+    return follow(call, 0, {d: d for d in range(s.ndim)}, list(call.out_meta), gather=[dim])
+
+
+@register(aten.index_select.default)
+def index_select_rule(call: Call) -> Decision:
+    """Self: ``dim`` gathered, other shards and partials kept; the index is made Replicate."""
+    s = call.specs[0]
+    dim = norm_dim(call.arg("dim"), s.ndim)
+    required, out_pl, order = follow(call, 0, {d: d for d in range(s.ndim)}, None, gather=[dim], decision=False)
+    need = {0: required}
+    ipos = call.pos("index")
+    if ipos is not None:
+        idx = call.specs[ipos]
+        need[ipos] = idx.with_placements([R] * idx.mesh.ndim)
+    return finish(call, need, spec_of(call, call.out_meta, out_pl, order))
+
+
+# -- backward of select / slice ----------------------------------------------------------------
+
+@register(aten.select_backward.default)
+def select_backward_rule(call: Call) -> Decision:
+    """Output = grad with the selected dim inserted (R there); ``input_sizes`` become local sizes."""
+    g = call.specs[0]
+    out = call.out_meta
+    dim = norm_dim(call.arg("dim"), out.ndim)
+    required, out_pl, order = follow(call, 0, {d: d + (d >= dim) for d in range(g.ndim)}, None,
+                                     partial_ok=plain_partial, decision=False)
+    out_spec = spec_of(call, out, out_pl, order)
+    return finish(call, {0: required}, out_spec, local_args=local_sizes(call, "input_sizes", out_spec))
+
+
+@register(aten.slice_backward.default)
+def slice_backward_rule(call: Call) -> Decision:
+    """Output = grad zero-padded along ``dim`` (gathered); ``input_sizes`` become local sizes."""
+    g = call.specs[0]
+    out = call.out_meta
+    dim = norm_dim(call.arg("dim"), out.ndim)
+    required, out_pl, order = follow(call, 0, {d: d for d in range(g.ndim)}, None, gather=[dim],
+                                     partial_ok=plain_partial, decision=False)
+    out_spec = spec_of(call, out, out_pl, order)
+    return finish(call, {0: required}, out_spec, local_args=local_sizes(call, "input_sizes", out_spec))
+
+
+# -- scatters -------------------------------------------------------------------------------------
+
+def _scatter_target(self_spec: DTensorSpec, src_spec: DTensorSpec, dim: int, src_to_self: dict[int, int],
+                    whole: bool) -> list[Placement]:
+    target: list[Placement] = []
+    for a, b in zip(self_spec.placements, src_spec.placements):
+        if isinstance(a, Shard) and (a.dim != dim or whole):
+            target.append(a)
+        elif isinstance(b, Shard) and b.dim in src_to_self and (src_to_self[b.dim] != dim or whole):
+            target.append(Shard(src_to_self[b.dim]))
+        elif isinstance(a, Partial) and a == b:
+            target.append(a)
+        else:
+            target.append(R)
+    return target
+
+
+def _scatter_decision(call: Call, dim: int, src_to_self: dict[int, int], whole: bool,
+                      kernel: Callable | None = None) -> Decision:
+    sp, rp = call.pos("self"), call.pos("src")
+    if sp is None or rp is None:
+        raise unsupported(call.op, call.specs, "needs DTensors for both self and src")
+    s, r = call.specs[sp], call.specs[rp]
+    target = _scatter_target(s, r, dim, src_to_self, whole)
+    back = {v: k for k, v in src_to_self.items()}
+    src_pl = [Shard(back[p.dim]) if isinstance(p, Shard) else p for p in target]
+    out_spec = spec_of(call, call.out_meta, target, None)
+    return finish(call, {sp: s.with_placements(target), rp: r.with_placements(src_pl)}, out_spec, kernel=kernel)
+
+
+@register(aten.slice_scatter.default)
+def slice_scatter_rule(call: Call) -> Decision:
+    s = call.specs[call.pos("self")] if call.pos("self") is not None else None
+    if s is None:
+        raise unsupported(call.op, call.specs, "needs a DTensor self")
+    dim = norm_dim(call.arg("dim", 0), s.ndim)
+    r = call.specs[call.pos("src")] if call.pos("src") is not None else None
+    whole = r is not None and r.shape[dim] == s.shape[dim]
+    kernel = None
+    if whole:
+        op = call.op
+
+        def kernel(x, src, *args, **kwargs):
+            return op(x, src, dim, None, None, 1)
+
+    return _scatter_decision(call, dim, {d: d for d in range(s.ndim)}, whole, kernel)
+
+
+@register(aten.select_scatter.default)
+def select_scatter_rule(call: Call) -> Decision:
+    s = call.specs[call.pos("self")] if call.pos("self") is not None else None
+    if s is None:
+        raise unsupported(call.op, call.specs, "needs a DTensor self")
+    dim = norm_dim(call.arg("dim"), s.ndim)
+    return _scatter_decision(call, dim, {d: d + (d >= dim) for d in range(s.ndim - 1)}, False)
