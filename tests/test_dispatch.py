@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import shardtensor as st
 from shardtensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh, run_spmd
 
 from opcheck import check, close, data, local_piece, make_dtensor, partial_terms, prepare
@@ -822,7 +823,7 @@ def test_operands_with_different_shard_orders():
 # ---------------------------------------------------------------------------------------
 # ops that are not elementwise must refuse clearly
 # ---------------------------------------------------------------------------------------
-NOT_POINTWISE = [  # ops that still have no sharding rule: the error must name op and placements
+NOT_POINTWISE = [  # ops without a sharding rule: under strict_sharding the error names op and placements
     ("fft", lambda a: torch.fft.fft(a), r"fft", ((7, 5),)),
     ("unfold", lambda a: a.unfold(0, 2, 1), r"unfold", ((7, 5),)),
     ("cdist", lambda a, b: torch.cdist(a, b), r"cdist", ((7, 5), (3, 5))),
@@ -831,13 +832,14 @@ NOT_POINTWISE = [  # ops that still have no sharding rule: the error must name o
 
 @pytest.mark.parametrize("name,fn,pattern,shapes", NOT_POINTWISE, ids=[n[0] for n in NOT_POINTWISE])
 @pytest.mark.parametrize("placement", [S0, R, P], ids=str)
-def test_not_pointwise_raises(name, fn, pattern, shapes, placement):
+def test_not_pointwise_raises_when_strict(name, fn, pattern, shapes, placement):
     vals = [data("any", s, _gen(i)) for i, s in enumerate(shapes)]
     case = prepare(vals, [(placement,)] * len(vals), (4,), _gen(0))
 
     def body():
         mesh = init_device_mesh("cpu", (4,))
-        fn(*[make_dtensor(p, mesh, False) for p in case])
+        with st.strict_sharding():
+            fn(*[make_dtensor(p, mesh, False) for p in case])
 
     with pytest.raises(NotImplementedError) as ei:
         run_spmd(body, 4, timeout=TIMEOUT)
@@ -853,7 +855,8 @@ def test_not_pointwise_2d_names_all_placements():
     def body():
         mesh = init_device_mesh("cpu", (2, 2))
         a, b = (make_dtensor(p, mesh, False) for p in case)
-        torch.cdist(a, b.t())
+        with st.strict_sharding():
+            torch.cdist(a, b.t())
 
     with pytest.raises(NotImplementedError) as ei:
         run_spmd(body, 4, timeout=TIMEOUT)

@@ -14,6 +14,7 @@ from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_ten
 from shardtensor.propagation import (Candidate, Decision, MeshMismatchError, _freeze, cache_info, clear_cache, decide,
                                      register)
 import shardtensor.propagation.call as call_module
+from shardtensor import strict_sharding
 
 TIMEOUT = 30.0
 
@@ -272,10 +273,11 @@ def test_rank_dependent_sizes_do_not_leak_through_the_cache():
 # -- errors ----------------------------------------------------------------------------------
 
 def test_op_without_rule_names_op_and_placements():
-    """#18."""
+    """Under strict_sharding an op without a rule raises, naming the op and the placements."""
     def body():
         mesh = init_device_mesh("cpu", (4,))
-        st.norule(distribute_tensor(torch.ones(8), mesh, [S0]))
+        with strict_sharding():
+            st.norule(distribute_tensor(torch.ones(8), mesh, [S0]))
 
     with pytest.raises(NotImplementedError, match=r"sttest\.norule.*S\(0\)"):
         spmd(body)

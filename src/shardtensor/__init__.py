@@ -6,6 +6,7 @@ from .spec import DTensorSpec
 from .tensor import DTensor, distribute_tensor
 from .factories import empty, full, ones, rand, randn, zeros
 from .implicit import implicit_replication
+from .dispatch.fallback import strict_sharding
 from . import errors
 from .errors import MixedTensorError, ShardingError
 from . import debug
@@ -18,7 +19,7 @@ from .parallel import distribute_module
 __all__ = [
     "CommTrace", "DTensor", "DTensorSpec", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard",
     "distribute_tensor", "explain_redistribute", "init_device_mesh", "run_spmd", "visualize_sharding",
-    "MixedTensorError", "ShardingError", "errors", "implicit_replication",
+    "MixedTensorError", "ShardingError", "errors", "implicit_replication", "strict_sharding",
 ]
 __all__ += ["distribute_module", "empty", "full", "ones", "rand", "randn", "zeros"]
 __all__ += ["MixedPrecisionPolicy", "fully_shard"]

@@ -7,7 +7,8 @@ keeps working, while code that wants to tell them apart catches the class.
 from __future__ import annotations
 
 __all__ = ["ShardingError", "UnsupportedOpError", "PropagationError", "MeshMismatchError", "MixedTensorError",
-           "CommError", "RankAbortedError", "CollectiveMismatchError", "CollectiveTimeoutError", "StuckRanksError"]
+           "CommError", "RankAbortedError", "CollectiveMismatchError", "CollectiveTimeoutError", "StuckRanksError",
+           "ReplicateFallbackWarning"]
 
 
 class ShardingError(Exception):
@@ -59,3 +60,8 @@ class CollectiveTimeoutError(ShardingError, TimeoutError):
 
 class StuckRanksError(ShardingError, TimeoutError):
     """Ranks still ran after the world failed or its other ranks finished, past the timeout."""
+
+
+class ReplicateFallbackWarning(UserWarning):
+    """An op without a sharding rule ran on replicated inputs (exact, but every rank gathered its
+    inputs whole); issued once per op.  ``shardtensor.strict_sharding()`` makes it an error."""

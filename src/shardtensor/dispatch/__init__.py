@@ -4,6 +4,7 @@ Decompositions (``decompose.py``) run here too: they are the ops without a rule,
 ops that have one, on the DTensors themselves.
 """
 from .decompose import DECOMPOSITIONS, decomposition, find_decomposition
+from .fallback import strict_sharding
 from .run import dispatch, route
 
-__all__ = ["dispatch", "route", "DECOMPOSITIONS", "decomposition", "find_decomposition"]
+__all__ = ["dispatch", "route", "DECOMPOSITIONS", "decomposition", "find_decomposition", "strict_sharding"]

@@ -2,7 +2,8 @@
 
 ``dispatch`` routes the op (:func:`route`: its sharding rule, else a decomposition into ops that
 have rules), asks propagation for the decision, redistributes the inputs it requires, runs the
-local kernel and wraps the result.  Plain tensors met on the way are replicated values where
+local kernel and wraps the result.  An op with no rule for its inputs runs on replicated inputs
+(``fallback.py``: visible, exact, off under ``strict_sharding``).  Plain tensors met on the way are replicated values where
 ``implicit_replication`` allows them, and an error naming the argument elsewhere.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..spec import DTensorSpec
 from ..submesh import off_mesh_result
 from ..tensor import DTensor
 from .decompose import find_decomposition
+from .fallback import fallback_allowed, run_replicated
 
 __all__ = ["dispatch", "route"]
 
@@ -57,6 +59,8 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         except NotImplementedError as e:
             if isinstance(e, UnsupportedOpError) and e.op == func:
                 raise
+            if not writes and fallback_allowed(func):  # nothing was written: safe to run it whole
+                return run_replicated(func, args, kwargs, False)
             pls = ", ".join(display(a.placements, a.shard_order) for a in tree_flatten((args, kwargs))[0]
                             if isinstance(a, DTensor))
             raise UnsupportedOpError(f"shardtensor: {func} has no sharding rule and its decomposition failed "
@@ -82,6 +86,10 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         if not is_list_op(func):
             raise
         return run_per_mesh(func, args, kwargs, dispatch, DTensor)
+    except UnsupportedOpError as e:
+        if e.op is not func or not fallback_allowed(func):
+            raise
+        return run_replicated(func, args, kwargs, _returns_self(func))
     # a rank outside the mesh holds an empty (or 0-d placeholder) local tensor and runs nothing; the
     # size test first keeps the rank lookup off the hot path
     if first is not None and first._local_tensor.numel() <= 1 and first._spec.mesh._coord is None:

@@ -1,0 +1,172 @@
+"""The replicate fallback: an op without a sharding rule runs on whole tensors, visibly.
+
+Every DTensor input is redistributed to ``Replicate`` (Partials reduced, shards gathered; the
+collectives are recorded by ``CommTrace`` under ``fallback <op>``), the op runs on the whole
+tensors on every rank, and its tensor outputs are ``Replicate``.  An argument the op writes
+into takes the result back in its own placements (its shard of the whole result, no
+communication).  The result is exact; the price is the gathered bytes, named in a warning
+issued once per op.
+
+Never for random ops (each rank would draw its own numbers where a replicated tensor needs the
+same ones) nor for ops on storage (``as_strided``, ``set_``, ``resize_``: the gathered copy's
+strides are not the global tensor's): they keep raising.  ``strict_sharding()`` (per thread, so per simulated rank) and
+the environment variable ``SHARDTENSOR_STRICT=1`` (the whole process) turn the fallback off:
+ops without a rule raise ``UnsupportedOpError`` as they would without it.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import threading
+import warnings
+from types import FrameType
+from typing import Any, Iterator
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from .. import comm
+from ..aliasing import note_copies, op_kind
+from ..errors import MeshMismatchError, ReplicateFallbackWarning
+from ..implicit import implicit_allowed, plain_tensor_error
+from ..placement import Replicate, display
+from ..redistribute import redistribute_local
+from ..spec import DTensorSpec
+from ..submesh import off_mesh_result
+from ..tensor import DTensor
+
+__all__ = ["strict_sharding", "fallback_allowed", "run_replicated", "ReplicateFallbackWarning"]
+
+
+class _State(threading.local):
+    strict = 0
+
+
+_state = _State()
+_warned: set[Any] = set()
+
+
+@contextlib.contextmanager
+def strict_sharding() -> Iterator[None]:
+    """Inside the block an op without a sharding rule raises ``UnsupportedOpError`` instead of
+    running on replicated inputs.  Per thread (so per simulated rank); nests.  For a whole
+    process set ``SHARDTENSOR_STRICT=1``."""
+    _state.strict += 1
+    try:
+        yield
+    finally:
+        _state.strict -= 1
+
+
+_STORAGE_OPS = ("as_strided", "set_", "resize_", "resize_as_", "_reshape_alias")
+"""Ops whose meaning is the storage behind a tensor: the gathered copy has other strides than the
+global tensor, so they never run on it."""
+
+
+def fallback_allowed(func: Any) -> bool:
+    """Whether ``func`` may run on replicated inputs here (not strict, not a random op, not an op
+    on storage)."""
+    if _state.strict or os.environ.get("SHARDTENSOR_STRICT", "") not in ("", "0"):
+        return False
+    name = func._schema.name.split("::")[-1]
+    return torch.Tag.nondeterministic_seeded not in func.tags and not name.startswith(_STORAGE_OPS)
+
+
+def run_replicated(func: Any, args: tuple, kwargs: dict, returns_self: bool) -> Any:
+    """Run ``func`` on the whole tensors of its DTensor arguments; outputs are ``Replicate``."""
+    flat, treedef = tree_flatten((args, kwargs))
+    dts = [a for a in flat if isinstance(a, DTensor)]
+    mesh = dts[0]._spec.mesh
+    for a in dts[1:]:
+        if a._spec.mesh != mesh:
+            raise MeshMismatchError(f"{func}: cross-mesh operation, operands live on different meshes "
+                                    f"{mesh!r} and {a._spec.mesh!r}")
+    for a in flat:
+        if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.ndim > 0 and not implicit_allowed(a):
+            raise plain_tensor_error(func, a)
+    if mesh._coord is None:  # a rank outside the mesh runs nothing
+        return off_mesh_result(func, _meta_output(func, flat, treedef, mesh), flat[0], dts[0]._local_tensor.device,
+                               dts[0].dtype, returns_self, DTensor)
+    whole = [0]
+    with comm.scope(f"fallback {func}"):
+        full = [_replicated(a, whole) if isinstance(a, DTensor) else a for a in flat]
+    _warn_once(func, dts, whole[0])
+    largs, lkwargs = tree_unflatten(full, treedef)
+    out = func(*largs, **lkwargs)
+    _write_back(func, args, kwargs, flat, full)
+    if returns_self:
+        return args[0]
+    result = tree_map(lambda t: _wrap_replicated(t, mesh) if isinstance(t, torch.Tensor) else t, out)
+    if op_kind(func)[0] and isinstance(args[0], DTensor):
+        note_copies(func, args[0], True, result)  # views of the gathered copy, not of the input
+    return result
+
+
+def _replicated(a: DTensor, whole: list[int]) -> torch.Tensor:
+    spec = a._spec
+    want = spec.with_placements([Replicate()] * spec.mesh.ndim)
+    if want == spec:
+        return a._local_tensor
+    whole[0] += math.prod(spec.shape) * spec.dtype.itemsize
+    return redistribute_local(a._local_tensor, spec, want)
+
+
+def _write_back(func: Any, args: tuple, kwargs: dict, flat: list, full: list) -> None:
+    """Arguments the op wrote into take their shard of the written whole tensor."""
+    writes = op_kind(func)[1]
+    if not writes:
+        return
+    schema = func._schema.arguments
+    for i in writes:
+        name = schema[i].name
+        target = kwargs.get(name, args[i] if i < len(args) else None)
+        if not isinstance(target, DTensor):
+            continue
+        written = full[next(k for k, a in enumerate(flat) if a is target)]
+        if written is target._local_tensor:
+            continue  # already replicated: written in place
+        spec = target._spec
+        local = redistribute_local(written, spec.with_placements([Replicate()] * spec.mesh.ndim), spec)
+        with torch.no_grad():
+            target._local_tensor.copy_(local)
+
+
+def _wrap_replicated(t: torch.Tensor, mesh: Any) -> DTensor:
+    spec = DTensorSpec.build(mesh, [Replicate()] * mesh.ndim, t.shape, t.stride(), t.dtype)
+    return DTensor(t, spec)
+
+
+def _meta_output(func: Any, flat: list, treedef: Any, mesh: Any) -> Any:
+    """Replicate output specs from the op run on meta tensors (for ranks outside the mesh)."""
+    metas = [torch.empty_strided(a._spec.shape, a._spec.stride, dtype=a.dtype, device="meta")
+             if isinstance(a, DTensor) else a for a in flat]
+    largs, lkwargs = tree_unflatten(metas, treedef)
+    out = func(*largs, **lkwargs)
+    R = [Replicate()] * mesh.ndim
+    return tree_map(lambda t: DTensorSpec.build(mesh, R, t.shape, t.stride(), t.dtype)
+                    if isinstance(t, torch.Tensor) else None, out)
+
+
+def _warn_once(func: Any, dts: list[DTensor], gathered: int) -> None:
+    if func in _warned:
+        return
+    _warned.add(func)
+    pls = ", ".join(display(a.placements, a._spec.shard_order) for a in dts)
+    warnings.warn(f"shardtensor: {func} has no sharding rule for inputs {pls}; it ran on replicated inputs, "
+                  f"gathering {gathered} bytes on every rank (the result is exact; this warning is shown "
+                  "once per op). To raise instead, use shardtensor.strict_sharding() or set SHARDTENSOR_STRICT=1.",
+                  ReplicateFallbackWarning, stacklevel=_user_frame())
+
+
+_SKIP = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
+
+
+def _user_frame() -> int:
+    """The ``stacklevel`` of the first frame outside shardtensor and torch (the user's line)."""
+    f: FrameType | None = sys._getframe(2)
+    level = 2
+    while f is not None and f.f_code.co_filename.startswith(_SKIP):
+        f, level = f.f_back, level + 1
+    return level

@@ -1,0 +1,185 @@
+"""The replicate fallback: ops without a sharding rule run on whole tensors, exactly and visibly.
+
+Differential checks against dense torch (forward and backward, meshes (4,) and (2, 2), uneven
+lengths, Partial inputs) for ops that have no rule; the warning (once per op, naming op and
+bytes), the comm trace, the strict switch (context manager and environment variable), the
+write-back of in-place ops into their own placements, and the ops that never fall back
+(random ones, and ops on storage).
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import shardtensor as st
+from opcheck import check, data, gen, run_recorded
+from shardtensor import CommTrace, Partial, Replicate, Shard, distribute_tensor, errors, init_device_mesh, run_spmd
+from shardtensor.dispatch import fallback
+
+S0, S1, R, P = Shard(0), Shard(1), Replicate(), Partial("sum")
+X = data("any", (7, 5), gen("fallback-x"))
+
+
+@pytest.fixture(autouse=True)
+def quiet_fallback():
+    """Each test sees the warning afresh and the suite's output stays clean."""
+    fallback._warned.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", errors.ReplicateFallbackWarning)
+        yield
+
+
+@pytest.mark.parametrize("mesh", [(4,), (2, 2)], ids=str)
+@pytest.mark.parametrize("name,fn,shapes", [
+    ("cdist", lambda a, b: torch.cdist(a, b), [(7, 5), (3, 5)]),
+    ("unfold", lambda a: a.unfold(0, 2, 1), [(7, 5)]),
+    ("rfft", lambda a: torch.fft.rfft(a, dim=1).abs(), [(7, 5)]),
+    ("fft2-real", lambda a: torch.view_as_real(torch.fft.fft2(a.to(torch.complex64))), [(7, 6)]),
+    ("pinv", lambda a: torch.linalg.pinv(a), [(7, 5)]),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_ops_without_a_rule_match_dense(name, fn, shapes, mesh):
+    vals = [data("any", s, gen((name, i))) for i, s in enumerate(shapes)]
+    seen = check(fn, vals, mesh, limit=6, tol={"atol": 1e-4, "rtol": 1e-4}, grad_tol={"atol": 1e-3, "rtol": 1e-3})
+    outs = [p for _, out in seen for o in out if o is not None for p in (o if isinstance(o, tuple) else (o,))]
+    assert outs and all(p == R for p in outs), outs  # the fallback's outputs are Replicate
+
+
+def test_warning_once_per_op_names_op_and_bytes():
+    def body():
+        mesh = init_device_mesh("cpu", (4,))
+        d = distribute_tensor(X, mesh, [S0])
+        torch.fft.rfft(d)
+        torch.fft.rfft(d)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", errors.ReplicateFallbackWarning)
+        run_spmd(body, 4)
+    msgs = [str(w.message) for w in caught if issubclass(w.category, errors.ReplicateFallbackWarning)]
+    assert len(msgs) == 1, msgs  # once for the op, over 4 ranks and 2 calls
+    assert "aten._fft_r2c.default" in msgs[0] and "(S(0))" in msgs[0]
+    assert f"gathering {7 * 5 * 4} bytes" in msgs[0] and "strict_sharding" in msgs[0]
+
+
+def test_gathers_are_in_the_comm_trace():
+    def body(mesh):
+        d = distribute_tensor(X, mesh, [S0, S1])
+        with CommTrace() as tr:
+            out = torch.fft.rfft(d)
+        me = mesh.get_rank()
+        return [e for e in tr.events if e.kind != "barrier" and e.rank == me], out.placements
+
+    out, _ = run_recorded((2, 2), body)
+    events, placements = out[0]
+    assert placements == (R, R)
+    assert events and all("fallback aten._fft_r2c.default" in e.scope for e in events), events
+    assert {e.kind for e in events} == {"all_gather"}
+
+
+def test_strict_switch_raises_naming_op_and_placements():
+    def body():
+        mesh = init_device_mesh("cpu", (4,))
+        with st.strict_sharding():
+            torch.fft.rfft(distribute_tensor(X, mesh, [S0]))
+
+    with pytest.raises(errors.UnsupportedOpError, match=r"_fft_r2c.*S\(0\)"):
+        run_spmd(body, 4)
+
+
+def test_strict_environment_variable():
+    code = ("import torch, shardtensor as st\n"
+            "from shardtensor import Shard, distribute_tensor, init_device_mesh, run_spmd\n"
+            "def body():\n"
+            "    torch.fft.rfft(distribute_tensor(torch.ones(8, 4), init_device_mesh('cpu', (2,)), [Shard(0)]))\n"
+            "try:\n"
+            "    run_spmd(body, 2)\n"
+            "    print('ran')\n"
+            "except NotImplementedError as e:\n"
+            "    print('raised', type(e).__name__)\n")
+    env = {**__import__("os").environ, "SHARDTENSOR_STRICT": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.stdout.strip() == "raised UnsupportedOpError", out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("placements", [(S0,), (S1,), (P,), (R,)], ids=str)
+def test_in_place_op_writes_back_in_its_own_placements(placements):
+    """``put_`` (no rule) on a sharded self: the whole result lands back as self's shards."""
+    idx = torch.tensor([0, 9, 33, 4])
+    vals = torch.tensor([1.5, -2.0, 3.25, 8.0])
+    expected = X.clone().put_(idx, vals)
+
+    def body():
+        mesh = init_device_mesh("cpu", (4,))
+        d = distribute_tensor(X, mesh, list(placements))
+        local_before = d._local_tensor
+        with st.implicit_replication():  # every rank holds the same index and values
+            out = d.put_(idx, vals)
+        return out is d, d.placements, d._local_tensor is local_before, d.full_tensor()
+
+    for same, pls, kept_memory, full in run_spmd(body, 4):
+        assert same and pls == placements and kept_memory
+        assert torch.equal(full, expected)
+
+
+def test_data_dependent_shapes_run_whole():
+    def body(mesh):
+        t = distribute_tensor(X, mesh, [S0])
+        return [(r.placements, r.full_tensor()) for r in (torch.nonzero(t), torch.masked_select(t, t > 0), t[t > 0])]
+
+    out, _ = run_recorded((4,), body)
+    for (pls, full), dense in zip(out[0], [torch.nonzero(X), torch.masked_select(X, X > 0), X[X > 0]]):
+        assert pls == (R,) and torch.equal(full, dense)
+
+
+def test_random_ops_and_storage_ops_never_fall_back():
+    assert not fallback.fallback_allowed(torch.ops.aten.bernoulli.p)
+    assert not fallback.fallback_allowed(torch.ops.aten.as_strided.default)
+    assert fallback.fallback_allowed(torch.ops.aten._fft_r2c.default)
+
+    def body():
+        d = distribute_tensor(X, init_device_mesh("cpu", (4,)), [S1])
+        torch.as_strided(d, (2, 2), (1, 2))
+
+    with pytest.raises(NotImplementedError, match="as_strided"):
+        run_spmd(body, 4)
+
+
+def test_out_variant_writes_into_out_in_its_placements():
+    expected = torch.linalg.pinv(X)
+
+    def body():
+        mesh = init_device_mesh("cpu", (4,))
+        d = distribute_tensor(X, mesh, [S0])
+        o = distribute_tensor(torch.zeros(5, 7), mesh, [S1])
+        r = torch.linalg.pinv(d, out=o)
+        return r is o, o.placements, o.full_tensor()
+
+    for same, pls, full in run_spmd(body, 4):
+        assert same and pls == (S1,)
+        torch.testing.assert_close(full, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_random_op_without_a_rule_raises():
+    def body():
+        torch.poisson(distribute_tensor(X.abs(), init_device_mesh("cpu", (4,)), [S0]))
+
+    with pytest.raises(errors.UnsupportedOpError, match="poisson"):
+        run_spmd(body, 4)
+
+
+def cdist_then_rfft(a, b):
+    return torch.fft.rfft(torch.cdist(a, b), dim=0).abs()
+
+
+def test_fallback_in_gloo_processes():
+    from distributed import gloo_available
+
+    if not gloo_available():
+        pytest.skip("gloo not available")
+    a, b = data("any", (7, 5), gen("gloo-a")), data("any", (3, 5), gen("gloo-b"))
+    seen = check(cdist_then_rfft, [a, b], (4,), world="gloo", combos=[((S0,), (P,)), ((S1,), (S0,))],
+                 tol={"atol": 1e-4, "rtol": 1e-4}, grad_tol={"atol": 1e-3, "rtol": 1e-3})
+    assert all(out == ((R,),) or out == (R,) for _, out in seen), seen
