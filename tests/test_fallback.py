@@ -183,3 +183,36 @@ def test_fallback_in_gloo_processes():
     seen = check(cdist_then_rfft, [a, b], (4,), world="gloo", combos=[((S0,), (P,)), ((S1,), (S0,))],
                  tol={"atol": 1e-4, "rtol": 1e-4}, grad_tol={"atol": 1e-3, "rtol": 1e-3})
     assert all(out == ((R,),) or out == (R,) for _, out in seen), seen
+
+
+def test_plain_outputs_of_a_decomposition_are_replicated():
+    """A decomposition may build an output with a factory (an empty ``repeat``, batch norm's
+    reserve): every rank builds it alike, so it comes back as a ``Replicate`` DTensor."""
+    def body():
+        mesh = init_device_mesh("cpu", (4,))
+        r = distribute_tensor(torch.ones(0), mesh, [S0]).repeat(0)
+        x = distribute_tensor(X.reshape(7, 5, 1), mesh, [S0])
+        w = distribute_tensor(torch.ones(5), mesh, [R])
+        outs = torch.ops.aten._batch_norm_with_update(x, w, w, torch.zeros(5), torch.ones(5), 0.5, 0.6)
+        return [(type(o).__name__, o.placements if isinstance(o, st.DTensor) else None) for o in (r, *outs)]
+
+    got = run_spmd(lambda: _in_implicit(body), 4)[0]  # the running stats are plain, alike on every rank
+    assert [t for t, _ in got] == ["DTensor"] * 5, got
+    assert got[0][1] == (R,) and got[4][1] == (R,)
+
+
+def _in_implicit(fn):
+    with st.implicit_replication():
+        return fn()
+
+
+def test_as_strided_of_a_replicated_tensor_runs_locally():
+    expected = X.as_strided((2, 3), (1, 2))
+
+    def body():
+        d = distribute_tensor(X, init_device_mesh("cpu", (4,)), [R])
+        out = torch.as_strided(d, (2, 3), (1, 2))
+        return out.placements, out.to_local()
+
+    for pls, local in run_spmd(body, 4):
+        assert pls == (R,) and torch.equal(local, expected)

@@ -282,15 +282,15 @@ def _index_put(self: Any, indices: Any, values: Any, accumulate: bool = False) -
 
 
 def _replicated(op: Any, t: Any, ref: Any) -> Any:
-    """A plain tensor among DTensors as a Replicate DTensor: only 0-d or all-zeros ones (their
-    value cannot differ between ranks in a way the caller meant), anything else raises."""
+    """A plain tensor among DTensors as a Replicate DTensor on ``ref``'s mesh, where a plain tensor
+    may be taken as replicated (``implicit``: backward formulas, decompositions, one element)."""
+    from ..implicit import implicit_allowed, plain_tensor_error
     from ..tensor import DTensor
 
-    if not isinstance(t, torch.Tensor) or isinstance(t, DTensor) or t.ndim == 0:
+    if not isinstance(t, torch.Tensor) or isinstance(t, DTensor) or t.ndim == 0 or not isinstance(ref, DTensor):
         return t
-    if not isinstance(ref, DTensor) or bool(t.any()):
-        raise TypeError(f"{op}: got a plain torch.Tensor of shape {tuple(t.shape)} mixed with DTensors; "
-                        "convert it with distribute_tensor or DTensor.from_local")
+    if not implicit_allowed(t):
+        raise plain_tensor_error(op, t)
     mesh = ref.device_mesh
     return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
 

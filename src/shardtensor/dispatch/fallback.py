@@ -37,7 +37,7 @@ from ..spec import DTensorSpec
 from ..submesh import off_mesh_result
 from ..tensor import DTensor
 
-__all__ = ["strict_sharding", "fallback_allowed", "run_replicated", "ReplicateFallbackWarning"]
+__all__ = ["strict_sharding", "fallback_allowed", "run_replicated", "wrap_replicated", "ReplicateFallbackWarning"]
 
 
 class _State(threading.local):
@@ -98,7 +98,7 @@ def run_replicated(func: Any, args: tuple, kwargs: dict, returns_self: bool) -> 
     _write_back(func, args, kwargs, flat, full)
     if returns_self:
         return args[0]
-    result = tree_map(lambda t: _wrap_replicated(t, mesh) if isinstance(t, torch.Tensor) else t, out)
+    result = tree_map(lambda t: wrap_replicated(t, mesh) if isinstance(t, torch.Tensor) else t, out)
     if op_kind(func)[0] and isinstance(args[0], DTensor):
         note_copies(func, args[0], True, result)  # views of the gathered copy, not of the input
     return result
@@ -133,7 +133,8 @@ def _write_back(func: Any, args: tuple, kwargs: dict, flat: list, full: list) ->
             target._local_tensor.copy_(local)
 
 
-def _wrap_replicated(t: torch.Tensor, mesh: Any) -> DTensor:
+def wrap_replicated(t: torch.Tensor, mesh: Any) -> DTensor:
+    """``t``, a whole tensor every rank holds alike, as a ``Replicate`` DTensor on ``mesh``."""
     spec = DTensorSpec.build(mesh, [Replicate()] * mesh.ndim, t.shape, t.stride(), t.dtype)
     return DTensor(t, spec)
 

@@ -348,10 +348,13 @@ def stack_rule(call: Call) -> Decision:
 
 @register(aten.as_strided.default)
 def as_strided_rule(call: Call) -> Decision:
-    """Only the identity view (same size and stride, offset 0): strides of a shard are not global ones."""
+    """The identity view (same size and stride, offset 0) on any placements, and any view of a
+    replicated tensor (every rank holds the whole tensor; strides of a shard are not global ones)."""
     s = call.specs[0]
     size, stride = list(call.arg("size")), list(call.arg("stride"))
     offset = call.arg("storage_offset", None)
+    if all(p.is_replicate() for p in s.placements):
+        return finish(call, {}, spec_of(call, call.out_meta, s.placements, None), kernel=_whole_as_strided(call.op, s))
     if size != list(s.shape) or stride != list(s.stride) or offset not in (None, 0):
         raise unsupported(call.op, call.specs, f"with size {tuple(size)}, stride {tuple(stride)}, offset {offset} "
                                                "(only the identity is supported on a DTensor)")
@@ -360,3 +363,15 @@ def as_strided_rule(call: Call) -> Decision:
         return aten.alias.default(x)
 
     return follow(call, 0, {d: d for d in range(s.ndim)}, call.out_meta, kernel=kernel)
+
+
+def _whole_as_strided(op: Any, s: DTensorSpec) -> Callable[..., torch.Tensor]:
+    """Kernel: ``as_strided`` of the local (whole) tensor, whose strides must be the global ones."""
+
+    def kernel(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if tuple(x.stride()) != tuple(s.stride):
+            raise PropagationError(f"shardtensor: {op}: the replicated tensor's local strides {tuple(x.stride())} "
+                                   f"differ from its global strides {tuple(s.stride)}; call .contiguous() first")
+        return op(x, *args, **kwargs)
+
+    return kernel
