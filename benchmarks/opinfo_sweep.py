@@ -173,13 +173,12 @@ class _SeenOps(TorchDispatchMode):
 
 
 def _same(x: torch.Tensor, y: torch.Tensor) -> bool:
-    """Equal values, NaNs in the same places (dtypes without an ``equal`` kernel compared widened)."""
+    """Equal values, NaNs in the same places (floats compared widened: some dtypes have no ``equal``)."""
     if x.dtype != y.dtype or x.shape != y.shape:
         return False
-    if x.dtype in (torch.complex32, torch.float16, torch.bfloat16) or x.dtype.is_floating_point:
-        x, y = x.to(torch.complex128 if x.is_complex() else torch.float64), y.to(
-            torch.complex128 if y.is_complex() else torch.float64)
     if x.is_floating_point() or x.is_complex():
+        wide = torch.complex128 if x.is_complex() else torch.float64
+        x, y = x.to(wide), y.to(wide)
         return torch.equal(x.isnan(), y.isnan()) and torch.equal(x.nan_to_num(), y.nan_to_num())
     return torch.equal(x, y)
 

@@ -89,6 +89,11 @@ class DTensorSpec:
         return f"DTensorSpec({display(self.placements, self.shard_order)}, shape={tuple(self.shape)}, {self.dtype})"
 
 
+def placements_text(specs: Sequence["DTensorSpec | None"]) -> str:
+    """The input placements of an op as errors and warnings print them: ``(S(0)), (R, P(sum))``."""
+    return ", ".join(display(s.placements, s.shard_order) for s in specs if s is not None)
+
+
 def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     stride, acc = [], 1
     for s in reversed(shape):

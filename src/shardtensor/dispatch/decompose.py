@@ -25,6 +25,7 @@ from ..placement import Replicate, Shard
 from ..propagation.registry import unsupported
 from ..propagation.rules.foreach import contiguous_fused, overloads
 from ..redistribute import redistribute_local
+from .fallback import whole_local, wrap_replicated
 
 aten = torch.ops.aten
 
@@ -101,10 +102,6 @@ def find_decomposition(op) -> Callable[..., Any] | None:
 
 
 # -- our own decompositions ----------------------------------------------------------------
-
-def _all_dims(x) -> list[int]:
-    return list(range(x.ndim))
-
 
 @decomposition(aten.sum.default)
 def _sum_default(x, *, dtype=None):
@@ -291,8 +288,7 @@ def _replicated(op: Any, t: Any, ref: Any) -> Any:
         return t
     if not implicit_allowed(t):
         raise plain_tensor_error(op, t)
-    mesh = ref.device_mesh
-    return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return wrap_replicated(t, ref.device_mesh)
 
 
 # -- fused SGD ------------------------------------------------------------------------------
@@ -331,7 +327,7 @@ def _fused_sgd(op) -> Callable[..., None]:
                     raise unsupported(op, specs, "with grad_scale and grads placed unlike their params (the kernel "
                                       "unscales grads in place)")
                 local_g.append(g._local_tensor if want == g._spec else redistribute_local(g._local_tensor, g._spec, want))
-            extra = {k: (_replicated_local(v) if isinstance(v, DTensor) else v) for k, v in kw.items()}
+            extra = {k: (whole_local(v) if isinstance(v, DTensor) else v) for k, v in kw.items()}
             contiguous_fused(op, [p._local_tensor for p in params], local_g,
                              [b._local_tensor for b in bufs][:n] if bufs else [], **extra)
             return None
@@ -354,11 +350,6 @@ def _fused_sgd(op) -> Callable[..., None]:
         return None
 
     return run
-
-
-def _replicated_local(t) -> torch.Tensor:
-    want = t._spec.with_placements([Replicate()] * t._spec.mesh.ndim)
-    return t._local_tensor if want == t._spec else redistribute_local(t._local_tensor, t._spec, want)
 
 
 for _op in overloads("_fused_sgd_"):

@@ -29,15 +29,18 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .. import comm
 from ..aliasing import note_copies, op_kind
-from ..errors import MeshMismatchError, ReplicateFallbackWarning
+from ..errors import ReplicateFallbackWarning
 from ..implicit import implicit_allowed, plain_tensor_error
-from ..placement import Replicate, display
+from ..placement import Replicate
+from ..propagation.call import Call
+from ..propagation.engine import one_mesh
 from ..redistribute import redistribute_local
-from ..spec import DTensorSpec
+from ..spec import DTensorSpec, placements_text
 from ..submesh import off_mesh_result
 from ..tensor import DTensor
 
-__all__ = ["strict_sharding", "fallback_allowed", "run_replicated", "wrap_replicated", "ReplicateFallbackWarning"]
+__all__ = ["strict_sharding", "fallback_allowed", "run_replicated", "wrap_replicated", "whole_local", "check_plain",
+           "ReplicateFallbackWarning"]
 
 
 class _State(threading.local):
@@ -78,21 +81,17 @@ def run_replicated(func: Any, args: tuple, kwargs: dict, returns_self: bool) -> 
     """Run ``func`` on the whole tensors of its DTensor arguments; outputs are ``Replicate``."""
     flat, treedef = tree_flatten((args, kwargs))
     dts = [a for a in flat if isinstance(a, DTensor)]
-    mesh = dts[0]._spec.mesh
-    for a in dts[1:]:
-        if a._spec.mesh != mesh:
-            raise MeshMismatchError(f"{func}: cross-mesh operation, operands live on different meshes "
-                                    f"{mesh!r} and {a._spec.mesh!r}")
-    for a in flat:
-        if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.ndim > 0 and not implicit_allowed(a):
-            raise plain_tensor_error(func, a)
+    mesh = one_mesh(func, [a._spec for a in dts])
+    check_plain(func, flat)
     if mesh._coord is None:  # a rank outside the mesh runs nothing
-        return off_mesh_result(func, _meta_output(func, flat, treedef, mesh), flat[0], dts[0]._local_tensor.device,
-                               dts[0].dtype, returns_self, DTensor)
-    whole = [0]
+        specs = [a._spec if isinstance(a, DTensor) else None for a in flat]
+        out_specs = tree_map(lambda t: _replicated_spec(t, mesh) if isinstance(t, torch.Tensor) else None,
+                             Call(func, flat, specs, treedef).out_meta)
+        return off_mesh_result(func, out_specs, flat[0], dts[0]._local_tensor.device, dts[0].dtype, returns_self,
+                               DTensor)
     with comm.scope(f"fallback {func}"):
-        full = [_replicated(a, whole) if isinstance(a, DTensor) else a for a in flat]
-    _warn_once(func, dts, whole[0])
+        full = [whole_local(a) if isinstance(a, DTensor) else a for a in flat]
+    _warn_once(func, dts)
     largs, lkwargs = tree_unflatten(full, treedef)
     out = func(*largs, **lkwargs)
     _write_back(func, args, kwargs, flat, full)
@@ -104,13 +103,21 @@ def run_replicated(func: Any, args: tuple, kwargs: dict, returns_self: bool) -> 
     return result
 
 
-def _replicated(a: DTensor, whole: list[int]) -> torch.Tensor:
-    spec = a._spec
-    want = spec.with_placements([Replicate()] * spec.mesh.ndim)
-    if want == spec:
-        return a._local_tensor
-    whole[0] += math.prod(spec.shape) * spec.dtype.itemsize
-    return redistribute_local(a._local_tensor, spec, want)
+def check_plain(func: Any, flat: list) -> None:
+    """Plain tensors with dims among the arguments must be ones taken as replicated (``implicit``)."""
+    for a in flat:
+        if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.ndim > 0 and not implicit_allowed(a):
+            raise plain_tensor_error(func, a)
+
+
+def whole_local(a: DTensor) -> torch.Tensor:
+    """``a``'s whole tensor on this rank: its local tensor redistributed to all-``Replicate``."""
+    want = _replicated_spec_of(a._spec)
+    return a._local_tensor if want == a._spec else redistribute_local(a._local_tensor, a._spec, want)
+
+
+def _replicated_spec_of(spec: DTensorSpec) -> DTensorSpec:
+    return spec.with_placements([Replicate()] * spec.mesh.ndim)
 
 
 def _write_back(func: Any, args: tuple, kwargs: dict, flat: list, full: list) -> None:
@@ -128,33 +135,27 @@ def _write_back(func: Any, args: tuple, kwargs: dict, flat: list, full: list) ->
         if written is target._local_tensor:
             continue  # already replicated: written in place
         spec = target._spec
-        local = redistribute_local(written, spec.with_placements([Replicate()] * spec.mesh.ndim), spec)
+        local = redistribute_local(written, _replicated_spec_of(spec), spec)
         with torch.no_grad():
             target._local_tensor.copy_(local)
 
 
 def wrap_replicated(t: torch.Tensor, mesh: Any) -> DTensor:
     """``t``, a whole tensor every rank holds alike, as a ``Replicate`` DTensor on ``mesh``."""
-    spec = DTensorSpec.build(mesh, [Replicate()] * mesh.ndim, t.shape, t.stride(), t.dtype)
-    return DTensor(t, spec)
+    return DTensor(t, _replicated_spec(t, mesh))
 
 
-def _meta_output(func: Any, flat: list, treedef: Any, mesh: Any) -> Any:
-    """Replicate output specs from the op run on meta tensors (for ranks outside the mesh)."""
-    metas = [torch.empty_strided(a._spec.shape, a._spec.stride, dtype=a.dtype, device="meta")
-             if isinstance(a, DTensor) else a for a in flat]
-    largs, lkwargs = tree_unflatten(metas, treedef)
-    out = func(*largs, **lkwargs)
-    R = [Replicate()] * mesh.ndim
-    return tree_map(lambda t: DTensorSpec.build(mesh, R, t.shape, t.stride(), t.dtype)
-                    if isinstance(t, torch.Tensor) else None, out)
+def _replicated_spec(t: torch.Tensor, mesh: Any) -> DTensorSpec:
+    return DTensorSpec.build(mesh, [Replicate()] * mesh.ndim, t.shape, t.stride(), t.dtype)
 
 
-def _warn_once(func: Any, dts: list[DTensor], gathered: int) -> None:
+def _warn_once(func: Any, dts: list[DTensor]) -> None:
     if func in _warned:
         return
     _warned.add(func)
-    pls = ", ".join(display(a.placements, a._spec.shard_order) for a in dts)
+    gathered = sum(math.prod(a._spec.shape) * a.dtype.itemsize for a in dts
+                   if _replicated_spec_of(a._spec) != a._spec)
+    pls = placements_text([a._spec for a in dts])
     warnings.warn(f"shardtensor: {func} has no sharding rule for inputs {pls}; it ran on replicated inputs, "
                   f"gathering {gathered} bytes on every rank (the result is exact; this warning is shown "
                   "once per op). To raise instead, use shardtensor.strict_sharding() or set SHARDTENSOR_STRICT=1.",

@@ -18,14 +18,13 @@ from ..aliasing import check_placement_change, check_writes, forget_copies, note
 from ..errors import MeshMismatchError, UnsupportedOpError
 from ..implicit import implicit_allowed, implicit_replication, plain_tensor_error
 from ..listops import is_list_op, run_per_mesh
-from ..placement import Replicate, display
 from ..propagation import flatten_call, propagate, rule_for, unflatten_call
 from ..redistribute import redistribute_local
-from ..spec import DTensorSpec
+from ..spec import DTensorSpec, placements_text
 from ..submesh import off_mesh_result
 from ..tensor import DTensor
 from .decompose import find_decomposition
-from .fallback import fallback_allowed, run_replicated, wrap_replicated
+from .fallback import check_plain, fallback_allowed, run_replicated, whole_local, wrap_replicated
 
 __all__ = ["dispatch", "route"]
 
@@ -51,7 +50,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         check_writes(func, writes, args, kwargs)
     r = route(func)
     if isinstance(r, tuple):
-        _check_plain(func, args, kwargs)
+        check_plain(func, tree_flatten((args, kwargs))[0])
         try:
             with implicit_replication():  # plain tensors the decomposition builds are the same on every rank
                 out = _replicate_plain(r[1](*args, **kwargs), args, kwargs)
@@ -61,8 +60,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
                 raise
             if not writes and fallback_allowed(func):  # nothing was written: safe to run it whole
                 return run_replicated(func, args, kwargs, False)
-            pls = ", ".join(display(a.placements, a.shard_order) for a in tree_flatten((args, kwargs))[0]
-                            if isinstance(a, DTensor))
+            pls = placements_text([a._spec for a in tree_flatten((args, kwargs))[0] if isinstance(a, DTensor)])
             raise UnsupportedOpError(f"shardtensor: {func} has no sharding rule and its decomposition failed "
                                       f"(input placements: {pls}): {e}", func) from e
     flat, treedef = flatten_call(args, kwargs)
@@ -75,7 +73,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
             if first is None:
                 first = a
         else:
-            if isinstance(a, torch.Tensor) and a.ndim > 0:  # _is_plain, inlined: the hot loop of every op
+            if isinstance(a, torch.Tensor) and a.ndim > 0:  # a plain tensor with dims (check_plain), inlined: the hot loop
                 plain = (plain or []) + [i]
             specs.append(None)
     if plain is not None:
@@ -138,18 +136,6 @@ def _replicate_plain(out: Any, args: tuple, kwargs: dict) -> Any:
     return type(out)(*wrapped) if hasattr(out, "_fields") else type(out)(wrapped)
 
 
-def _is_plain(a: Any) -> bool:
-    """A non-DTensor tensor with dims (an ``nn.Parameter`` too): it needs a placement to meet DTensors;
-    0-d tensors are scalars to the rules."""
-    return isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.ndim > 0
-
-
-def _check_plain(func, args: tuple, kwargs: dict) -> None:
-    for a in tree_flatten((args, kwargs))[0]:
-        if _is_plain(a) and not implicit_allowed(a):
-            raise plain_tensor_error(func, a)
-
-
 def _dispatch_with_plain(func, flat: list, specs: list, treedef, plain: list[int]) -> Any:
     """Dispatch with the plain tensors at ``plain`` taken as replicated values (see ``implicit``).
 
@@ -162,12 +148,11 @@ def _dispatch_with_plain(func, flat: list, specs: list, treedef, plain: list[int
         t = flat[i]
         if not implicit_allowed(t):
             raise plain_tensor_error(func, t)
-        spec = DTensorSpec.build(mesh, [Replicate()] * mesh.ndim, t.shape, t.stride(), t.dtype)
-        flat[i] = DTensor(t, spec)
+        flat[i] = wrap_replicated(t, mesh)
     args, kwargs = unflatten_call(flat, treedef)
     out = dispatch(func, args, kwargs)
     if plain_self is not None:
-        full = redistribute_local(out._local_tensor, out._spec, out._spec.with_placements([Replicate()] * mesh.ndim))
+        full = whole_local(out)
         if full is not plain_self:
             plain_self.copy_(full)
         return plain_self

@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from ..errors import MeshMismatchError, PropagationError, ShardingError
-from ..placement import display
-from ..spec import DTensorSpec
+from ..spec import DTensorSpec, placements_text
 from .call import Call, Decision
 from .registry import _BY_SIGN, rule_for, unsupported
 from .strategy import Candidate, decide
 
-__all__ = ["propagate", "clear_cache", "cache_info"]
+__all__ = ["propagate", "clear_cache", "cache_info", "one_mesh"]
 
 
 class _LRU:
@@ -89,14 +88,7 @@ def propagate(op, flat: list[Any], specs: list[DTensorSpec | None], treedef) -> 
     d = _cache.get(key)
     if d is not None:
         return d
-    mesh = None
-    for s in specs:
-        if s is not None:
-            if mesh is None:
-                mesh = s.mesh
-            elif s.mesh != mesh:
-                raise MeshMismatchError(f"{op}: cross-mesh operation, operands live on different meshes "
-                                        f"{mesh!r} and {s.mesh!r}")
+    one_mesh(op, specs)
     rule = rule_for(op)
     if rule is None:
         raise unsupported(op, specs)
@@ -107,10 +99,8 @@ def propagate(op, flat: list[Any], specs: list[DTensorSpec | None], treedef) -> 
         raise
     except RuntimeError as e:  # torch's own checks, met while the rule evaluated metadata
         raise PropagationError(f"shardtensor: sharding propagation failed on {op} "
-                               f"(input placements: {_placements(specs)}): {e}") from e
-    if isinstance(d, list):
-        d = decide(call, d)
-    elif isinstance(d, Candidate):
+                               f"(input placements: {placements_text(specs)}): {e}") from e
+    if isinstance(d, (list, Candidate)):
         d = decide(call, d)
     if not isinstance(d, Decision):
         raise ValueError(f"shardtensor: rule of {op} returned {type(d).__name__}, expected a Decision or candidates")
@@ -118,5 +108,14 @@ def propagate(op, flat: list[Any], specs: list[DTensorSpec | None], treedef) -> 
     return d
 
 
-def _placements(specs) -> str:
-    return ", ".join(display(s.placements, s.shard_order) for s in specs if s is not None)
+def one_mesh(op: Any, specs: Sequence[DTensorSpec | None]) -> Any:
+    """The mesh every DTensor operand of ``op`` lives on; ``MeshMismatchError`` when they differ."""
+    mesh = None
+    for s in specs:
+        if s is not None:
+            if mesh is None:
+                mesh = s.mesh
+            elif s.mesh != mesh:
+                raise MeshMismatchError(f"{op}: cross-mesh operation, operands live on different meshes "
+                                        f"{mesh!r} and {s.mesh!r}")
+    return mesh

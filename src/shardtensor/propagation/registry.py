@@ -11,8 +11,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import UnsupportedOpError
-from ..placement import display
-from ..spec import DTensorSpec
+from ..spec import DTensorSpec, placements_text
 from .call import Call, Decision
 
 __all__ = ["register", "rule_for", "unsupported", "RULES", "TAG_RULES", "SCALARS_BY_SIGN", "Rule"]
@@ -47,8 +46,7 @@ def register(*ops: Any, scalars_by_sign: bool = False) -> Callable[[Rule], Rule]
 
 
 def unsupported(op: Any, specs: list[DTensorSpec | None], why: str = "has no sharding rule") -> UnsupportedOpError:
-    placements = [display(s.placements, s.shard_order) for s in specs if s is not None]
-    return UnsupportedOpError(f"shardtensor: {op} {why} (input placements: {', '.join(placements)})", op)
+    return UnsupportedOpError(f"shardtensor: {op} {why} (input placements: {placements_text(specs)})", op)
 
 
 def _is_out_overload(op) -> bool:

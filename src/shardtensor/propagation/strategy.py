@@ -28,12 +28,12 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..errors import PropagationError
-from ..placement import Partial, Placement, Replicate, Shard, display
-from ..spec import DTensorSpec
+from ..placement import Partial, Placement, Replicate, Shard
+from ..spec import DTensorSpec, placements_text
 from .call import Decision
 
 __all__ = ["Candidate", "decide", "finish", "select", "pick", "expand", "dedupe", "input_cost", "out_specs",
-           "replicate", "placements_of", "kept_order", "linear_partial", "any_partial", "no_partial", "compatible_kinds", "LINEAR_KINDS",
+           "replicate", "placements_of", "kept_order", "keep_order", "linear_partial", "any_partial", "no_partial", "compatible_kinds", "LINEAR_KINDS",
            "Pl", "Option", "Order"]
 
 Pl = tuple[Placement, ...]
@@ -134,6 +134,11 @@ def kept_order(spec: DTensorSpec, pl: Sequence[Placement]) -> Order:
     return tuple(sorted(order))
 
 
+def keep_order(pos: int, spec: DTensorSpec, pl: Pl) -> Order:
+    """Shard-order policy for :func:`finish`: :func:`kept_order` (as reductions need)."""
+    return kept_order(spec, pl)
+
+
 def expand(options: Sequence[Sequence[Option]], positions: Sequence[int],
            valid: Callable[[Candidate], bool] | None = None) -> list[Candidate]:
     """Cartesian product of per-mesh-dim options into mesh-wide candidates (invalid ones dropped)."""
@@ -204,8 +209,7 @@ def pick(call, pos: int, options: Sequence[Pl]) -> Pl:
 
 
 def _msg(call, why: str) -> str:
-    pls = [display(s.placements, s.shard_order) for s in call.specs if s is not None]
-    return f"shardtensor: {call.op} {why} (input placements: {', '.join(pls)})"
+    return f"shardtensor: {call.op} {why} (input placements: {placements_text(call.specs)})"
 
 
 def out_specs(mesh, meta: Any, pl: Any) -> Any:
@@ -225,13 +229,13 @@ def out_specs(mesh, meta: Any, pl: Any) -> Any:
     return None
 
 
-def finish(call, required: dict[int, Pl] | dict[int, DTensorSpec], output: Any, *, order: OrderFn | str | None = None,
+def finish(call, required: dict[int, Pl] | dict[int, DTensorSpec], output: Any, *, order: OrderFn | None = None,
            kernel: Callable | None = None, local_args: Callable | None = None,
            reorder_all: bool = False):
     """The :class:`Decision` that moves each ``required`` position to its placements (or spec).
 
-    A moved input takes the shard order ``order`` gives (the default order when None, its own
-    where the same mesh dims still shard for ``"kept"``, see :func:`kept_order`); every
+    A moved input takes the shard order ``order`` gives (the default order when None; :func:`keep_order`
+    keeps its own where the same mesh dims still shard); every
     other input keeps its spec, unless ``reorder_all`` moves kept inputs with a non-default
     order to the default one (for rules whose outputs are labelled in the default order).
     """
@@ -243,8 +247,7 @@ def finish(call, required: dict[int, Pl] | dict[int, DTensorSpec], output: Any, 
             want = need
         else:
             pl = tuple(need)
-            want = s.with_placements(pl, None if order is None else kept_order(s, pl) if order == "kept"
-                                     else order(pos, s, pl))  # type: ignore[operator]
+            want = s.with_placements(pl, None if order is None else order(pos, s, pl))
         if want != s:
             inputs[pos] = want
             moved = True

@@ -26,7 +26,7 @@ import torch
 from ...placement import NormPartial, Partial, Shard
 from ..call import Call, Decision
 from ..registry import register, unsupported
-from ..strategy import finish, kept_order, pick
+from ..strategy import finish, keep_order, kept_order, pick
 from .reduction import check_dims, choices, empty_safe, out_order, out_spec, reduce_out, reduced_dims
 
 aten = torch.ops.aten
@@ -82,7 +82,7 @@ def vector_norm_rule(call: Call) -> Decision:
         kernel = empty_safe(call.op, D, keepdim, lambda dt: fill, meta.dtype)
     out_pl = reduce_out(req, D, keepdim, pn)
     order = out_order(kept_order(s, req), out_pl, D, keepdim)
-    return finish(call, {pos: req}, out_spec(call, meta, out_pl, order), kernel=kernel, order="kept")
+    return finish(call, {pos: req}, out_spec(call, meta, out_pl, order), kernel=kernel, order=keep_order)
 
 
 @register(aten._foreach_norm.Scalar)
@@ -102,7 +102,7 @@ def foreach_norm_rule(call: Call) -> Decision:
         required[pos] = req
         outs.append(out_spec(call, meta, reduce_out(req, D, False, pn), ()))
     dtypes = [m.dtype for m in metas]
-    return finish(call, required, type(metas)(outs), kernel=_foreach_kernel(pn.norm, dtypes), order="kept")
+    return finish(call, required, type(metas)(outs), kernel=_foreach_kernel(pn.norm, dtypes), order=keep_order)
 
 
 def _foreach_kernel(p: float, dtypes: Sequence[torch.dtype]) -> Callable:

@@ -45,7 +45,7 @@ from ...placement import Partial, Placement, Replicate, Shard
 from ...spec import DTensorSpec
 from ..call import Call, Decision
 from ..registry import register, unsupported
-from ..strategy import Pl, finish, kept_order, pick
+from ..strategy import Pl, finish, keep_order, kept_order, pick
 
 aten = torch.ops.aten
 
@@ -263,7 +263,7 @@ def decomposable_rule(call: Call) -> Decision:
         kernel = empty_safe(call.op, D, keepdim, lambda dt, k=kind: identity_of(k, dt), meta.dtype)
     out_pl = reduce_out(req, D, keepdim, Partial(kind))
     order = out_order(kept_order(s, req), out_pl, D, keepdim)
-    return finish(call, {pos: req}, out_spec(call, meta, out_pl, order), kernel=kernel, order="kept")
+    return finish(call, {pos: req}, out_spec(call, meta, out_pl, order), kernel=kernel, order=keep_order)
 
 
 def _uneven_mean(spec: DTensorSpec, D: Sequence[int], keepdim: bool, out_dtype: torch.dtype) -> Callable:
@@ -310,7 +310,7 @@ def selecting_rule(call: Call) -> Decision:
         out_pl = reduce_out(req, D, keepdim, None)
         order = out_order(kept_order(s, req), out_pl, D, keepdim)
         outs = [out_spec(call, m, out_pl, order) for m in metas]
-    return finish(call, {pos: req}, type(meta)(outs) if isinstance(meta, (tuple, list)) else outs[0], order="kept")
+    return finish(call, {pos: req}, type(meta)(outs) if isinstance(meta, (tuple, list)) else outs[0], order=keep_order)
 
 
 def _schema_default(op: Any, name: str) -> Any:
@@ -349,7 +349,7 @@ def var_std_rule(call: Call) -> Decision:
     kernel = None
     if J:
         kernel = _var_kernel(s.mesh, J, D, keepdim, n_global, denom, is_std, partial_out, meta.dtype)
-    return finish(call, {pos: req}, out_spec(call, meta, out_pl, order), kernel=kernel, order="kept")
+    return finish(call, {pos: req}, out_spec(call, meta, out_pl, order), kernel=kernel, order=keep_order)
 
 
 def _var_meta(spec: DTensorSpec, D: Sequence[int], keepdim: bool) -> torch.Tensor:
@@ -411,4 +411,4 @@ def scan_rule(call: Call) -> Decision:
         out = type(meta)(out_spec(call, m, req, order) for m in meta)
     else:
         out = out_spec(call, meta, req, order)
-    return finish(call, {pos: req}, out, order="kept")
+    return finish(call, {pos: req}, out, order=keep_order)
