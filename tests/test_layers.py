@@ -55,6 +55,15 @@ def test_rules_never_import_the_layers_that_execute(path):
     assert not bad, f"{path.relative_to(SRC)} imports {bad}: rules decide, the dispatch layer runs things"
 
 
+@pytest.mark.parametrize("path", _modules("propagation/rules"), ids=lambda p: str(p.relative_to(SRC)))
+def test_rules_build_decisions_one_way(path):
+    """Every rule returns candidates (``decide``) or calls ``strategy.finish``; none builds a
+    ``Decision`` by hand, so the shard-order and moved-input logic lives in one place."""
+    calls = [n.lineno for n in ast.walk(ast.parse(path.read_text()))
+             if isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) == "Decision"]
+    assert not calls, f"{path.relative_to(SRC)} builds Decision(...) on lines {calls}; use strategy.finish"
+
+
 @pytest.mark.parametrize("path", _modules("redistribute") + _modules("comm"), ids=lambda p: str(p.relative_to(SRC)))
 def test_redistribution_and_comm_sit_below_propagation(path):
     bad = sorted(m for m in _imports(path) if m.startswith(ABOVE + ("shardtensor.propagation",)))

@@ -17,10 +17,11 @@ per-collective ``launch`` cost of ``cost.LinkModel`` deciding among equal-byte p
   on a (2,2) mesh: the best per-dim plan is reduce-scatter, all-reduce, all-gather (three
   collectives, 1.5 |X|); one all-reduce over 4 ranks moves the same 1.5 |X|.
 
-* **direct exchange** (``exchange.py``): a multi-collective plan between specs with no partial
-  on the changing mesh dims may be replaced by one all-to-all over their flattened group that
-  sends each peer exactly the part of its block the peer needs (``(S0,S0) -> (R,S0)``: 2/4 of
-  the tensor per rank instead of 2.5/4).
+* **direct plan** (``exchange.py``): the plan may be replaced by one all-to-all over the
+  flattened group of the changing mesh dims that sends each peer exactly the part of its block
+  the peer needs (``(S0,S0) -> (R,S0)``: 2/4 of the tensor per rank instead of 2.5/4), after
+  reduce-scatters of the source's partials that must go.  Its bytes also cap the search
+  (``ceiling_applies``).
 
 A candidate replaces the per-dim plan only if it moves less bandwidth time, or the same and is
 strictly cheaper in latency plus launches, so the search's byte optimality is kept.
@@ -35,18 +36,20 @@ from .exchange import exchange_bound, exchange_comm, exchange_dims, exchange_flo
 from .search import search
 from .steps import ExchangeStep, FlatStep, Step
 
-__all__ = ["improve", "merge_steps"]
+__all__ = ["improve", "merge_steps", "direct_plan", "ceiling_applies"]
 
 
 def improve(base: tuple[Step, ...], mesh_shape, links, src, src_order, dst, dst_order, shape,
-            itemsize: int) -> tuple[Step, ...]:
+            itemsize: int, direct: tuple[Step, ...] | None) -> tuple[Step, ...]:
     """``base`` (the per-dim optimum), or a plan with flattened-group collectives or the direct
-    exchange where that moves fewer bytes, or the same bytes in fewer collectives."""
+    plan (``direct_plan``, passed in) where that moves fewer bytes, or the same bytes in fewer
+    collectives."""
     groups = _reduce_groups(src, dst, mesh_shape)
     ncoll = sum(1 for st in base if step_latency(st, mesh_shape))
-    dims = exchange_dims(src, src_order, dst, dst_order, mesh_shape) if ncoll > 1 else None
+    if not ncoll:
+        direct = None
     joins = ncoll > 1 and any(_join(a, b) is not None for a, b in zip(base, base[1:]))
-    if not groups and not joins and dims is None:
+    if not groups and not joins and direct is None:
         return base  # nothing to join, nothing to replace: no pricing at all
     score = _Scorer(shape, mesh_shape, itemsize, links)
     best, best_score = base, score.plan(base)
@@ -65,29 +68,88 @@ def improve(base: tuple[Step, ...], mesh_shape, links, src, src_order, dst, dst_
         if score.plan((first,))[0] > best_score[0]:
             continue  # the all-reduce alone moves more than the whole best plan: no second search
         mid = tuple(Replicate() if j in group else p for j, p in enumerate(src))
-        cand = (first,) + search(mesh_shape, links, mid, src_order, dst, dst_order, shape)[0]
+        rest, _ = search(mesh_shape, links, mid, src_order, dst, dst_order, shape)
+        assert rest is not None  # no ceiling: the search always answers
+        cand = (first,) + rest
         offer(cand)
         m2 = merge_steps(cand, shape, mesh_shape, itemsize, links, score)
         if m2 is not cand:
             offer(m2)
-    if dims is not None:
-        offer(*_exchange(score, best_score, mesh_shape, dims, src, src_order, dst, dst_order, shape))
+    if direct is not None:
+        offer(direct, _direct_score(score, best_score, mesh_shape, direct, shape))
     return best
 
 
-def _exchange(score: "_Scorer", best_score: tuple, mesh_shape, dims, src, src_order, dst, dst_order, shape):
-    """The direct exchange and its score.  Priced first on a cheap upper bound; when that does
-    not win, and what rank 0 alone must receive could, on the exact busiest rank (a pass over
-    every rank pair, so only then)."""
-    lat = math.prod(mesh_shape[j] for j in dims) - 1
-    step = ExchangeStep(dims[0], src[dims[0]], dst[dims[0]], src, src_order, dims=dims, target=dst,
-                        target_order=dst_order)
-    ub = score.raw(dims, exchange_bound(shape, mesh_shape, dims, src, src_order, dst, dst_order), 1, lat)
-    if ub < best_score or score.raw(dims, exchange_floor(shape, mesh_shape, src, src_order, dst, dst_order), 1,
-                                    lat) >= best_score:
-        return (step,), ub
-    num, _ = exchange_comm(shape, mesh_shape, dims, src, src_order, dst, dst_order)
-    return (step,), score.raw(dims, num, 1, lat)
+def direct_plan(mesh_shape, src, src_order, dst, dst_order, shape) -> tuple[Step, ...] | None:
+    """The direct plan: every partial that must go is reduce-scattered (onto its target's tensor
+    dim, or the longest one for a Replicate target), then one direct exchange does the rest.
+    ``None`` where the exchange does not apply (a partial kind change, one mesh dim left to
+    change, a mesh over ``exchange.MAX_RANKS`` ranks, a 0-d tensor with partials)."""
+    pre: list[Step] = []
+    cur, lists = list(src), dict(src_order)
+    order = src_order
+    for j, (a, b) in enumerate(zip(src, dst)):
+        if not isinstance(a, Partial) or a == b or mesh_shape[j] == 1:
+            continue
+        if isinstance(b, Partial) or not shape:
+            return None
+        d = b.dim if isinstance(b, Shard) else max(range(len(shape)), key=lambda e: (shape[e], -e))
+        pre.append(Step(j, a, Shard(d), tuple(cur), order))
+        cur[j] = Shard(d)
+        lists[d] = lists.get(d, ()) + (j,)
+        order = tuple(sorted(lists.items()))
+    mid = tuple(cur)
+    dims = exchange_dims(mid, order, dst, dst_order, mesh_shape)
+    if dims is None:
+        return None
+    return tuple(pre) + (ExchangeStep(dims[0], mid[dims[0]], dst[dims[0]], mid, order, dims=dims, target=dst,
+                                      target_order=dst_order),)
+
+
+def direct_elements(steps: tuple[Step, ...], mesh_shape, shape, exact: bool) -> int:
+    """Elements per rank the direct plan moves (reduce-scatters, then the exchange's busiest rank),
+    or a cheap upper bound of them."""
+    pre, ex = steps[:-1], steps[-1]
+    assert isinstance(ex, ExchangeStep)
+    total = 0
+    for st in pre:
+        _, num, den, _ = step_comm(st, shape, mesh_shape)
+        assert den == 1, st
+        total += num
+    a = (shape, mesh_shape, ex.dims, ex.placements, ex.order, ex.target, ex.target_order)
+    return total + (exchange_comm(*a)[0] if exact else exchange_bound(*a))
+
+
+def ceiling_applies(links, src, dst, mesh_shape) -> bool:
+    """Whether no plan of ``improve`` other than the direct one can move fewer bytes than the
+    per-dim optimum, so a search may stop once it proves every per-dim plan moves more than the
+    direct plan.  Flattened all-gathers never move fewer bytes; what could is two all-reduces of
+    one partial kind joined into one (and the all-reduce-first plans), so at most one mesh dim
+    may hold each partial kind.  The links must share one bandwidth (the search's units)."""
+    if len({lk.beta for lk in links}) != 1 or not links[0].beta:
+        return False
+    kinds = [a for j, a in enumerate(src) if isinstance(a, Partial) and mesh_shape[j] > 1]
+    return len(kinds) == len(set(kinds))
+
+
+def _direct_score(score: "_Scorer", best_score: tuple, mesh_shape, steps: tuple[Step, ...], shape) -> tuple:
+    """The direct plan's score.  The exchange is priced first on a cheap upper bound; when that
+    does not win, and what rank 0 alone must receive could, on the exact busiest rank (a pass
+    over every rank pair, so only then)."""
+    pre, ex = steps[:-1], steps[-1]
+    assert isinstance(ex, ExchangeStep)
+    pre_bw, pre_t = score.plan(pre)
+    lat = math.prod(mesh_shape[j] for j in ex.dims) - 1
+    a = (shape, mesh_shape, ex.placements, ex.order, ex.target, ex.target_order)
+
+    def total(num: int) -> tuple:
+        bw, t = score.raw(ex.dims, num, 1, lat)
+        return pre_bw + bw, pre_t + t
+
+    ub = total(exchange_bound(shape, mesh_shape, ex.dims, *a[2:]))
+    if ub < best_score or total(exchange_floor(*a)) >= best_score:
+        return ub
+    return total(exchange_comm(shape, mesh_shape, ex.dims, *a[2:])[0])
 
 
 class _Scorer:

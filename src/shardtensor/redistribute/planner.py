@@ -13,12 +13,12 @@ mesh dims' links differ in bandwidth (floating-point prices could then tie diffe
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Sequence
 
 from ..placement import Placement, ShardOrder
 from .cost import LinkModel, normalize_links
-from .flatten import improve
+from .flatten import ceiling_applies, direct_elements, direct_plan, improve
 from .search import search
 from .steps import Step
 
@@ -63,7 +63,9 @@ def per_dim_plan(src: Sequence[Placement], src_order: ShardOrder, dst: Sequence[
                  global_shape: Sequence[int], mesh_shape: Sequence[int],
                  links: LinkModel | Sequence[LinkModel] | None = None) -> tuple[Step, ...]:
     """The search's plan alone (one mesh dim per step, before ``flatten.improve``), uncached."""
-    return search(*_normalized(src, src_order, dst, dst_order, global_shape, mesh_shape, links))[0]
+    steps, _ = search(*_normalized(src, src_order, dst, dst_order, global_shape, mesh_shape, links))
+    assert steps is not None  # no ceiling: the search always answers
+    return steps
 
 
 def _normalized(src, src_order, dst, dst_order, global_shape, mesh_shape, links) -> _Args:
@@ -74,11 +76,22 @@ def _normalized(src, src_order, dst, dst_order, global_shape, mesh_shape, links)
 
 
 def _plan(mesh_shape, links, src, src_order, dst, dst_order, shape, itemsize, stats=None) -> tuple[Step, ...]:
-    """The search's plan, then ``flatten.improve``; ``stats`` receives the search's counters."""
-    base, info = search(mesh_shape, links, src, src_order, dst, dst_order, shape)
+    """The search's plan, then ``flatten.improve``; ``stats`` receives the search's counters.
+
+    The search is capped at the direct plan's bytes where that is sound (``flatten.ceiling_applies``):
+    once it proves that every per-dim plan moves more, it stops, and the direct plan is the plan,
+    as ``improve`` would have chosen (fewer bytes first)."""
+    direct = direct_plan(mesh_shape, src, src_order, dst, dst_order, shape)
+    ceiling = None
+    if direct is not None and ceiling_applies(links, src, dst, mesh_shape):
+        ceiling = partial(direct_elements, direct, mesh_shape, shape)
+    base, info = search(mesh_shape, links, src, src_order, dst, dst_order, shape, ceiling)
     if stats is not None:
         stats.update(info)
-    return improve(base, mesh_shape, links, src, src_order, dst, dst_order, shape, itemsize)
+    if base is None:
+        assert direct is not None
+        return direct
+    return improve(base, mesh_shape, links, src, src_order, dst, dst_order, shape, itemsize, direct)
 
 
 _cached = lru_cache(maxsize=CACHE_SIZE)(_plan)

@@ -18,18 +18,22 @@ import heapq
 import math
 from fractions import Fraction
 from functools import lru_cache
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..placement import Partial, Placement, Replicate, Shard, ShardOrder
 from .baseline import baseline_plan
 from .cost import LinkModel
 from .steps import Step
 
-__all__ = ["search", "MAX_EXPANSIONS"]
+__all__ = ["search", "MAX_EXPANSIONS", "CEILING_AFTER"]
 
 MAX_EXPANSIONS = 1024
 """Expanded states before the search gives up and returns the baseline plan (correct, never
 more bytes than itself; not reached on the planner benchmark's pairs)."""
+
+CEILING_AFTER = (2, 4)
+"""Expanded states before the search asks for its ``ceiling``: a cheap bound first, then the
+exact value (easy plans never pay for either)."""
 
 _REPLICATE = Replicate()
 _INF = 1 << 4000
@@ -39,10 +43,17 @@ _AG, _A2A, _AR, _RS, _CHUNK = 0, 1, 2, 3, 4
 
 
 def search(mesh_shape: tuple[int, ...], links: tuple[LinkModel, ...], src: tuple, src_order: ShardOrder,
-           dst: tuple, dst_order: ShardOrder, shape: tuple[int, ...]) -> tuple[tuple[Step, ...], dict]:
+           dst: tuple, dst_order: ShardOrder, shape: tuple[int, ...],
+           ceiling: Callable[[bool], int] | None = None) -> tuple[tuple[Step, ...] | None, dict]:
     """``(steps, info)``: the cheapest per-mesh-dim plan and the search's counters
-    (``expanded``, ``generated``, ``capped``).  Arguments are normalised (``planner.py``)."""
-    info = {"expanded": 0, "generated": 0, "capped": False}
+    (``expanded``, ``generated``, ``capped``, ``cut``).  Arguments are normalised (``planner.py``).
+
+    ``ceiling(exact)``, if given, is asked after ``CEILING_AFTER`` expanded states (for a cheap
+    upper bound, then the exact value): the elements per rank that another plan moves (the
+    direct plan).  Once every per-dim plan is known to move more, the search stops and returns
+    ``None`` (``info["cut"]``): the caller takes the other plan.  Only for links of one
+    bandwidth (the units are plain elements)."""
+    info = {"expanded": 0, "generated": 0, "capped": False, "cut": False}
     pb = _Problem(mesh_shape, links, src, src_order, dst, dst_order, shape)
     if pb.done(pb.start):
         return _to_steps((), src, src_order, dst, dst_order), info
@@ -57,11 +68,15 @@ def search(mesh_shape: tuple[int, ...], links: tuple[LinkModel, ...], src: tuple
     # (a total order: nothing depends on hashing, so every rank finds the same plan)
     pq = [(0, 0, pb.start)]
     found = None
+    above = _INF  # f values above this mean: every per-dim plan moves more than the ceiling
     while pq:
         f, ng, st = heapq.heappop(pq)
         g = -ng
         if g != best[st]:
             continue  # reached more cheaply since this entry was queued
+        if f >= above:
+            info["cut"] = True
+            return None, info
         if pb.done(st):
             found = st
             break
@@ -75,6 +90,8 @@ def search(mesh_shape: tuple[int, ...], links: tuple[LinkModel, ...], src: tuple
                 heapq.heappush(pq, (f + extra, ng, st))
                 continue
         info["expanded"] += 1
+        if ceiling is not None and info["expanded"] in CEILING_AFTER:
+            above = pb.above(ceiling(info["expanded"] == CEILING_AFTER[-1]))
         if info["expanded"] > MAX_EXPANSIONS:
             info["capped"] = True
             break
@@ -140,6 +157,7 @@ class _Problem:
             T[d] = js
         self.T = T
         self.TL = [len(x) for x in T]
+        self.S = S
         self._bound_tables(S)
 
     def _bound_tables(self, S: int) -> None:
@@ -169,6 +187,10 @@ class _Problem:
                     if not T[e] and (shape[e] == shape[d] or (shape[e] % K_all == 0 and shape[d] % K_all == 0)):
                         self.twin[d] = e
                         break
+
+    def above(self, elements: int) -> int:
+        """The least cost whose bandwidth exceeds ``elements`` per rank (equal-weight links)."""
+        return (elements * self.S + 1) * self.hmul if self.hmul else _INF
 
     def done(self, st: int) -> bool:
         return st & self.GM == self.goal

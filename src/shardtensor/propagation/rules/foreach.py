@@ -40,7 +40,7 @@ from ...placement import Partial, Placement, Replicate, Shard
 from ...spec import DTensorSpec
 from ..call import Call, Decision, unflatten_call
 from ..registry import register, rule_for, unsupported
-from ..strategy import decide
+from ..strategy import decide, finish
 from .pointwise import PARTIAL_ROWS
 
 aten = torch.ops.aten
@@ -239,9 +239,8 @@ def _foreach_decision(call: Call, elem_op, rule, elements, shared: set[int], att
             local_fns.append((leaves, d.local_args))
         if parts:
             local_fns.append((leaves, _partitioner(parts, call.mesh)))
-    inputs = tuple(required.get(i, s) for i, s in enumerate(call.specs))
-    moved = any(r is not None and r != s for r, s in zip(inputs, call.specs))
-    return Decision(inputs, None if inplace else list(outputs), moved, _compose(local_fns) if local_fns else None)
+    return finish(call, required, None if inplace else list(outputs),
+                  local_args=_compose(local_fns) if local_fns else None)
 
 
 def _partition_locally(have: DTensorSpec, want: DTensorSpec) -> tuple[DTensorSpec, list[tuple[int, Placement]]]:
@@ -336,10 +335,10 @@ def fused_optimizer_rule(call: Call) -> Decision:
             if pos is not None:
                 s = call.specs[pos]
                 required[pos] = s.with_placements([Replicate()] * s.mesh.ndim)
-    moved = any(r != s for r, s in zip(required, call.specs))
+    moves = {pos: r for pos, r in enumerate(required) if r is not None}
     kernel = functools.partial(contiguous_fused, call.op)
     if inplace:
-        return Decision(tuple(required), None, moved, None, kernel)
+        return finish(call, moves, None, kernel=kernel)
     meta = call.out_meta
     outs = []
     for lname, metas in zip(lists, meta):
@@ -347,7 +346,7 @@ def fused_optimizer_rule(call: Call) -> Decision:
         outs.append([DTensorSpec.build(call.mesh, call.specs[pp].placements, m.shape, m.stride(), m.dtype,
                                        call.specs[pp].shard_order) for pp, m in zip(params, metas)]
                     if pos_list else [])
-    return Decision(tuple(required), tuple(outs), moved, None, kernel)
+    return finish(call, moves, tuple(outs), kernel=kernel)
 
 
 def contiguous_fused(op, *args: Any, **kwargs: Any) -> Any:
