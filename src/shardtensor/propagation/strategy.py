@@ -42,8 +42,9 @@ Order = tuple[tuple[int, tuple[int, ...]], ...]
 """A shard order: ``((tensor dim, mesh dims in split order), ...)``."""
 OrderFn = Callable[[int, DTensorSpec, Pl], "Order | None"]
 """A shard-order policy: ``(flat position, current spec, new placements) -> order`` (None: default)."""
-Option = tuple[dict[int, Placement], Placement]
-"""One per-mesh-dim choice: required placement per flat position, and the output placement."""
+Option = tuple[dict[int, Placement], Any]
+"""One per-mesh-dim choice: required placement per flat position, and the output placement (a
+tuple of placements, one per output, for an op with several outputs)."""
 
 LINEAR_KINDS = ("sum", "avg")
 """Partial kinds whose combine is linear: sums of terms may be added, scaled and split."""
@@ -141,12 +142,19 @@ def keep_order(pos: int, spec: DTensorSpec, pl: Pl) -> Order:
 
 def expand(options: Sequence[Sequence[Option]], positions: Sequence[int],
            valid: Callable[[Candidate], bool] | None = None) -> list[Candidate]:
-    """Cartesian product of per-mesh-dim options into mesh-wide candidates (invalid ones dropped)."""
+    """Cartesian product of per-mesh-dim options into mesh-wide candidates (invalid ones dropped).
+
+    An option's output is one placement, or a tuple of them for an op with several outputs (the
+    candidate's output is then a list of placements per output)."""
     cands = []
     for combo in itertools.product(*options):
         inputs = {pos: tuple(opt[0].get(pos, Replicate()) for opt in combo) for pos in positions}
-        out = tuple(opt[1] for opt in combo)
-        if not compatible_kinds(out):
+        out: Any = tuple(opt[1] for opt in combo)
+        if out and isinstance(out[0], tuple):
+            out = [tuple(o[i] for o in out) for i in range(len(out[0]))]
+            if not all(compatible_kinds(o) for o in out):
+                continue
+        elif not compatible_kinds(out):
             continue
         cand = Candidate(inputs, out)
         if valid is None or valid(cand):

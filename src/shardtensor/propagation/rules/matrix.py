@@ -92,25 +92,49 @@ def label_decision(call: Call, cand: Candidate, labels: dict[int, Labels], out_l
 def einsum_options(call: Call, operands: Sequence[tuple[int, Labels]], out_labels: Labels,
                    bias: tuple[int, Labels] | None) -> list[list[Option]]:
     """Per-mesh-dim options of a product: replicate, shard a kept or contracted label, keep a partial."""
-    labels_in = []
+    per_dim = label_options(call, operands, [(out_labels, [pos for pos, _ in operands])])
+    if bias is not None:
+        bpos, blabs = bias
+        per_dim = [[({**req, bpos: _bias_placement(out, blabs, out_labels)}, out) for req, out in opts]
+                   for opts in per_dim]
+    return per_dim
+
+
+def label_options(call: Call, operands: Sequence[tuple[int, Labels]],
+                  outputs: Sequence[tuple[Labels, Sequence[int]]], shardable: Sequence[Hashable] | None = None,
+                  linear: Sequence[int] | None = None) -> list[list[Option]]:
+    """Per-mesh-dim options of a multilinear op given by labels (one output, or several).
+
+    ``outputs`` lists each output's labels and the operands it depends on.  Per mesh dim: all
+    replicated; for each label ``L`` (of ``shardable``, or every label), every operand carrying
+    ``L`` on ``S(dim of L)``, and each output ``S(dim of L)`` if it carries ``L``, ``P(sum)`` if
+    an operand it depends on carries it (summed over), else ``R``; for each operand holding a
+    linear partial now (of ``linear``, or every operand), that partial kept, flowing to the
+    outputs that depend on it.  One output gives a placement per option, several a tuple of
+    placements.
+    """
+    labels_in: list[Hashable] = []
     for _, labs in operands:
         for L in labs:
-            if L not in labels_in:
+            if L not in labels_in and L is not None and (shardable is None or L in shardable):
                 labels_in.append(L)
+    having = {L: {pos for pos, labs in operands if L in labs} for L in labels_in}
+
+    def outs(fn: Callable[[Labels, Sequence[int]], Placement]) -> Any:
+        pls = tuple(fn(olabs, deps) for olabs, deps in outputs)
+        return pls[0] if len(pls) == 1 else pls
+
     per_dim = []
     for j in range(call.mesh.ndim):
-        opts: list[Option] = [({}, Replicate())]
+        opts: list[Option] = [({}, outs(lambda o, d: Replicate()))]
         for L in labels_in:
             req = {pos: Shard(labs.index(L)) for pos, labs in operands if L in labs}
-            out = Shard(out_labels.index(L)) if L in out_labels else Partial("sum")
-            opts.append((req, out))
+            opts.append((req, outs(lambda o, d, L=L: Shard(o.index(L)) if L in o else
+                                   Partial("sum") if having[L] & set(d) else Replicate())))
         for pos, _ in operands:
             p = call.specs[pos].placements[j]
-            if linear_partial(p):
-                opts.append(({pos: p}, p))
-        if bias is not None:
-            bpos, blabs = bias
-            opts = [({**req, bpos: _bias_placement(out, blabs, out_labels)}, out) for req, out in opts]
+            if linear_partial(p) and (linear is None or pos in linear):
+                opts.append(({pos: p}, outs(lambda o, d, pos=pos, p=p: p if pos in d else Replicate())))
         per_dim.append(opts)
     return per_dim
 

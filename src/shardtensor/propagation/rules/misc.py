@@ -1,8 +1,7 @@
-"""Linalg, diagonals, triangles, upsampling, data-dependent ops and random ops.
+"""Diagonals, triangles, upsampling, data-dependent ops and random ops (linalg: ``linalg.py``).
 
 | op | required input | output |
 |---|---|---|
-| ``_linalg_svd``, ``linalg_qr``, ``_linalg_eigh`` | ``S(d)`` kept on batch dims (all but the last two); matrix dims gathered; partials reduced | every output shards the same batch dims (R where an output has no such dims) |
 | ``tril``, ``triu`` | anything kept (partials of every kind: zeros are zeros on each rank) | input's placements; with rows or columns sharded the local kernel uses diagonal ``t + r0 - c0`` (``r0``, ``c0`` = this block's global row/column offset) |
 | ``diagonal``, ``diagonal_copy`` | ``S(dim1)``/``S(dim2)`` gathered; every partial kept (a selection) | ``S(d)`` renumbered to ``d``'s place among the kept dims (diagonal last) |
 | ``diagonal_backward`` | the diagonal dim gathered; every partial kept (zeros elsewhere) | ``S`` renumbered back; ``input_sizes`` become local sizes |
@@ -33,11 +32,11 @@ from ...placement import Partial, Placement, Replicate, Shard, unpartial
 from ...spec import DTensorSpec
 from ..call import Call, Decision, unflatten_call
 from ..registry import register, unsupported
-from ..strategy import any_partial, finish, linear_partial, no_partial
+from ..strategy import any_partial, finish, linear_partial
 
 aten = torch.ops.aten
 
-__all__ = ["linalg_rule", "triangle_rule", "diagonal_rule", "diagonal_backward_rule", "diag_rule",
+__all__ = ["triangle_rule", "diagonal_rule", "diagonal_backward_rule", "diag_rule",
            "diag_embed_rule", "upsample_rule", "upsample_backward_rule", "equal_rule", "item_rule",
            "random_like_rule", "random_fill_rule", "bernoulli_rule"]
 
@@ -64,23 +63,6 @@ def _renumbered(req: DTensorSpec, where: dict[int, int], meta: torch.Tensor) -> 
     pl = [Shard(where[p.dim]) if isinstance(p, Shard) else p for p in req.placements]
     order = tuple(sorted((where[d], js) for d, js in req.shard_order))
     return DTensorSpec.build(req.mesh, pl, meta.shape, meta.stride(), meta.dtype, order)
-
-
-# -- linalg --------------------------------------------------------------------------------
-
-@register(aten._linalg_svd.default, aten.linalg_qr.default, aten._linalg_eigh.default)
-def linalg_rule(call: Call) -> Decision:
-    """Batched factorizations: batch-dim shards stay, the matrices are gathered, partials reduced."""
-    s = call.specs[0]
-    nb = s.ndim - 2
-    req = gather_dims(s, lambda d: d < nb, no_partial)
-    outs = []
-    for m in call.out_meta:
-        if m.ndim >= nb and tuple(m.shape[:nb]) == tuple(s.shape[:nb]):
-            outs.append(_renumbered(req, {d: d for d in range(nb)}, m))
-        else:
-            outs.append(DTensorSpec.build(s.mesh, [Replicate()] * s.mesh.ndim, m.shape, m.stride(), m.dtype))
-    return finish(call, {0: req}, tuple(outs))
 
 
 # -- triangles -----------------------------------------------------------------------------

@@ -1,0 +1,36 @@
+"""Fourier transforms: the dims an FFT does not transform keep their shards.
+
+``_fft_r2c``, ``_fft_c2c``, ``_fft_c2r`` (what every ``torch.fft`` function reaches) transform the
+dims in ``dim``; every other dim is a batch of independent transforms.  Required input: shards
+of the transformed dims gathered, the rest kept; ``P(sum)``/``P(avg)`` kept (a transform is
+linear).  Output: the same placements (the transformed dims change length, never rank).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..call import Call, Decision
+from ..registry import register
+from ..strategy import finish, linear_partial
+from .misc import _ops, _renumbered, gather_dims
+
+aten = torch.ops.aten
+
+
+@register(*_ops(["_fft_r2c", "_fft_c2c", "_fft_c2r"]))
+def fft_rule(call: Call) -> Decision:
+    """Transformed dims gathered, batch dims kept, linear partials kept."""
+    s = call.specs[0]
+    dims = {d % s.ndim for d in call.arg("dim")}
+    req = gather_dims(s, lambda d: d not in dims, linear_partial)
+    out = _renumbered(req, {d: d for d in range(s.ndim)}, call.out_meta)
+    op = call.op
+
+    def kernel(x: torch.Tensor, *args: Any) -> torch.Tensor:
+        if x.numel() == 0:  # an empty batch piece: MKL refuses to plan it
+            return torch.zeros(out.local_shape, dtype=out.dtype, device=x.device)
+        return op(x, *args)
+
+    return finish(call, {0: req}, out, kernel=kernel)

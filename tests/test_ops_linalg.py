@@ -1,0 +1,131 @@
+"""Batched linalg, cdist and FFTs on DTensors: values and gradients against one device, batch
+shards kept (no fallback), matrices and transformed dims gathered."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from opcheck import MESHES, check, data, gen
+
+from shardtensor import Partial, Replicate, Shard, distribute_tensor, run_spmd, init_device_mesh
+from shardtensor.errors import ReplicateFallbackWarning
+
+R, S0, S1, S2, PS = Replicate(), Shard(0), Shard(1), Shard(2), Partial("sum")
+TOL = {"rtol": 1e-3, "atol": 1e-3}
+
+
+def _spd(shape, seed):
+    a = data("any", shape, gen(seed))
+    return a @ a.mT + shape[-1] * torch.eye(shape[-1])
+
+
+def _batch_kept(seen, ndim_batch=1):
+    for ins, outs in seen:
+        want = tuple(p if isinstance(p, Shard) and p.dim < ndim_batch else R for p in ins[0])
+        flat = outs if isinstance(outs[0], tuple) else (outs,)
+        assert all(o is None or o == want for o in flat), (ins, outs)
+
+
+LINALG = [
+    ("inv", lambda a: torch.linalg.inv(a), "spd"),
+    ("det", lambda a: torch.linalg.det(a), "spd"),
+    ("slogdet", lambda a: torch.linalg.slogdet(a)[1], "spd"),
+    ("cholesky", lambda a: torch.linalg.cholesky(a), "spd"),
+    ("lu_factor", lambda a: torch.linalg.lu_factor(a)[0], "spd"),
+    ("lu", lambda a: torch.linalg.lu(a)[2], "spd"),
+    ("matrix_exp", lambda a: torch.linalg.matrix_exp(a * 0.1), "any"),
+    ("cholesky_inverse", lambda a: torch.cholesky_inverse(torch.linalg.cholesky(a)), "spd"),
+]
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("name,fn,kind", LINALG, ids=[x[0] for x in LINALG])
+def test_batched_linalg_one_input(mesh, name, fn, kind):
+    # 5 batches over 4 ranks (uneven, one rank with a single matrix or none on (2, 2))
+    x = _spd((5, 4, 4), name) if kind == "spd" else data("any", (5, 4, 4), gen(name))
+    check(fn, [x], mesh, limit=6, tol=TOL, grad_tol={"rtol": 5e-3, "atol": 5e-3})
+
+
+SOLVES = [
+    ("solve", lambda a, b: torch.linalg.solve(a, b)),
+    ("solve_vector", lambda a, b: torch.linalg.solve(a, b[..., 0])),
+    ("solve_triangular", lambda a, b: torch.linalg.solve_triangular(torch.linalg.cholesky(a), b, upper=False)),
+    ("cholesky_solve", lambda a, b: torch.cholesky_solve(b, torch.linalg.cholesky(a))),
+    ("lu_solve", lambda a, b: torch.linalg.lu_solve(*torch.linalg.lu_factor(a), b)),
+]
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("name,fn", SOLVES, ids=[x[0] for x in SOLVES])
+def test_batched_solves(mesh, name, fn):
+    a, b = _spd((5, 4, 4), (name, "a")), data("any", (5, 4, 3), gen((name, "b")))
+    check(fn, [a, b], mesh, limit=6, tol=TOL, grad_tol={"rtol": 5e-3, "atol": 5e-3})
+
+
+def test_batch_sharded_linalg_runs_without_fallback_or_gathering():
+    def body():
+        mesh = init_device_mesh("cpu", (4,))
+        a = distribute_tensor(_spd((8, 4, 4), "nf-a"), mesh, [S0])
+        b = distribute_tensor(data("any", (8, 4, 2), gen("nf-b")), mesh, [S0])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ReplicateFallbackWarning)
+            outs = [torch.linalg.solve(a, b), torch.linalg.inv(a), torch.linalg.det(a), torch.linalg.cholesky(a),
+                    torch.linalg.eig(a)[0]]
+        return [tuple(o.placements) for o in outs]
+    for r in run_spmd(body, 4):
+        assert all(p == (S0,) for p in r), r
+
+
+def test_broadcast_batches_are_replicated():
+    a, b = _spd((1, 4, 4), "bc-a"), data("any", (5, 4, 3), gen("bc-b"))
+    check(lambda x, y: torch.linalg.solve(x, y), [a, b], (4,), limit=6, tol=TOL, grad=False)
+
+
+def test_singular_matrix_raises_on_every_rank():
+    def body():
+        mesh = init_device_mesh("cpu", (4,))
+        x = torch.eye(3).repeat(4, 1, 1)
+        x[3] = 0  # only the last rank's matrix is singular
+        a = distribute_tensor(x, mesh, [S0])
+        try:
+            torch.linalg.inv(a)
+        except RuntimeError as e:
+            return "singular" in str(e) or "not invertible" in str(e)
+        return False
+    assert run_spmd(body, 4) == [True] * 4
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_cdist(mesh):
+    x1, x2 = data("any", (3, 7, 4), gen("cd1")), data("any", (3, 5, 4), gen("cd2"))
+    seen = check(lambda a, b: torch.cdist(a, b), [x1, x2], mesh, limit=10, tol=TOL, grad_tol=TOL)
+    for _, out in seen:
+        assert not any(isinstance(o, Partial) for o in out), out  # the feature dim is never split
+
+
+FFTS = [
+    ("fft", lambda a: torch.view_as_real(torch.fft.fft(a, dim=1)), (5, 6, 3)),
+    ("rfft", lambda a: torch.view_as_real(torch.fft.rfft(a, dim=-1)), (5, 3, 6)),
+    ("irfft", lambda a: torch.fft.irfft(a, n=6, dim=1), (5, 4, 3)),
+    ("fft2", lambda a: torch.view_as_real(torch.fft.fft2(a)), (5, 4, 6)),
+    ("ifftn", lambda a: torch.view_as_real(torch.fft.ifftn(a, dim=(0, 2))), (4, 5, 6)),
+]
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("name,fn,shape", FFTS, ids=[x[0] for x in FFTS])
+def test_fft_keeps_untransformed_dims(mesh, name, fn, shape):
+    check(fn, [data("any", shape, gen(name))], mesh, limit=8, tol=TOL, grad_tol=TOL)
+
+
+def test_fft_of_batch_sharded_signal_moves_nothing():
+    def body():
+        mesh = init_device_mesh("cpu", (4,))
+        x = distribute_tensor(data("any", (8, 16), gen("fft-b")), mesh, [S0])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ReplicateFallbackWarning)
+            y = torch.fft.rfft(x, dim=1)
+        return tuple(y.placements), torch.allclose(y.full_tensor(), torch.fft.rfft(x.full_tensor(), dim=1))
+    assert run_spmd(body, 4) == [((S0,), True)] * 4
