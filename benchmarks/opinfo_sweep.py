@@ -3,6 +3,7 @@
     python benchmarks/opinfo_sweep.py                      # every op, 2 samples, every layout
     python benchmarks/opinfo_sweep.py --samples 1 --layouts first-shard
     python benchmarks/opinfo_sweep.py --ops cdist,fft.fft  # a few ops, by OpInfo name
+    python benchmarks/opinfo_sweep.py --torch              # PyTorch's DTensor side by side
 
 Each case runs one OpInfo sample with one layout of its tensor inputs, in the simulated world
 (every rank a thread), forward and, where the op supports autograd, backward, and compares with
@@ -23,6 +24,9 @@ values are uninitialized memory), and so are random ops (the sample calls an ate
 reseeds before each call, and shardtensor's dropout masks are valid masks, not torch's stream,
 see docs/random.md), and so are samples dense torch refuses and sparse samples.  Ops without a rule run
 through the replicate fallback, so they count as passing when its result is right.
+
+``--torch`` runs PyTorch's DTensor on the same cases (same local pieces and Partial terms, same
+comparison), its ranks on threads with torch's threaded process group (``torch_world.py``).
 """
 from __future__ import annotations
 
@@ -119,10 +123,11 @@ def layout(name: str, tensors: list[torch.Tensor]) -> tuple[tuple, tuple] | None
 
 
 def classify(fn: Callable[..., Any], tensors: list[torch.Tensor], mesh: tuple, combo: tuple,
-             grad: bool) -> tuple[str, str]:
-    """One case: ``(outcome, first line of the message)``."""
+             grad: bool, runner: Callable[..., Any] | None = None) -> tuple[str, str]:
+    """One case on one side (``runner``: None for shardtensor, ``torch_world.runner`` for
+    PyTorch's DTensor): ``(outcome, first line of the message)``."""
     try:
-        opcheck.check(fn, tensors, mesh, combos=[combo], grad=grad, tol=TOL, grad_tol=TOL)
+        opcheck.check(fn, tensors, mesh, combos=[combo], grad=grad, tol=TOL, grad_tol=TOL, runner=runner)
         return "pass", ""
     except AssertionError as e:
         if "not a DTensor" in str(e):  # the right value, as a plain tensor: torch's C++ built it
@@ -183,17 +188,18 @@ def _same(x: torch.Tensor, y: torch.Tensor) -> bool:
     return torch.equal(x, y)
 
 
-def sweep(ops: list[Any], n_samples: int, layouts: tuple[str, ...],
-          report: Callable[[str, str, str, str], None] | None = None) -> dict[str, Counter]:
-    """Run every case; ``{op name: Counter of outcomes}`` (random ops and refused samples left out)."""
-    per_op: dict[str, Counter] = defaultdict(Counter)
+def sweep(ops: list[Any], n_samples: int, layouts: tuple[str, ...], sides: dict[str, Callable[..., Any] | None],
+          report: Callable[[str, str, str, str, str], None] | None = None) -> dict[str, dict[str, Counter]]:
+    """Run every case on every side; ``{side: {op name: Counter of outcomes (and of
+    "replicated-fail")}}`` (random ops and refused samples left out)."""
+    per_side: dict[str, dict[str, Counter]] = {side: defaultdict(Counter) for side in sides}
     for info in ops:
         name = info.name + (f".{info.variant_test_name}" if info.variant_test_name else "")
         try:
             cases = [case_of(info, s) for s in samples(info, n_samples)]
         except Exception as e:  # noqa: BLE001 - the OpInfo cannot build samples on this torch
             if report:
-                report(name, "-", "skipped", f"samples: {_line(e)}")
+                report("-", name, "-", "skipped", f"samples: {_line(e)}")
             continue
         for fn, tensors in cases:
             if not _comparable(fn, tensors):
@@ -204,21 +210,26 @@ def sweep(ops: list[Any], n_samples: int, layouts: tuple[str, ...],
                 placed = layout(lay, tensors)
                 if placed is None:
                     continue
-                outcome, msg = classify(fn, tensors, placed[0], placed[1], grad)
-                per_op[name][outcome] += 1
-                if report and outcome != "pass":
-                    report(name, lay, outcome, msg)
-    return per_op
+                for side, runner in sides.items():
+                    outcome, msg = classify(fn, tensors, placed[0], placed[1], grad, runner)
+                    per_side[side][name][outcome] += 1
+                    if lay == "replicated" and outcome != "pass":
+                        per_side[side][name]["replicated-fail"] += 1
+                    if report and outcome != "pass":
+                        report(side, name, lay, outcome, msg)
+    return per_side
 
 
 def summary(per_op: dict[str, Counter]) -> dict[str, Any]:
     totals: Counter = Counter()
     for c in per_op.values():
-        totals.update(c)
+        totals.update({k: c[k] for k in OUTCOMES})
     n = sum(totals.values())
-    clean = sum(1 for c in per_op.values() if sum(c.values()) and c["pass"] == sum(c.values()))
-    return {"cases": n, "ops": len(per_op), "ops passing every case": clean,
-            **{k: totals[k] for k in OUTCOMES}, "pass %": 100.0 * totals["pass"] / max(n, 1)}
+    clean = sum(1 for c in per_op.values() if sum(c[k] for k in OUTCOMES) and c["pass"] == sum(c[k] for k in OUTCOMES))
+    return {"cases": n, "pass": totals["pass"], "pass %": 100.0 * totals["pass"] / max(n, 1),
+            **{k: totals[k] for k in OUTCOMES if k != "pass"}, "ops": len(per_op),
+            "ops passing every case": clean,
+            "ops failing with every input replicated": sum(1 for c in per_op.values() if c["replicated-fail"])}
 
 
 def main() -> None:
@@ -226,6 +237,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=2, help="samples per op (default 2)")
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, from {', '.join(LAYOUTS)}")
     ap.add_argument("--ops", default="", help="comma-separated OpInfo names (default: every op)")
+    ap.add_argument("--torch", action="store_true", help="also run PyTorch's DTensor on every case, side by side")
     ap.add_argument("--quiet", action="store_true", help="totals only, no line per failing case")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
@@ -233,17 +245,28 @@ def main() -> None:
     opcheck.TIMEOUT = 30.0
     layouts = tuple(x for x in args.layouts.split(",") if x)
     ops = float32_ops(set(args.ops.split(",")) if args.ops else None)
+    sides: dict[str, Callable[..., Any] | None] = {"shardtensor": None}
+    if args.torch:
+        import torch_world
+
+        sides["torch DTensor"] = torch_world.runner
     t0 = time.time()
 
-    def report(name: str, lay: str, outcome: str, msg: str) -> None:
+    def report(side: str, name: str, lay: str, outcome: str, msg: str) -> None:
         if not args.quiet:
-            print(f"{outcome:11s} {name:32s} {lay:11s} {msg}", flush=True)
+            print(f"{side:13s} {outcome:11s} {name:32s} {lay:11s} {msg}", flush=True)
 
-    s = summary(sweep(ops, args.samples, layouts, report))
+    per_side = sweep(ops, args.samples, layouts, sides, report)
     print(f"\ntorch {torch.__version__}; {len(ops)} OpInfos with CPU float32 samples; {args.samples} samples; "
-          f"layouts {', '.join(layouts)}; {time.time() - t0:.0f} s")
-    for k, v in s.items():
-        print(f"{k:22s} {v:.2f}" if isinstance(v, float) else f"{k:22s} {v}")
+          f"layouts {', '.join(layouts)}; {time.time() - t0:.0f} s\n")
+    rows = {side: summary(per_op) for side, per_op in per_side.items()}
+    print(f"{'':40s}" + "".join(f"{side:>16s}" for side in rows))
+    for k in next(iter(rows.values())):
+        print(f"{k:40s}" + "".join(f"{r[k]:16.2f}" if isinstance(r[k], float) else f"{r[k]:16d}"
+                                   for r in rows.values()))
+    if len(per_side) == 2:
+        a, b = (set(n for n, c in p.items() if c["pass"] == sum(c[k] for k in OUTCOMES)) for p in per_side.values())
+        print(f"{'ops passing every case on both sides':40s}{len(a & b):16d}")
 
 
 if __name__ == "__main__":

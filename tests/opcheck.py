@@ -29,7 +29,7 @@ import torch
 
 from shardtensor import DTensor, Partial, Replicate, Shard, comm, init_device_mesh, run_spmd
 
-__all__ = ["check", "prepare", "make_dtensor", "close", "run_recorded", "dyadic", "data", "local_piece", "partial_terms", "placement_combos", "MESHES", "gen", "Prepared"]
+__all__ = ["check", "prepare", "make_dtensor", "Api", "SHARDTENSOR", "close", "run_recorded", "dyadic", "data", "local_piece", "partial_terms", "placement_combos", "MESHES", "gen", "Prepared"]
 
 MESHES = [(4,), (2, 2)]
 TIMEOUT = 60.0
@@ -215,17 +215,36 @@ def prepare(values, combo, mesh_shape, g) -> list:
     return [one(v) for v in values]
 
 
-def make_dtensor(p, mesh, grad: bool):
+@dataclass(frozen=True)
+class Api:
+    """The DTensor implementation a rank runs: shardtensor's (``SHARDTENSOR``), or another one
+    with the same shape of API (the OpInfo sweep passes PyTorch's).  Placements are given and
+    returned as shardtensor's placement objects."""
+
+    mesh: Callable[[tuple], Any]
+    from_local: Callable[..., Any]  # (local, mesh, placements, shape, stride) -> DTensor
+    dtensor: type
+    placements: Callable[[Any], tuple]
+    shard_order: Callable[[Any], Any]
+
+
+SHARDTENSOR = Api(lambda shape: init_device_mesh("cpu", shape),
+                  lambda local, mesh, pl, shape, stride: DTensor.from_local(local, mesh, list(pl), shape=shape,
+                                                                            stride=stride),
+                  DTensor, lambda o: tuple(o.placements), lambda o: o.shard_order)
+
+
+def make_dtensor(p, mesh, grad: bool, api: Api = SHARDTENSOR):
     if isinstance(p, (list, tuple)):
-        return type(p)(make_dtensor(x, mesh, grad) for x in p)
+        return type(p)(make_dtensor(x, mesh, grad, api) for x in p)
     if p.placements is None:
         return p.value
-    coord = mesh.get_coordinate()
+    coord = tuple(mesh.get_coordinate())
     src = p.value
     if p.terms is not None:
         src = p.terms[tuple(c for c, pl in zip(coord, p.placements) if isinstance(pl, Partial))]
-    local = local_piece(src, mesh.shape, coord, p.placements)
-    d = DTensor.from_local(local, mesh, list(p.placements), shape=p.value.shape, stride=p.value.stride())
+    local = local_piece(src, tuple(mesh.shape), coord, p.placements)
+    d = api.from_local(local, mesh, p.placements, p.value.shape, p.value.stride())
     if grad and d.is_floating_point():
         d.requires_grad_()
     return d
@@ -248,43 +267,44 @@ def _flat_outputs(out) -> list:
     return [out]
 
 
-def _dt_leaves(args) -> list:
+def _dt_leaves(args, api: Api = SHARDTENSOR) -> list:
     out = []
     for a in args:
-        if isinstance(a, DTensor):
+        if isinstance(a, api.dtensor):
             out.append(a)
         elif isinstance(a, (list, tuple)):
-            out.extend(x for x in a if isinstance(x, DTensor))
+            out.extend(x for x in a if isinstance(x, api.dtensor))
     return out
 
 
-def _rank_run(mesh_shape, cases, fn, grad, weights):
-    mesh = init_device_mesh("cpu", mesh_shape)
+def _rank_run(mesh_shape, cases, fn, grad, weights, api: Api = SHARDTENSOR):
+    mesh = api.mesh(tuple(mesh_shape))
     coord = tuple(mesh.get_coordinate())
     results = []
     for case in cases:
         try:
-            args = [make_dtensor(p, mesh, grad) for p in case]
+            args = [make_dtensor(p, mesh, grad, api) for p in case]
             outs = _flat_outputs(fn(*args))
             rec = []
             for o in outs:
                 if o is None or not isinstance(o, torch.Tensor):
                     rec.append(None)
                     continue
-                assert isinstance(o, DTensor), f"an output is {type(o).__name__}, not a DTensor"
+                assert isinstance(o, api.dtensor), f"an output is {type(o).__name__}, not a DTensor"
                 with torch.no_grad():
                     local = o.to_local().clone()
-                rec.append((tuple(o.placements), local, o.full_tensor().detach(), o.shard_order))
+                rec.append((api.placements(o), local, o.full_tensor().detach(), api.shard_order(o)))
             grads = None
             if grad and weights is not None:
                 loss = None
                 for o, w in zip(outs, weights):
-                    if w is not None and isinstance(o, DTensor):
+                    if w is not None and isinstance(o, api.dtensor):
                         term = (o.full_tensor() * w).sum()
                         loss = term if loss is None else loss + term
                 if loss is not None and loss.requires_grad:
                     loss.backward()
-                    grads = [a.grad.full_tensor().detach() if a.grad is not None else None for a in _dt_leaves(args)]
+                    grads = [a.grad.full_tensor().detach() if a.grad is not None else None
+                             for a in _dt_leaves(args, api)]
             results.append((rec, grads, coord))
         except BaseException as e:
             e.add_note(f"placements of the inputs: {_describe(case)}")
@@ -320,11 +340,13 @@ def close(actual, expected, what: str, tol: dict | None) -> None:
 def check(fn: Callable, values: Sequence[Any], mesh_shape, *, limit: int | None = 12, grad: bool = True,
           partial: Sequence[str] | Sequence[Sequence[str]] = ("sum",), tol: dict | None = None,
           grad_tol: dict | None = None, combos: list | None = None, seed: Any = 0, world: str = "sim",
-          compare: Callable | None = None) -> list:
+          compare: Callable | None = None, runner: Callable | None = None) -> list:
     """Run ``fn`` on DTensors for many placement combinations and compare with dense torch.
 
     ``compare(actual_full, expected, i)`` replaces the value check of output ``i`` (e.g. for
-    outputs defined up to sign, or indices with ties).
+    outputs defined up to sign, or indices with ties).  ``runner(mesh_shape, cases, fn, grad,
+    weights)`` replaces the world: it returns, per rank, what ``_rank_run`` returns (the OpInfo
+    sweep runs PyTorch's DTensor through it).
     """
     tensors = _leaves(values)
     if combos is None:
@@ -355,7 +377,9 @@ def check(fn: Callable, values: Sequence[Any], mesh_shape, *, limit: int | None 
     n = 1
     for s in mesh_shape:
         n *= s
-    if world == "sim":
+    if runner is not None:
+        per_rank = runner(mesh_shape, cases, fn, grad, weights)
+    elif world == "sim":
         per_rank = run_spmd(_rank_run, n, mesh_shape, cases, fn, grad, weights, timeout=TIMEOUT)
     elif world == "gloo":
         try:

@@ -101,3 +101,30 @@ def test_plain_parameter_is_refused_before_a_decomposition():
     """A user's nn.Parameter is a plain tensor too: it must not ride the decomposition's replication scope."""
     for msg in run_spmd(_param_in_decomposition, 4, (4,)):
         assert "plain torch.Tensor of shape (7, 5)" in msg, msg
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=str)
+@pytest.mark.parametrize("name,fn", [
+    ("rows", lambda t: t[[0, 2, 6]]), ("cols", lambda t: t[:, [1, 3]]), ("both", lambda t: t[[0, 6], [4, 1]]),
+    ("repeat", lambda t: t[[3, 3, 0]]),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_python_list_indices_are_replicated_values(name, fn, mesh_shape):
+    """``x[[0, 2]]``: torch's C++ turns the list into a plain index tensor, built alike on every rank."""
+    check(fn, [X], mesh_shape, limit=8)
+
+
+def test_list_index_assignment_and_a_plain_index_tensor():
+    def body():
+        mesh = init_device_mesh("cpu", (4,))
+        d = distribute_tensor(X.clone(), mesh, [Shard(1)])
+        d[[1, 4]] = 0.0
+        try:
+            d[torch.tensor([0, 1])]  # a caller's plain tensor stays refused
+            refused = False
+        except MixedTensorError:
+            refused = True
+        return d.full_tensor(), refused
+    want = X.clone()
+    want[[1, 4]] = 0.0
+    for full, refused in run_spmd(body, 4):
+        assert torch.equal(full, want) and refused

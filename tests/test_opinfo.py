@@ -25,9 +25,9 @@ def test_opinfo_first_sample_first_input_sharded():
     failures: list[str] = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        per_op = opinfo_sweep.sweep(opinfo_sweep.float32_ops(), 1, ("first-shard",),
-                                    lambda name, lay, outcome, msg: failures.append(f"{outcome} {name}: {msg}"))
-    s = opinfo_sweep.summary(per_op)
+        per_side = opinfo_sweep.sweep(opinfo_sweep.float32_ops(), 1, ("first-shard",), {"shardtensor": None},
+                                      lambda side, name, lay, outcome, msg: failures.append(f"{outcome} {name}: {msg}"))
+    s = opinfo_sweep.summary(per_side["shardtensor"])
     assert s["ops"] >= 500, s  # the database was read (a broken import must not pass as 0 failures)
     bad = [f for f in failures if f.startswith(("wrong", "hang"))]
     assert not bad, "\n".join(bad)
@@ -47,3 +47,14 @@ def test_sweep_harness_sees_a_wrong_value():
 
     out, _ = opinfo_sweep.classify(off_by_rank, [torch.ones(5, 3)], (4,), ((opinfo_sweep.R,),), grad=False)
     assert out == "wrong"
+
+
+def test_sweep_runs_pytorch_dtensor_side_by_side():
+    """The reference side (PyTorch's DTensor on threads) runs a case and classifies it."""
+    import torch
+    import torch_world
+
+    out, msg = opinfo_sweep.classify(lambda a, b: a * b, [torch.ones(5, 3), torch.ones(5, 3)], (4,),
+                                     ((opinfo_sweep.Shard(0),), (opinfo_sweep.R,)), grad=True,
+                                     runner=torch_world.runner)
+    assert out == "pass", msg

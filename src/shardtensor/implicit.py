@@ -8,6 +8,7 @@ that way only where it knows every rank built the same one:
   tensors from global shapes, e.g. ``zeros(sizes).scatter(dim, idx, grad)``;
 - inside decompositions shardtensor runs for an op without a rule (SDPA's causal mask);
 - one-element tensors (``torch.tensor(2.0) * dt``), as torch's DTensor does;
+- index tensors torch builds from Python lists in ``dt[[0, 2]]`` (``DTensor.__getitem__``);
 - inside ``with implicit_replication():``, where the user vouches for it.
 
 Elsewhere a plain tensor mixed with DTensors raises ``MixedTensorError`` saying how to convert

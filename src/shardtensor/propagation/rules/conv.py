@@ -83,8 +83,8 @@ def convolution_rule(call: Call) -> Decision:
                    for opts in options]
         labels[bp] = (O,)
     cand = select(call, expand(options, list(labels)))
-    transposed, groups = bool(call.arg("transposed")), call.arg("groups")
-    return label_decision(call, cand, labels, ol, kernel=lambda targets: _conv_kernel(call.out_meta, transposed, groups))
+    kernel = _conv_kernel(call.out_meta, bool(call.arg("transposed")), call.arg("groups"))
+    return label_decision(call, cand, labels, ol, kernel=lambda targets: kernel)
 
 
 def _conv_kernel(meta: torch.Tensor, transposed: bool, groups: int) -> Callable:

@@ -30,7 +30,7 @@ aten = torch.ops.aten
 BATCHED = ["_linalg_svd", "linalg_qr", "_linalg_eigh", "linalg_eig", "linalg_inv_ex", "_linalg_det",
            "_linalg_slogdet", "_linalg_solve_ex", "linalg_lu", "linalg_lu_factor_ex", "linalg_lu_solve",
            "lu_unpack", "linalg_cholesky_ex", "cholesky_solve", "cholesky_inverse", "linalg_solve_triangular",
-           "triangular_solve", "linalg_matrix_exp", "linalg_householder_product", "ormqr", "geqrf",
+           "triangular_solve", "linalg_matrix_exp", "linalg_householder_product", "ormqr",
            "linalg_ldl_factor_ex", "linalg_ldl_solve"]
 
 
