@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import shardtensor as st
-from opcheck import check, data, gen, run_recorded
+from opcheck import check, data, gen, make_dtensor, prepare, run_recorded
 from shardtensor import CommTrace, Partial, Replicate, Shard, distribute_tensor, errors, init_device_mesh, run_spmd
 from shardtensor.dispatch import fallback
 
@@ -216,3 +216,23 @@ def test_as_strided_of_a_replicated_tensor_runs_locally():
 
     for pls, local in run_spmd(body, 4):
         assert pls == (R,) and torch.equal(local, expected)
+
+
+@pytest.mark.parametrize("pl", [R, S0, S1, P], ids=str)
+def test_stride_reading_ops_fall_back_on_global_strides(pl):
+    """``as_strided_scatter`` and ``as_strided_copy`` read the input's strides: the fallback's
+    whole tensor is laid out with the global ones, whatever the local pieces' layout."""
+    x = torch.arange(12.0).reshape(3, 4).t()  # (4, 3), strides (1, 4)
+    src = -torch.ones(2, 2)
+    want_scatter = torch.as_strided_scatter(x, src, (2, 2), (1, 2), 1)
+    want_copy = torch.as_strided_copy(x, (2, 2), (1, 4), 2)
+    case = prepare([x, src], [(pl,), (R,)], (4,), gen("strided"))
+
+    def body():
+        mesh = init_device_mesh("cpu", (4,))
+        d, s = (make_dtensor(p, mesh, False) for p in case)
+        return (torch.as_strided_scatter(d, s, (2, 2), (1, 2), 1).full_tensor(),
+                torch.as_strided_copy(d, (2, 2), (1, 4), 2).full_tensor())
+
+    for scatter, copy in run_spmd(body, 4):
+        assert torch.equal(scatter, want_scatter) and torch.equal(copy, want_copy)

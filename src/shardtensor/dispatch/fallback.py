@@ -63,9 +63,11 @@ def strict_sharding() -> Iterator[None]:
         _state.strict -= 1
 
 
-_STORAGE_OPS = ("as_strided", "set_", "resize_", "resize_as_", "_reshape_alias")
-"""Ops whose meaning is the storage behind a tensor: the gathered copy has other strides than the
-global tensor, so they never run on it."""
+_STORAGE_OPS = frozenset({"as_strided", "as_strided_", "set_", "resize_", "resize_as_", "_reshape_alias"})
+"""Ops whose meaning is the storage behind a tensor (views of it, or changes to it): a gathered
+copy cannot stand for the DTensor's memory, so they never run on it.  The functional
+``as_strided_copy`` and ``as_strided_scatter`` do fall back: the gathered copy has the global
+strides (``whole_local``)."""
 
 
 def fallback_allowed(func: Any) -> bool:
@@ -74,7 +76,7 @@ def fallback_allowed(func: Any) -> bool:
     if _state.strict or os.environ.get("SHARDTENSOR_STRICT", "") not in ("", "0"):
         return False
     name = func._schema.name.split("::")[-1]
-    return torch.Tag.nondeterministic_seeded not in func.tags and not name.startswith(_STORAGE_OPS)
+    return torch.Tag.nondeterministic_seeded not in func.tags and name not in _STORAGE_OPS
 
 
 def run_replicated(func: Any, args: tuple, kwargs: dict, returns_self: bool) -> Any:
@@ -111,9 +113,27 @@ def check_plain(func: Any, flat: list) -> None:
 
 
 def whole_local(a: DTensor) -> torch.Tensor:
-    """``a``'s whole tensor on this rank: its local tensor redistributed to all-``Replicate``."""
+    """``a``'s whole tensor on this rank: its local tensor redistributed to all-``Replicate``,
+    laid out with the global strides (ops such as ``as_strided_scatter`` read them)."""
     want = _replicated_spec_of(a._spec)
-    return a._local_tensor if want == a._spec else redistribute_local(a._local_tensor, a._spec, want)
+    t = a._local_tensor if want == a._spec else redistribute_local(a._local_tensor, a._spec, want)
+    return _with_strides(t, tuple(a._spec.shape), tuple(a._spec.stride))
+
+
+def _with_strides(t: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
+    """``t`` copied into the layout ``stride`` when it differs and is dense (a layout that
+    overlaps or has gaps cannot hold one copy of each element, so ``t`` stays as it is)."""
+    if tuple(t.stride()) == stride or t.numel() == 0:
+        return t
+    expected = 1
+    for st, n in sorted((st, n) for n, st in zip(shape, stride) if n != 1):
+        if st != expected:
+            return t
+        expected *= n
+    out = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device)
+    with torch.no_grad():
+        out.copy_(t)
+    return out.requires_grad_(t.requires_grad) if t.is_leaf and t.requires_grad else out
 
 
 def _replicated_spec_of(spec: DTensorSpec) -> DTensorSpec:
