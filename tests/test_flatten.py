@@ -157,19 +157,27 @@ def _run_pairs(mesh_shape, cases, links=None, seed=100):
     return out
 
 
-@pytest.mark.parametrize("mesh_shape", [(2, 2), (2, 3), (2, 2, 2)])
-def test_flattened_plans_give_the_right_pieces(mesh_shape):
-    rng = random.Random(11)
+def _draw(mesh_shape, seed: int, count: int, max_ndim: int, kinds_ok, keep, links=None) -> list:
+    """``count`` random ``(shape, src, so, dst, do)`` cases whose plan ``keep(steps)`` accepts;
+    ``kinds_ok(n)`` filters on the number of partial reduce ops in the source (the test's partial
+    terms use one op)."""
+    rng = random.Random(seed)
     cases = []
-    while len(cases) < 60:
-        ndim = rng.randint(1, 2)
+    while len(cases) < count:
+        ndim = rng.randint(1, max_ndim)
         shape = tuple(rng.choice([1, 2, 5, 7, 8, 12]) for _ in range(ndim))
         src, so, dst, do = _rand_pair(rng, len(mesh_shape), ndim)
-        if len({p.reduce_op for p in src if isinstance(p, Partial)}) > 1:
-            continue  # the test's partial terms use one reduce op
-        steps = best_plan(src, so, dst, do, shape, mesh_shape, 4, LinkModel(launch=1e-3))
-        if any(isinstance(s, FlatStep) for s in steps):
+        if not kinds_ok(len({p.reduce_op for p in src if isinstance(p, Partial)})):
+            continue
+        if keep(best_plan(src, so, dst, do, shape, mesh_shape, 4, links)):
             cases.append((shape, src, so, dst, do))
+    return cases
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (2, 3), (2, 2, 2)])
+def test_flattened_plans_give_the_right_pieces(mesh_shape):
+    cases = _draw(mesh_shape, 11, 60, 2, lambda n: n <= 1, lambda steps: any(isinstance(s, FlatStep) for s in steps),
+                  LinkModel(launch=1e-3))
     for per_rank in run_spmd(_run_pairs, math.prod(mesh_shape), mesh_shape, cases, LinkModel(launch=1e-3)):
         assert all(ok for ok, _, _ in per_rank)
         assert all(FlatStep in kinds for _, kinds, _ in per_rank)
@@ -386,17 +394,8 @@ def test_partial_source_reduces_then_exchanges_with_fewer_bytes():
 
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (2, 3), (2, 2, 2)])
 def test_direct_plans_from_partials_give_the_right_pieces(mesh_shape):
-    rng = random.Random(23)
-    cases = []
-    while len(cases) < 30:
-        ndim = rng.randint(1, 3)
-        shape = tuple(rng.choice([1, 2, 5, 7, 8, 12]) for _ in range(ndim))
-        src, so, dst, do = _rand_pair(rng, len(mesh_shape), ndim)
-        if len({p.reduce_op for p in src if isinstance(p, Partial)}) != 1:
-            continue  # a partial source, with one reduce op (the test's terms)
-        steps = best_plan(src, so, dst, do, shape, mesh_shape, 4)
-        if len(steps) > 1 and isinstance(steps[-1], ExchangeStep):
-            cases.append((shape, src, so, dst, do))
+    cases = _draw(mesh_shape, 23, 30, 3, lambda n: n == 1,
+                  lambda steps: len(steps) > 1 and isinstance(steps[-1], ExchangeStep))
     for per_rank in run_spmd(_run_pairs, math.prod(mesh_shape), mesh_shape, cases, None, 300):
         assert all(ok for ok, _, _ in per_rank)
         assert all(within for _, _, within in per_rank)
