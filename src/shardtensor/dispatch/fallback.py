@@ -133,7 +133,7 @@ def _with_strides(t: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ..
     out = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device)
     with torch.no_grad():
         out.copy_(t)
-    return out.requires_grad_(t.requires_grad) if t.is_leaf and t.requires_grad else out
+    return out
 
 
 def _replicated_spec_of(spec: DTensorSpec) -> DTensorSpec:

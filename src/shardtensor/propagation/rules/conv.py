@@ -42,7 +42,7 @@ import torch
 from ...placement import Partial, Placement, Replicate, Shard
 from ..call import Call, Decision
 from ..registry import register, unsupported
-from ..strategy import Candidate, decide, expand, linear_partial, select
+from ..strategy import Candidate, decide, expand, linear_partial, replicate, select
 from .matrix import label_decision, label_options
 from .misc import _ops
 
@@ -226,7 +226,7 @@ def group_norm_rule(call: Call) -> Decision:
     if xp is None:
         raise unsupported(call.op, call.specs, "with a plain-tensor input")
     batch = _batch_only(call.specs[xp].placements)
-    rep = (Replicate(),) * len(batch)
+    rep = replicate(len(batch))
     inputs = {xp: batch, **{p: rep for p in call.tensor_positions if p != xp}}
     return decide(call, [Candidate(inputs, [batch, batch, batch])], local_args=_local_n(call),
                   kernel=_contiguous(call.op))
@@ -242,7 +242,7 @@ def group_norm_backward_rule(call: Call) -> Decision:
     cands = []
     for src in (call.specs[xp], call.specs[gp]):
         batch = _batch_only(src.placements)
-        rep = (Replicate(),) * len(batch)
+        rep = replicate(len(batch))
         inputs = {p: (rep if p == wpos else batch) for p in call.tensor_positions}
         summed = tuple(Partial("sum") if p == Shard(0) else Replicate() for p in batch)
         cands.append(Candidate(inputs, [batch, summed, summed]))

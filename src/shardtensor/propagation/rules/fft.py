@@ -7,14 +7,12 @@ linear).  Output: the same placements (the transformed dims change length, never
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from ..call import Call, Decision
 from ..registry import register
 from ..strategy import finish, linear_partial
-from .misc import _ops, _renumbered, gather_dims
+from .misc import _empty_safe, _ops, _renumbered, gather_dims
 
 aten = torch.ops.aten
 
@@ -26,11 +24,4 @@ def fft_rule(call: Call) -> Decision:
     dims = {d % s.ndim for d in call.arg("dim")}
     req = gather_dims(s, lambda d: d not in dims, linear_partial)
     out = _renumbered(req, {d: d for d in range(s.ndim)}, call.out_meta)
-    op = call.op
-
-    def kernel(x: torch.Tensor, *args: Any) -> torch.Tensor:
-        if x.numel() == 0:  # an empty batch piece: MKL refuses to plan it
-            return torch.zeros(out.local_shape, dtype=out.dtype, device=x.device)
-        return op(x, *args)
-
-    return finish(call, {0: req}, out, kernel=kernel)
+    return finish(call, {0: req}, out, kernel=_empty_safe(call.op, out))  # MKL refuses an empty batch piece

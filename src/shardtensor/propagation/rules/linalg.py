@@ -17,13 +17,12 @@ from typing import Any
 
 import torch
 
-from ...placement import Replicate
 from ...spec import DTensorSpec
 from ..call import Call, Decision
 from ..registry import register, unsupported
-from ..strategy import decide, expand, finish, no_partial
+from ..strategy import decide, expand, finish, no_partial, replicate
 from .matrix import label_options
-from .misc import _ops, _renumbered, gather_dims
+from .misc import _ops, _renumbered, _replicate, gather_dims
 
 aten = torch.ops.aten
 
@@ -52,9 +51,9 @@ def batched_linalg_rule(call: Call) -> Decision:
     aligned = all(carries(call.specs[p].shape) for p in call.tensor_positions) and \
         all(m is None or carries(m.shape) or placeholder(m) for m in metas)
     if not aligned:  # broadcast batch dims: replicate everything
-        req = req.with_placements([Replicate()] * req.mesh.ndim)
+        req = _replicate(req)
     inputs = {p: call.specs[p].with_placements(req.placements, req.shard_order) for p in call.tensor_positions}
-    rep = (Replicate(),) * req.mesh.ndim
+    rep = replicate(req.mesh.ndim)
     outs = [None if m is None else
             DTensorSpec.build(req.mesh, rep, m.shape, m.stride(), m.dtype) if placeholder(m) else
             _renumbered(req, {d: d for d in range(nb)}, m) for m in metas]
@@ -64,8 +63,7 @@ def batched_linalg_rule(call: Call) -> Decision:
 @register(aten._linalg_check_errors.default)
 def check_errors_rule(call: Call) -> Decision:
     """The ``info`` codes gathered (a few ints), so that every rank raises the same error or none."""
-    s = call.specs[0]
-    return finish(call, {0: s.with_placements([Replicate()] * s.mesh.ndim)}, None)
+    return finish(call, {0: _replicate(call.specs[0])}, None)
 
 
 B, P, R_, M = "b", "p", "r", "m"

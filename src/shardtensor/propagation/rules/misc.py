@@ -200,11 +200,12 @@ def upsample_backward_rule(call: Call) -> Decision:
 
 
 def _empty_safe(op, out: DTensorSpec) -> Callable[..., torch.Tensor]:
-    """The op, except that an empty local shard (3 over 4 ranks) gives an empty local result."""
+    """The op, except that an empty local shard (3 over 4 ranks) gives zeros of the output's
+    local shape and dtype (upsampling, FFTs: MKL refuses to plan an empty transform)."""
 
     def kernel(x: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
         if x.numel() == 0:
-            return x.new_zeros(out.local_shape)
+            return x.new_zeros(out.local_shape, dtype=out.dtype)
         return op(x, *args, **kw)
 
     return kernel
