@@ -18,7 +18,7 @@ import torch
 
 from opcheck import run_recorded  # noqa: E402
 
-from shardtensor import DTensor, comm, Partial, Replicate, Shard, distribute_tensor  # noqa: E402
+from shardtensor import DTensor, comm, Partial, Replicate, Shard, distribute_tensor, implicit_replication  # noqa: E402
 
 VIEWS = {
     "view_unit_lead": ((1, 2, 2, 2), lambda t: t.view(1, 2, 4)),
@@ -217,3 +217,23 @@ def test_results_of_decomposed_ops_are_their_own_memory():
         return r.full_tensor().sum().item()
 
     assert run_recorded((4,), body)[0] == [60.0] * 4
+
+
+def test_inplace_op_keeps_self_placements_and_memory():
+    """index_copy_ on a row-sharded self: its rule gathers the indexed dim, and the result goes
+    back into self's own shards, so self keeps S(0) and a view of it sees the write."""
+    x0 = torch.arange(35.0).reshape(7, 5)
+    idx, src = torch.tensor([1, 5]), -torch.ones(2, 5)
+    expected = x0.clone().index_copy_(0, idx, src)
+
+    def body(mesh):
+        x = distribute_tensor(x0, mesh, [Shard(0)])
+        before = x._local_tensor
+        col = x[:, 1]
+        with implicit_replication():
+            x.index_copy_(0, idx, src)
+        return x.placements, x._local_tensor is before, x.full_tensor(), col.full_tensor()
+
+    for pls, kept, full, col in run_recorded((4,), body)[0]:
+        assert pls == (Shard(0),) and kept
+        assert torch.equal(full, expected) and torch.equal(col, expected[:, 1])

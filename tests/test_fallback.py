@@ -35,7 +35,6 @@ def quiet_fallback():
 
 @pytest.mark.parametrize("mesh", [(4,), (2, 2)], ids=str)
 @pytest.mark.parametrize("name,fn,shapes", [
-    ("searchsorted", lambda a, b: torch.searchsorted(a.sort(-1).values, b), [(7, 5), (7, 3)]),
     ("unfold", lambda a: a.unfold(0, 2, 1), [(7, 5)]),
     ("lstsq", lambda a, b: torch.linalg.lstsq(a, b).solution, [(7, 5), (7, 3)]),
     ("pinv", lambda a: torch.linalg.pinv(a), [(7, 5)]),
@@ -51,15 +50,15 @@ def test_warning_once_per_op_names_op_and_bytes():
     def body():
         mesh = init_device_mesh("cpu", (4,))
         d = distribute_tensor(X, mesh, [S0])
-        torch.searchsorted(d, d)
-        torch.searchsorted(d, d)
+        torch.linalg.lstsq(d, d)
+        torch.linalg.lstsq(d, d)
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", errors.ReplicateFallbackWarning)
         run_spmd(body, 4)
     msgs = [str(w.message) for w in caught if issubclass(w.category, errors.ReplicateFallbackWarning)]
     assert len(msgs) == 1, msgs  # once for the op, over 4 ranks and 2 calls
-    assert "aten.searchsorted.Tensor" in msgs[0] and "(S(0))" in msgs[0]
+    assert "aten.linalg_lstsq.default" in msgs[0] and "(S(0))" in msgs[0]
     assert f"gathering {2 * 7 * 5 * 4} bytes" in msgs[0] and "strict_sharding" in msgs[0]
 
 
@@ -67,14 +66,14 @@ def test_gathers_are_in_the_comm_trace():
     def body(mesh):
         d = distribute_tensor(X, mesh, [S0, S1])
         with CommTrace() as tr:
-            out = torch.searchsorted(d, d)
+            out = torch.linalg.lstsq(d, d).solution
         me = mesh.get_rank()
         return [e for e in tr.events if e.kind != "barrier" and e.rank == me], out.placements
 
     out, _ = run_recorded((2, 2), body)
     events, placements = out[0]
     assert placements == (R, R)
-    assert events and all("fallback aten.searchsorted.Tensor" in e.scope for e in events), events
+    assert events and all("fallback aten.linalg_lstsq.default" in e.scope for e in events), events
     assert {e.kind for e in events} == {"all_gather"}
 
 
@@ -83,9 +82,9 @@ def test_strict_switch_raises_naming_op_and_placements():
         mesh = init_device_mesh("cpu", (4,))
         with st.strict_sharding():
             d = distribute_tensor(X, mesh, [S0])
-            torch.searchsorted(d, d)
+            torch.linalg.lstsq(d, d)
 
-    with pytest.raises(errors.UnsupportedOpError, match=r"searchsorted.*S\(0\)"):
+    with pytest.raises(errors.UnsupportedOpError, match=r"lstsq.*S\(0\)"):
         run_spmd(body, 4)
 
 
@@ -93,7 +92,7 @@ def test_strict_environment_variable():
     code = ("import torch, shardtensor as st\n"
             "from shardtensor import Shard, distribute_tensor, init_device_mesh, run_spmd\n"
             "def body():\n"
-            "    d = distribute_tensor(torch.ones(8, 4), init_device_mesh('cpu', (2,)), [Shard(0)])\n    torch.searchsorted(d, d)\n"
+            "    d = distribute_tensor(torch.ones(8, 4), init_device_mesh('cpu', (2,)), [Shard(0)])\n    torch.linalg.lstsq(d, d)\n"
             "try:\n"
             "    run_spmd(body, 2)\n"
             "    print('ran')\n"
@@ -104,24 +103,32 @@ def test_strict_environment_variable():
     assert out.stdout.strip() == "raised UnsupportedOpError", out.stdout + out.stderr
 
 
+IN_PLACE = [  # scatter_ with a reduce string: no rule (the fallback); put_: a rule that needs self R
+    ("scatter_reduce", lambda t, i, v: t.scatter_(0, i.reshape(1, 4) % 7, v.reshape(1, 4), reduce="add")),
+    ("put_", lambda t, i, v: t.put_(i, v)),
+]
+
+
+@pytest.mark.parametrize("name,fn", IN_PLACE, ids=[n for n, _ in IN_PLACE])
 @pytest.mark.parametrize("placements", [(S0,), (S1,), (P,), (R,)], ids=str)
-def test_in_place_op_writes_back_in_its_own_placements(placements):
-    """``put_`` (no rule) on a sharded self: the whole result lands back as self's shards."""
+def test_in_place_op_writes_back_in_its_own_placements(placements, name, fn):
+    """An in-place op on a sharded self, run whole: the result lands back as self's shards, in
+    self's own memory."""
     idx = torch.tensor([0, 9, 33, 4])
     vals = torch.tensor([1.5, -2.0, 3.25, 8.0])
-    expected = X.clone().put_(idx, vals)
+    expected = fn(X.clone(), idx, vals)
 
     def body():
         mesh = init_device_mesh("cpu", (4,))
         d = distribute_tensor(X, mesh, list(placements))
         local_before = d._local_tensor
-        with st.implicit_replication():  # every rank holds the same index and values
-            out = d.put_(idx, vals)
+        with st.implicit_replication(), warnings.catch_warnings():  # every rank holds the same index and values
+            warnings.simplefilter("ignore", UserWarning)  # scatter's reduce string is deprecated
+            out = fn(d, idx, vals)
         return out is d, d.placements, d._local_tensor is local_before, d.full_tensor()
 
     for same, pls, kept_memory, full in run_spmd(body, 4):
-        assert same and pls == placements and kept_memory
-        assert torch.equal(full, expected)
+        assert same and torch.equal(full, expected) and pls == placements and kept_memory
 
 
 def test_data_dependent_shapes_run_whole():
@@ -137,7 +144,7 @@ def test_data_dependent_shapes_run_whole():
 def test_random_ops_and_storage_ops_never_fall_back():
     assert not fallback.fallback_allowed(torch.ops.aten.bernoulli.p)
     assert not fallback.fallback_allowed(torch.ops.aten.as_strided.default)
-    assert fallback.fallback_allowed(torch.ops.aten.searchsorted.Tensor)
+    assert fallback.fallback_allowed(torch.ops.aten.linalg_lstsq.default)
 
     def body():
         d = distribute_tensor(X, init_device_mesh("cpu", (4,)), [S1])

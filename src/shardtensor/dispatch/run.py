@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_flatten
 from .. import comm
 from ..aliasing import check_placement_change, check_writes, forget_copies, note_copies, op_kind
 from ..errors import MeshMismatchError, UnsupportedOpError
+from ..placement import Partial
 from ..implicit import implicit_allowed, implicit_replication, plain_tensor_error
 from ..listops import is_list_op, run_per_mesh
 from ..propagation import flatten_call, propagate, rule_for, unflatten_call
@@ -104,12 +105,15 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         local = decision.local_args(local)
     largs, lkwargs = unflatten_call(local, treedef)
     inplace = _returns_self(func)
-    if inplace and first is flat[0]:  # before the kernel writes: raising then loses nothing
+    keep = inplace and first is flat[0] and _keeps_placements(first._spec, decision.output)
+    if inplace and first is flat[0] and not keep:  # before the kernel writes: raising then loses nothing
         check_placement_change(func, first, decision.output, local[0] is not first._local_tensor)
     out = (decision.kernel or func)(*largs, **lkwargs)
     if inplace:
         me = flat[0]
-        if isinstance(me, DTensor):
+        if keep:
+            _write_into(me, local[0], decision.output)
+        elif isinstance(me, DTensor):
             if local[0] is not me._local_tensor:
                 me._local_tensor = local[0]
             if isinstance(decision.output, DTensorSpec) and decision.output != me._spec:
@@ -173,6 +177,25 @@ def _returns_self(func) -> bool:
                  and sch.arguments[0].alias_info.is_write and not sch.arguments[0].kwarg_only)
         _SELF_RETURN[id(func)] = r
     return r
+
+
+def _keeps_placements(spec: DTensorSpec, out: Any) -> bool:
+    """Whether an in-place op on ``spec`` keeps its placements: always for a shard or replica whose
+    shape the op keeps.  A Partial self may be reduced in place (it becomes the result's placements;
+    ``check_placement_change`` refuses that while views share its memory); in-place view ops
+    (``t_``, ``squeeze_``) take the result's spec."""
+    return (isinstance(out, DTensorSpec) and out.shape == spec.shape
+            and not any(isinstance(p, Partial) for p in spec.placements))
+
+
+def _write_into(me: DTensor, result: torch.Tensor, spec: DTensorSpec) -> None:
+    """An in-place op keeps its self's placements and memory (as on one device, where views of
+    it see the write): a result the rule left in other placements is redistributed back and
+    copied into self's own local tensor."""
+    if spec.placements != me._spec.placements or spec.shard_order != me._spec.shard_order:
+        result = redistribute_local(result, spec, me._spec)
+    if result is not me._local_tensor:
+        me._local_tensor.copy_(result)
 
 
 def _local_args(flat: list, specs: list, decision) -> list:

@@ -23,6 +23,15 @@ row shards included).  No placement carries state, so decisions stay cacheable.
 | column | `S(last)` | `R` | `S(1)` |
 | partial grad | `P(sum)`/`P(avg)` | `R` | same `P` (the scatter-add is linear) |
 
+``_embedding_bag(weight[V, D], indices, offsets, ...) -> (out[B, D], offset2bag, bag_size,
+max_indices)`` (and ``_embedding_bag_forward_only``), per mesh dim: replicate; column-wise
+(weight ``S(1)`` -> out ``S(1)``, and max_indices ``S(1)`` in max mode, where it is ``[B, D]``);
+a ``P(sum)``/``P(avg)`` weight or per-sample weights in sum and mean modes (out linear in each;
+the index outputs stay R).  Its backwards: ``_embedding_bag_backward`` and
+``_embedding_bag_dense_backward`` take grad ``S(1)`` -> ``S(1)`` or a linear ``P`` -> ``P``;
+``_embedding_bag_per_sample_weights_backward`` (a dot of grad and weight rows) takes both on
+``S(1)`` -> ``P(sum)``, or either one linear ``P`` with the other R -> ``P``.  Sparse gradients raise.
+
 A row-wise weight receives an `R` or `P(sum)` gradient: the gradient's value is exact, and an
 optimizer step ``w.add_(g)`` on the `S(0)` weight brings it to `S(0)` locally (`R`) or by a
 reduce-scatter (`P(sum)`).
@@ -37,7 +46,7 @@ from ...placement import Partial, Replicate, Shard
 from ...spec import DTensorSpec
 from ..call import Call, Decision
 from ..registry import register, unsupported
-from ..strategy import Option, expand, linear_partial, select
+from ..strategy import Option, decide, expand, linear_partial, select
 from .matrix import label_decision
 
 aten = torch.ops.aten
@@ -118,3 +127,68 @@ def embedding_dense_backward_rule(call: Call) -> Decision:
     cand = select(call, expand(options, [gpos, ipos]))
     labels = {gpos: _labels(n) + (EMB,), ipos: _labels(n)}
     return label_decision(call, cand, labels, (VOCAB, EMB))
+
+
+# -- embedding_bag ---------------------------------------------------------------------------
+
+@register(aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
+def embedding_bag_rule(call: Call) -> Decision:
+    """Bags of rows: column-wise, or a linear Partial weight (or per-sample weights) in sum/mean."""
+    wpos, ipos, opos, ppos = (call.pos(n) for n in ("weight", "indices", "offsets", "per_sample_weights"))
+    if wpos is None or ipos is None or opos is None:
+        raise unsupported(call.op, call.specs, "with a plain-tensor weight, indices or offsets")
+    if bool(call.arg("sparse", False)):
+        raise unsupported(call.op, call.specs, "with sparse=True")
+    w, mode = call.specs[wpos], int(call.arg("mode", 0))
+    r = Replicate()
+    max_cols = Shard(1) if call.out_meta[3].ndim == 2 else r
+    options: list[list[Option]] = []
+    for j in range(call.mesh.ndim):
+        opts: list[Option] = [({}, (r, r, r, r)), ({wpos: Shard(1)}, (Shard(1), r, r, max_cols))]
+        for pos in (wpos, ppos):
+            p = call.specs[pos].placements[j] if pos is not None else r
+            if mode != 2 and linear_partial(p):
+                opts.append(({pos: p}, (p, r, r, r)))
+        options.append(opts)
+    positions = [x for x in (wpos, ipos, opos, ppos) if x is not None]
+    return decide(call, expand(options, positions))
+
+
+@register(aten._embedding_bag_backward.default, aten._embedding_bag_dense_backward.default)
+def embedding_bag_backward_rule(call: Call) -> Decision:
+    """Grad weight rows are sums of grad rows: the emb dim's shards and linear partials pass."""
+    gpos, mpos = call.pos("grad"), call.pos("maximum_indices")
+    if gpos is None:
+        raise unsupported(call.op, call.specs, "with a plain-tensor grad")
+    if bool(call.arg("sparse", False)):
+        raise unsupported(call.op, call.specs, "with sparse=True")
+    g = call.specs[gpos]
+    cols = {gpos: Shard(1)}
+    if mpos is not None and call.specs[mpos].ndim == 2:
+        cols[mpos] = Shard(1)
+    positions = [i for i, s in enumerate(call.specs) if s is not None]
+    options: list[list[Option]] = []
+    for j in range(call.mesh.ndim):
+        opts: list[Option] = [({}, Replicate()), (cols, Shard(1))]
+        if linear_partial(g.placements[j]):
+            opts.append(({gpos: g.placements[j]}, g.placements[j]))
+        options.append(opts)
+    return decide(call, expand(options, positions))
+
+
+@register(aten._embedding_bag_per_sample_weights_backward.default)
+def embedding_bag_psw_backward_rule(call: Call) -> Decision:
+    """Per-sample grads are dots of grad rows with weight rows: split D gives P(sum) terms."""
+    gpos, wpos = call.pos("grad"), call.pos("weight")
+    if gpos is None or wpos is None:
+        raise unsupported(call.op, call.specs, "with a plain-tensor grad or weight")
+    positions = [i for i, s in enumerate(call.specs) if s is not None]
+    options: list[list[Option]] = []
+    for j in range(call.mesh.ndim):
+        opts: list[Option] = [({}, Replicate()), ({gpos: Shard(1), wpos: Shard(1)}, Partial("sum"))]
+        for pos in (gpos, wpos):
+            p = call.specs[pos].placements[j]
+            if linear_partial(p):
+                opts.append(({pos: p}, p))
+        options.append(opts)
+    return decide(call, expand(options, positions))

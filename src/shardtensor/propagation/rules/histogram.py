@@ -1,8 +1,11 @@
-"""Counting and drawing: ``histc`` on any placement, ``multinomial`` with the batch dim sharded.
+"""Counting, binning and drawing: ``histc`` on any placement, ``searchsorted`` and ``bucketize``
+with the values sharded, ``multinomial`` with the batch dim sharded.
 
 | op | required | output |
 |---|---|---|
 | ``histc`` | partials reduced (counting is not linear); shards kept | ``P(sum)`` on every mesh dim that shards the input (local histograms add up), R elsewhere; with ``min == max`` the bounds are the global min and max (one small all-reduce) |
+| ``searchsorted.Tensor`` | a 1-D sequence (and ``sorter``) R, the values on any ``S``; an N-D sequence, values and sorter on ``S(d)`` of a batch dim ``d`` (all but the last); partials reduced (a position is not linear) | the values' placements |
+| ``bucketize.Tensor`` | boundaries R, the values on any ``S``; partials reduced | the values' placements |
 | ``multinomial`` | the categories dim gathered; partials reduced; a sharded batch dim kept | the batch dim's shards, R elsewhere |
 
 ``multinomial`` draws the GLOBAL uniform numbers as the other random ops do (see
@@ -21,14 +24,14 @@ from ... import comm
 from ...placement import Partial, Placement, Replicate, Shard
 from ...spec import DTensorSpec
 from ..call import Call, Decision
-from ..registry import register
+from ..registry import register, unsupported
 from ... import rng
-from ..strategy import finish, no_partial
+from ..strategy import Option, decide, expand, finish, no_partial
 from .misc import gather_dims
 
 aten = torch.ops.aten
 
-__all__ = ["histc_rule", "multinomial_rule"]
+__all__ = ["histc_rule", "searchsorted_rule", "bucketize_rule", "multinomial_rule"]
 
 
 def _bounds(x: torch.Tensor, lo: float, hi: float, mesh: Any, sharded: bool) -> tuple[float, float]:
@@ -77,6 +80,37 @@ def _check_probabilities(rows: torch.Tensor, num_samples: int, replacement: bool
     if int(flag) == 2:
         raise RuntimeError("multinomial: cannot sample n_sample > prob_dist.size(-1) samples without replacement "
                            "(not enough non-zero categories on some rank)")
+
+
+@register(aten.searchsorted.Tensor)
+def searchsorted_rule(call: Call) -> Decision:
+    """Each value's position in its own row of the sequence: values split freely over a 1-D
+    sequence, and with an N-D one over the batch dims they share with it."""
+    qp, vp, sp = call.pos("sorted_sequence"), call.pos("self"), call.pos("sorter")
+    if qp is None or vp is None:
+        raise unsupported(call.op, call.specs, "needs DTensors for sorted_sequence and self")
+    q, v = call.specs[qp], call.specs[vp]
+    batch = q.ndim > 1
+    dims = range(q.ndim - 1) if batch else range(v.ndim)
+    opt: list[Option] = [({}, Replicate())]
+    for d in dims:
+        row = {qp: Shard(d), vp: Shard(d)} if batch else {vp: Shard(d)}
+        if batch and sp is not None:
+            row[sp] = Shard(d)
+        opt.append((row, Shard(d)))
+    positions = [x for x in (qp, vp, sp) if x is not None]
+    return decide(call, expand([opt] * call.mesh.ndim, positions))
+
+
+@register(aten.bucketize.Tensor)
+def bucketize_rule(call: Call) -> Decision:
+    """Each value's bucket among replicated boundaries: the values' shards kept."""
+    vp, bp = call.pos("self"), call.pos("boundaries")
+    if vp is None or bp is None:
+        raise unsupported(call.op, call.specs, "needs DTensors for self and boundaries")
+    v = call.specs[vp]
+    opt: list[Option] = [({}, Replicate())] + [({vp: Shard(d)}, Shard(d)) for d in range(v.ndim)]
+    return decide(call, expand([opt] * call.mesh.ndim, [vp, bp]))
 
 
 @register(aten.multinomial.default)

@@ -1,4 +1,4 @@
-"""Indexing ops: flips, rolls, gathers, scatters, advanced indexing.
+"""Indexing ops: flips, rolls, gathers, advanced indexing (the scatters are in ``scatter.py``).
 
 These ops move values around; every Partial kind passes a pure selection, and a pair of
 operands that are combined (``self`` and ``src``) may stay Partial together where the op is
@@ -11,17 +11,13 @@ tensor must commute) and the engine keeps the cheapest.
 | ``flip`` | ``S`` on a flipped dim gathered, other ``S`` and every Partial kept |
 | ``roll`` | ``S`` on a rolled dim gathered (all dims when ``dims`` is empty: flattened roll), others and every Partial kept |
 | ``gather`` | self ``S(d)`` + index ``S(d)`` -> ``S(d)`` for ``d != dim`` of equal size; self R + index ``S(dim)`` -> ``S(dim)``; self P + index R -> P (any kind); R |
-| ``scatter.src``, ``scatter_reduce.two``, ``scatter_add`` | self, index, src all ``S(d)``, ``d != dim``, sizes equal -> ``S(d)``; self + src jointly P of a kind the reduce keeps (src: every kind; sum/mean: sum, avg; prod: product; amax: max; amin: min), index R -> P; scatter_add / scatter_reduce sum with include_self only: self P(sum) + index ``S(dim)`` + src ``S(dim)`` (equal sizes) -> P(sum); R |
-| ``scatter.value`` | self + index ``S(d)``, ``d != dim``, equal sizes -> ``S(d)``; self P (plain kinds; the local value becomes the kind's identity off the first rank for sum/product) -> P; R |
-| ``index_add`` | self + source ``S(d)``, ``d != dim`` -> ``S(d)`` (index R); self + source jointly P(sum/avg) -> P; self P(sum) + index ``S(0)`` + source ``S(dim)`` -> P(sum); R |
 | ``index.Tensor`` (integer indices) | self ``S(d)`` on a non-indexed dim -> ``S`` of its output dim (indices R); self R + the only index ``S(k)`` -> ``S`` of the broadcast block's dim ``k``; self P (indices R) -> P; R.  Bool masks: data-dependent shape, raises |
 | ``index_put_``, ``_index_put_impl_`` (``index_put`` decomposes into a clone and the latter), integer indices | self ``S(d)`` non-indexed + values ``S`` of the matching dim (R where values broadcast) -> ``S(d)``; self + values jointly P (accumulate: sum/avg; else any plain kind; a plain 0-d values tensor becomes the kind's identity off the first rank) -> P; accumulate with one index: self P(sum) + index ``S(k)`` + values ``S`` -> P(sum); R |
 | ``index_put`` with one bool mask and a one-element values | the mask's dims shard self and mask alike; other dims of self kept; partials as above |
 | ``nonzero``, ``masked_select`` | data-dependent output shape: raise, asking for ``.full_tensor()`` first |
 
-In-place variants (``scatter_``, ``scatter_add_``, ``scatter_reduce_``, ``index_add_``,
-``index_put_``) share the rules.  ``scatter_add.default`` and ``index_put.default`` are
-decompositions the dispatcher runs (``shardtensor/dispatch/decompose.py``).
+``index_put_`` shares its rule; ``index_put.default`` is a decomposition the dispatcher runs
+(``shardtensor/dispatch/decompose.py``).
 """
 from __future__ import annotations
 
@@ -38,8 +34,7 @@ from ..strategy import Candidate, decide, finish
 
 aten = torch.ops.aten
 
-__all__ = ["flip_rule", "roll_rule", "gather_rule", "scatter_rule", "scatter_value_rule", "index_add_rule",
-           "index_rule", "index_put_rule", "data_dependent_rule"]
+__all__ = ["flip_rule", "roll_rule", "gather_rule", "index_rule", "index_put_rule", "data_dependent_rule"]
 
 R = Replicate()
 Opt = tuple[tuple[Placement, ...], Placement]
@@ -250,103 +245,6 @@ def _index_shaped(dim: int, s: DTensorSpec, ix: DTensorSpec, *more: DTensorSpec)
 def _first(opts: list[Opt], current: tuple[Placement, ...]) -> list[Opt]:
     """The option matching the current placements first (ties prefer following the inputs)."""
     return sorted(opts, key=lambda o: o[0] != current)
-
-
-# -- scatter family --------------------------------------------------------------------------
-
-_SCATTER_SRC = (aten.scatter.src, aten.scatter_.src, aten.scatter_reduce.two, aten.scatter_reduce_.two,
-                aten.scatter_add_.default)
-_REDUCE_KINDS = {"sum": ("sum", "avg"), "mean": ("sum", "avg"), "prod": ("product",), "amax": ("max",),
-                 "amin": ("min",)}
-
-
-def _reduce_of(call: Call) -> str | None:
-    if call.op in (aten.scatter_reduce.two, aten.scatter_reduce_.two):
-        return call.arg("reduce")
-    if call.op is aten.scatter_add_.default:
-        return "sum"
-    return None
-
-
-@register(*_SCATTER_SRC)
-def scatter_rule(call: Call) -> Decision:
-    """Scatter dim gathered on self/index/src; other dims sharded alike where all three sizes agree."""
-    sp, s = _self(call)
-    ip, rp = call.pos("index"), call.pos("src")
-    if ip is None or rp is None:
-        raise unsupported(call.op, call.specs, "needs DTensors for index and src")
-    ix, src = call.specs[ip], call.specs[rp]
-    dim = _norm(call.arg("dim"), s.ndim)
-    reduce = _reduce_of(call)
-    opts = _index_shaped(dim, s, ix, src)
-    kinds = _REDUCE_KINDS.get(reduce, ()) if reduce is not None else ("sum", "avg", "max", "min", "product")
-    if reduce == "mean" and not s.dtype.is_floating_point:
-        kinds = ()
-    for p in _partial_kinds(s, src):
-        if _plain(p) and p.reduce_op in kinds:
-            opts.append(((p, R, p), p))
-    if reduce == "sum" and call.arg("include_self", True) and not _inplace(call.op):
-        ps = Partial("sum")
-        if ix.ndim and ix.shape[dim] == src.shape[dim]:
-            opts.append(((ps, Shard(dim), Shard(dim)), ps))
-    per_dim = [_dedupe(_first(opts, (s.placements[j], ix.placements[j], src.placements[j])))
-               for j in range(s.mesh.ndim)]
-    pairs = [(0, d, 1, d) for d in range(s.ndim)] + [(1, d, 2, d) for d in range(ix.ndim)] + \
-        [(2, d, 1, d) for d in range(ix.ndim)]
-    return decide(call, _candidates([sp, ip, rp], per_dim, pairs))
-
-
-@register(aten.scatter.value, aten.scatter_.value)
-def scatter_value_rule(call: Call) -> Decision:
-    """Scatter a scalar: self and index sharded alike off ``dim``; a Partial self keeps its kind."""
-    sp, s = _self(call)
-    ip = call.pos("index")
-    if ip is None:
-        raise unsupported(call.op, call.specs, "needs a DTensor index")
-    ix = call.specs[ip]
-    dim = _norm(call.arg("dim"), s.ndim)
-    opts = _index_shaped(dim, s, ix)
-    for p in _partial_kinds(s):
-        if _plain(p):
-            opts.append(((p, R), p))
-    per_dim = [_dedupe(_first(opts, (s.placements[j], ix.placements[j]))) for j in range(s.mesh.ndim)]
-    op, mesh = call.op, call.mesh
-
-    def kernel_for(best: Candidate) -> Callable | None:
-        if not any(isinstance(p, Partial) for p in best.output):
-            return None
-        return _term_kernel(op, "value", 3, best.output, mesh)
-
-    pairs = [(0, d, 1, d) for d in range(s.ndim)]
-    return decide(call, _candidates([sp, ip], per_dim, pairs), kernel_for=kernel_for)
-
-
-# -- index_add -------------------------------------------------------------------------------
-
-@register(aten.index_add.default, aten.index_add_.default)
-def index_add_rule(call: Call) -> Decision:
-    """``dim`` gathered on self/source, index R; self + source jointly P(sum|avg); sharded index -> P(sum)."""
-    sp, s = _self(call)
-    ip, rp = call.pos("index"), call.pos("source")
-    if ip is None or rp is None:
-        raise unsupported(call.op, call.specs, "needs DTensors for index and source")
-    ix, src = call.specs[ip], call.specs[rp]
-    dim = _norm(call.arg("dim"), s.ndim)
-    opts: list[Opt] = [((R, R, R), R)]
-    if src.ndim == s.ndim:
-        for d in range(s.ndim):
-            if d != dim:
-                opts.append(((Shard(d), R, Shard(d)), Shard(d)))
-    for p in _partial_kinds(s, src):
-        if _plain(p) and p.reduce_op in ("sum", "avg"):
-            opts.append(((p, R, p), p))
-    if ix.ndim == 1 and src.ndim == s.ndim and s.ndim > 0 and not _inplace(call.op):
-        ps = Partial("sum")
-        opts.append(((ps, Shard(0), Shard(dim)), ps))
-    per_dim = [_dedupe(_first(opts, (s.placements[j], ix.placements[j], src.placements[j])))
-               for j in range(s.mesh.ndim)]
-    pairs = [(0, d, 2, d) for d in range(s.ndim)]
-    return decide(call, _candidates([sp, ip, rp], per_dim, pairs))
 
 
 # -- advanced indexing -----------------------------------------------------------------------

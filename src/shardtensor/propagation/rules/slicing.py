@@ -10,6 +10,7 @@ Like the other view ops (``view.py``), these move data without combining values.
 | ``index_select`` | ``gather(dim)`` on self; index Replicate | same as self's required |
 | ``select_backward``, ``slice_backward`` | grad: ``S(dim)`` gathered | ``insert`` / same; ``input_sizes`` -> local sizes; plain Partial kinds pass |
 | ``slice_scatter``, ``select_scatter`` | per mesh dim: self's ``S(d)``, ``d != dim``, else src's, else a Partial kind both share, else R | the common target |
+| ``diagonal_scatter`` | as the scatters above, with both ``dim1`` and ``dim2`` kept whole (src's last dim, the diagonal, is never sharded) | the common target |
 
 The ``*_copy`` variants share their rules.
 """
@@ -150,13 +151,15 @@ def slice_backward_rule(call: Call) -> Decision:
 
 # -- scatters -------------------------------------------------------------------------------------
 
-def _scatter_target(self_spec: DTensorSpec, src_spec: DTensorSpec, dim: int, src_to_self: dict[int, int],
+def _scatter_target(self_spec: DTensorSpec, src_spec: DTensorSpec, cut: set[int], src_to_self: dict[int, int],
                     whole: bool) -> list[Placement]:
+    """Per mesh dim: self's shard off the ``cut`` dims (any dim when ``whole``), else src's, else a
+    Partial both share, else R."""
     target: list[Placement] = []
     for a, b in zip(self_spec.placements, src_spec.placements):
-        if isinstance(a, Shard) and (a.dim != dim or whole):
+        if isinstance(a, Shard) and (a.dim not in cut or whole):
             target.append(a)
-        elif isinstance(b, Shard) and b.dim in src_to_self and (src_to_self[b.dim] != dim or whole):
+        elif isinstance(b, Shard) and b.dim in src_to_self and (src_to_self[b.dim] not in cut or whole):
             target.append(Shard(src_to_self[b.dim]))
         elif isinstance(a, Partial) and a == b:
             target.append(a)
@@ -165,13 +168,13 @@ def _scatter_target(self_spec: DTensorSpec, src_spec: DTensorSpec, dim: int, src
     return target
 
 
-def _scatter_decision(call: Call, dim: int, src_to_self: dict[int, int], whole: bool,
+def _scatter_decision(call: Call, cut: set[int], src_to_self: dict[int, int], whole: bool,
                       kernel: Callable | None = None) -> Decision:
     sp, rp = call.pos("self"), call.pos("src")
     if sp is None or rp is None:
         raise unsupported(call.op, call.specs, "needs DTensors for both self and src")
     s, r = call.specs[sp], call.specs[rp]
-    target = _scatter_target(s, r, dim, src_to_self, whole)
+    target = _scatter_target(s, r, cut, src_to_self, whole)
     back = {v: k for k, v in src_to_self.items()}
     src_pl = [Shard(back[p.dim]) if isinstance(p, Shard) else p for p in target]
     out_spec = spec_of(call, call.out_meta, target, None)
@@ -193,7 +196,7 @@ def slice_scatter_rule(call: Call) -> Decision:
         def kernel(x, src, *args, **kwargs):
             return op(x, src, dim, None, None, 1)
 
-    return _scatter_decision(call, dim, {d: d for d in range(s.ndim)}, whole, kernel)
+    return _scatter_decision(call, {dim}, {d: d for d in range(s.ndim)}, whole, kernel)
 
 
 @register(aten.select_scatter.default)
@@ -202,4 +205,15 @@ def select_scatter_rule(call: Call) -> Decision:
     if s is None:
         raise unsupported(call.op, call.specs, "needs a DTensor self")
     dim = norm_dim(call.arg("dim"), s.ndim)
-    return _scatter_decision(call, dim, {d: d + (d >= dim) for d in range(s.ndim - 1)}, False)
+    return _scatter_decision(call, {dim}, {d: d + (d >= dim) for d in range(s.ndim - 1)}, False)
+
+
+@register(aten.diagonal_scatter.default)
+def diagonal_scatter_rule(call: Call) -> Decision:
+    """src holds self's other dims in order, then the diagonal: those dims shard alike."""
+    s = call.specs[call.pos("self")] if call.pos("self") is not None else None
+    if s is None:
+        raise unsupported(call.op, call.specs, "needs a DTensor self")
+    d1, d2 = norm_dim(call.arg("dim1", 0), s.ndim), norm_dim(call.arg("dim2", 1), s.ndim)
+    rest = [d for d in range(s.ndim) if d not in (d1, d2)]
+    return _scatter_decision(call, {d1, d2}, dict(enumerate(rest)), False)

@@ -1,0 +1,217 @@
+"""Scatters: values written into ``self`` at indexed places (``scatter``, ``index_add``,
+``index_reduce``, ``put``, ``masked_scatter``).
+
+Like the indexing ops (``indexing.py``, whose machinery these share), they move values without
+combining them, except where a reduce combines ``self`` with ``src``: ``self`` and ``src`` may then
+stay Partial together only for the kinds the reduce commutes with.  Options per mesh dim:
+
+| op | options per mesh dim (inputs -> output) |
+|---|---|
+| ``scatter.src``, ``scatter_reduce.two``, ``scatter_add`` | self, index, src all ``S(d)``, ``d != dim``, sizes equal -> ``S(d)``; self + src jointly P of a kind the reduce keeps (src: every kind; sum/mean: sum, avg; prod: product; amax: max; amin: min), index R -> P; scatter_add / scatter_reduce sum with include_self only: self P(sum) + index ``S(dim)`` + src ``S(dim)`` (equal sizes) -> P(sum); R |
+| ``scatter.value`` | self + index ``S(d)``, ``d != dim``, equal sizes -> ``S(d)``; self P (plain kinds; the local value becomes the kind's identity off the first rank for sum/product) -> P; R |
+| ``index_add`` | self + source ``S(d)``, ``d != dim`` -> ``S(d)`` (index R); self + source jointly P(sum/avg) -> P; self P(sum) + index ``S(0)`` + source ``S(dim)`` -> P(sum); R |
+| ``index_reduce`` | self + source ``S(d)``, ``d != dim`` -> ``S(d)`` (index R); self + source jointly P of the kind the reduce commutes with (prod: product; mean, floating only: sum, avg; amax: max; amin: min) -> P; R |
+| ``put`` | self + source jointly P (accumulate: sum/avg; else any plain kind) -> P; accumulate, not in place: self P(sum) + index and source ``S(k)`` of equal shapes -> P(sum); R (the flat index crosses every dim) |
+| ``masked_scatter`` | self + source jointly P (any plain kind: each element comes from one of them) -> P; R (where a source element lands depends on the mask's running count) |
+| ``masked_scatter_backward`` | grad P (any plain kind) -> P; R |
+
+In-place variants (``scatter_``, ``scatter_add_``, ``scatter_reduce_``, ``index_add_``,
+``index_reduce_``, ``put_``, ``masked_scatter_``) share the rules, but never turn a Replicate
+``self`` Partial.  ``scatter_add.default`` is a decomposition the dispatcher runs
+(``shardtensor/dispatch/decompose.py``).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ...placement import Partial, Shard
+from ..call import Call, Decision
+from ..registry import register, unsupported
+from ..strategy import Candidate, decide
+from .indexing import (R, Opt, _candidates, _dedupe, _first, _index_shaped, _inplace, _norm, _partial_kinds, _plain,
+                       _self, _term_kernel)
+
+aten = torch.ops.aten
+
+__all__ = ["scatter_rule", "scatter_value_rule", "index_add_rule", "index_reduce_rule", "put_rule",
+           "masked_scatter_rule", "masked_scatter_backward_rule"]
+
+# -- scatter family --------------------------------------------------------------------------
+
+_SCATTER_SRC = (aten.scatter.src, aten.scatter_.src, aten.scatter_reduce.two, aten.scatter_reduce_.two,
+                aten.scatter_add_.default)
+_REDUCE_KINDS = {"sum": ("sum", "avg"), "mean": ("sum", "avg"), "prod": ("product",), "amax": ("max",),
+                 "amin": ("min",)}
+
+
+def _reduce_of(call: Call) -> str | None:
+    if call.op in (aten.scatter_reduce.two, aten.scatter_reduce_.two):
+        return call.arg("reduce")
+    if call.op is aten.scatter_add_.default:
+        return "sum"
+    return None
+
+
+@register(*_SCATTER_SRC)
+def scatter_rule(call: Call) -> Decision:
+    """Scatter dim gathered on self/index/src; other dims sharded alike where all three sizes agree."""
+    sp, s = _self(call)
+    ip, rp = call.pos("index"), call.pos("src")
+    if ip is None or rp is None:
+        raise unsupported(call.op, call.specs, "needs DTensors for index and src")
+    ix, src = call.specs[ip], call.specs[rp]
+    dim = _norm(call.arg("dim"), s.ndim)
+    reduce = _reduce_of(call)
+    opts = _index_shaped(dim, s, ix, src)
+    kinds = _REDUCE_KINDS.get(reduce, ()) if reduce is not None else ("sum", "avg", "max", "min", "product")
+    if reduce == "mean" and not s.dtype.is_floating_point:
+        kinds = ()
+    for p in _partial_kinds(s, src):
+        if _plain(p) and p.reduce_op in kinds:
+            opts.append(((p, R, p), p))
+    if reduce == "sum" and call.arg("include_self", True) and not _inplace(call.op):
+        ps = Partial("sum")
+        if ix.ndim and ix.shape[dim] == src.shape[dim]:
+            opts.append(((ps, Shard(dim), Shard(dim)), ps))
+    per_dim = [_dedupe(_first(opts, (s.placements[j], ix.placements[j], src.placements[j])))
+               for j in range(s.mesh.ndim)]
+    pairs = [(0, d, 1, d) for d in range(s.ndim)] + [(1, d, 2, d) for d in range(ix.ndim)] + \
+        [(2, d, 1, d) for d in range(ix.ndim)]
+    return decide(call, _candidates([sp, ip, rp], per_dim, pairs))
+
+
+@register(aten.scatter.value, aten.scatter_.value)
+def scatter_value_rule(call: Call) -> Decision:
+    """Scatter a scalar: self and index sharded alike off ``dim``; a Partial self keeps its kind."""
+    sp, s = _self(call)
+    ip = call.pos("index")
+    if ip is None:
+        raise unsupported(call.op, call.specs, "needs a DTensor index")
+    ix = call.specs[ip]
+    dim = _norm(call.arg("dim"), s.ndim)
+    opts = _index_shaped(dim, s, ix)
+    for p in _partial_kinds(s):
+        if _plain(p):
+            opts.append(((p, R), p))
+    per_dim = [_dedupe(_first(opts, (s.placements[j], ix.placements[j]))) for j in range(s.mesh.ndim)]
+    op, mesh = call.op, call.mesh
+
+    def kernel_for(best: Candidate) -> Callable | None:
+        if not any(isinstance(p, Partial) for p in best.output):
+            return None
+        return _term_kernel(op, "value", 3, best.output, mesh)
+
+    pairs = [(0, d, 1, d) for d in range(s.ndim)]
+    return decide(call, _candidates([sp, ip], per_dim, pairs), kernel_for=kernel_for)
+
+
+# -- index_add -------------------------------------------------------------------------------
+
+@register(aten.index_add.default, aten.index_add_.default)
+def index_add_rule(call: Call) -> Decision:
+    """``dim`` gathered on self/source, index R; self + source jointly P(sum|avg); sharded index -> P(sum)."""
+    sp, s = _self(call)
+    ip, rp = call.pos("index"), call.pos("source")
+    if ip is None or rp is None:
+        raise unsupported(call.op, call.specs, "needs DTensors for index and source")
+    ix, src = call.specs[ip], call.specs[rp]
+    dim = _norm(call.arg("dim"), s.ndim)
+    opts: list[Opt] = [((R, R, R), R)]
+    if src.ndim == s.ndim:
+        for d in range(s.ndim):
+            if d != dim:
+                opts.append(((Shard(d), R, Shard(d)), Shard(d)))
+    for p in _partial_kinds(s, src):
+        if _plain(p) and p.reduce_op in ("sum", "avg"):
+            opts.append(((p, R, p), p))
+    if ix.ndim == 1 and src.ndim == s.ndim and s.ndim > 0 and not _inplace(call.op):
+        ps = Partial("sum")
+        opts.append(((ps, Shard(0), Shard(dim)), ps))
+    per_dim = [_dedupe(_first(opts, (s.placements[j], ix.placements[j], src.placements[j])))
+               for j in range(s.mesh.ndim)]
+    pairs = [(0, d, 2, d) for d in range(s.ndim)]
+    return decide(call, _candidates([sp, ip, rp], per_dim, pairs))
+
+
+# -- index_reduce, put, masked_scatter -------------------------------------------------------
+
+_INDEX_REDUCE_KINDS = {"prod": ("product",), "mean": ("sum", "avg"), "amax": ("max",), "amin": ("min",)}
+
+
+@register(aten.index_reduce.default, aten.index_reduce_.default)
+def index_reduce_rule(call: Call) -> Decision:
+    """As ``index_add`` without the sharded-index option; the joint Partial follows the reduce."""
+    sp, s = _self(call)
+    ip, rp = call.pos("index"), call.pos("source")
+    if ip is None or rp is None:
+        raise unsupported(call.op, call.specs, "needs DTensors for index and source")
+    ix, src = call.specs[ip], call.specs[rp]
+    dim = _norm(call.arg("dim"), s.ndim)
+    opts: list[Opt] = [((R, R, R), R)]
+    for d in range(s.ndim):
+        if d != dim and src.ndim == s.ndim and src.shape[d] == s.shape[d]:
+            opts.append(((Shard(d), R, Shard(d)), Shard(d)))
+    kinds = _INDEX_REDUCE_KINDS.get(call.arg("reduce"), ())
+    if call.arg("reduce") == "mean" and not s.dtype.is_floating_point:
+        kinds = ()  # an integer mean rounds each rank's term
+    for p in _partial_kinds(s, src):
+        if _plain(p) and p.reduce_op in kinds:
+            opts.append(((p, R, p), p))
+    per_dim = [_dedupe(_first(opts, (s.placements[j], ix.placements[j], src.placements[j])))
+               for j in range(s.mesh.ndim)]
+    return decide(call, _candidates([sp, ip, rp], per_dim, [(0, d, 2, d) for d in range(s.ndim)]))
+
+
+@register(aten.put.default, aten.put_.default)
+def put_rule(call: Call) -> Decision:
+    """``self.flatten()[index] = source`` (``+=`` with accumulate): partials only, or a sharded index
+    whose pieces each rank adds into its own term."""
+    sp, s = _self(call)
+    ip, rp = call.pos("index"), call.pos("source")
+    if ip is None or rp is None:
+        raise unsupported(call.op, call.specs, "needs DTensors for index and source")
+    ix, src = call.specs[ip], call.specs[rp]
+    accumulate = bool(call.arg("accumulate", False))
+    opts: list[Opt] = [((R, R, R), R)]
+    kinds = ("sum", "avg") if accumulate else ("sum", "avg", "max", "min", "product")
+    for p in _partial_kinds(s, src):
+        if _plain(p) and p.reduce_op in kinds:
+            opts.append(((p, R, p), p))
+    if accumulate and not _inplace(call.op) and tuple(ix.shape) == tuple(src.shape):
+        ps = Partial("sum")
+        opts += [((ps, Shard(k), Shard(k)), ps) for k in range(ix.ndim)]
+    per_dim = [_dedupe(_first(opts, (s.placements[j], ix.placements[j], src.placements[j])))
+               for j in range(s.mesh.ndim)]
+    return decide(call, _candidates([sp, ip, rp], per_dim, [(1, d, 2, d) for d in range(ix.ndim)]))
+
+
+@register(aten.masked_scatter.default, aten.masked_scatter_.default)
+def masked_scatter_rule(call: Call) -> Decision:
+    """Each output element is self's or one source element: self + source jointly Partial, mask R."""
+    sp, s = _self(call)
+    mp, rp = call.pos("mask"), call.pos("source")
+    if mp is None or rp is None:
+        raise unsupported(call.op, call.specs, "needs DTensors for mask and source")
+    m, src = call.specs[mp], call.specs[rp]
+    opts: list[Opt] = [((R, R, R), R)]
+    for p in _partial_kinds(s, src):
+        if _plain(p):
+            opts.append(((p, R, p), p))
+    per_dim = [_dedupe(_first(opts, (s.placements[j], m.placements[j], src.placements[j])))
+               for j in range(s.mesh.ndim)]
+    return decide(call, _candidates([sp, mp, rp], per_dim))
+
+
+@register(aten.masked_scatter_backward.default)
+def masked_scatter_backward_rule(call: Call) -> Decision:
+    """The source's gradient selects grad elements (zeros past the mask's count): a Partial grad stays."""
+    gp, mp = call.pos("grad_output"), call.pos("mask")
+    if gp is None or mp is None:
+        raise unsupported(call.op, call.specs, "needs DTensors for grad_output and mask")
+    g, m = call.specs[gp], call.specs[mp]
+    opts: list[Opt] = [((R, R), R)]
+    opts += [((p, R), p) for p in _partial_kinds(g) if _plain(p)]
+    per_dim = [_dedupe(_first(opts, (g.placements[j], m.placements[j]))) for j in range(g.mesh.ndim)]
+    return decide(call, _candidates([gp, mp], per_dim))
