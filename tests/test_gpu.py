@@ -200,3 +200,42 @@ def test_torch_compile_with_inductor_on_cuda():
     torch._dynamo.reset()
     for placements, kinds, in_graph, fwd, gx, gy in run_spmd(_traced_collectives, 4, "cuda", timeout=300):
         assert kinds == ["all_to_all", "all_to_all"] and in_graph and fwd and gx and gy
+
+
+def _new_rules_body():
+    """The scatter and lookup rules, 3-D attention and resize_ on a cuda mesh."""
+    import torch.nn.functional as F
+
+    mesh = init_device_mesh("cuda", (2, 2))
+    g = torch.Generator().manual_seed(5)
+    x, src = torch.randn(8, 6, generator=g).cuda(), torch.randn(5, 6, generator=g).cuda()
+    idx, places = torch.tensor([0, 3, 3, 7, 1]).cuda(), torch.tensor([0, 5, 9, 7, 1]).cuda()  # places distinct
+    w, bags, offs = torch.randn(10, 8, generator=g).cuda(), torch.tensor([1, 2, 3, 9, 0]).cuda(), torch.tensor([0, 3]).cuda()
+    q = torch.randn(4, 6, 8, generator=g).cuda()
+    seq = torch.linspace(-2, 2, 9).cuda()
+    d = lambda t, *pl: distribute_tensor(t, mesh, list(pl) or [Replicate(), Replicate()])  # noqa: E731
+    S0, S1, R = Shard(0), Shard(1), Replicate()
+    pairs = [
+        (d(x, R, S1).index_reduce(0, d(idx), d(src, R, S1), "amax"), x.index_reduce(0, idx, src, "amax")),
+        (d(x, S0, S1).put(d(places), d(src[0, :5])), x.put(places, src[0, :5])),
+        (d(x, S0, R).masked_scatter(d(x > 0), d(src.flatten().repeat(2))), x.masked_scatter(x > 0, src.flatten().repeat(2))),
+        (torch.searchsorted(d(seq), d(x, S0, S1)), torch.searchsorted(seq, x)),
+        (F.embedding_bag(d(bags), d(w, R, S1), d(offs), mode="max"), F.embedding_bag(bags, w, offs, mode="max")),
+        (F.scaled_dot_product_attention(d(q, S0, R), d(q, S0, R), d(q, S0, R), is_causal=True),
+         F.scaled_dot_product_attention(q, q, q, is_causal=True)),
+        (d(x, S0, S1).resize_(4, 5), x.clone().resize_(4, 5)),
+    ]
+    grow = d(x)
+    try:
+        grow.resize_(20, 20)  # torch cannot grow a CUDA wrapper's storage without allocating it
+        refused = ""
+    except NotImplementedError as e:
+        refused = str(e)
+    return [(got.full_tensor().cpu(), want.cpu()) for got, want in pairs], refused, tuple(grow.shape)
+
+
+def test_scatter_lookup_attention_and_resize_rules_on_cuda():
+    for res, refused, shape in run_spmd(_new_rules_body, 4, timeout=120):
+        for i, (got, want) in enumerate(res):
+            torch.testing.assert_close(got, want, msg=f"case {i}")
+        assert "growing a DTensor on cuda" in refused and shape == (8, 6), (refused, shape)

@@ -129,3 +129,20 @@ def test_fft_of_batch_sharded_signal_moves_nothing():
             y = torch.fft.rfft(x, dim=1)
         return tuple(y.placements), torch.allclose(y.full_tensor(), torch.fft.rfft(x.full_tensor(), dim=1))
     assert run_spmd(body, 4) == [((S0,), True)] * 4
+
+
+@pytest.mark.parametrize("shape", [(3, 0, 0), (0, 4)])
+def test_plain_result_of_a_cpp_composite_is_a_replicated_dtensor(shape):
+    """matrix_rank of empty matrices: torch's C++ builds the zeros from the shape alone, a plain
+    tensor; it comes back as a Replicate DTensor (not a wrapper without a spec)."""
+    x = torch.zeros(shape)
+    dense = torch.linalg.matrix_rank(x)
+
+    def body():
+        mesh = init_device_mesh("cpu", (2, 2))
+        out = torch.linalg.matrix_rank(distribute_tensor(x, mesh, [S0, R]))
+        return type(out).__name__, tuple(out.placements), out.full_tensor(), (out + 1).full_tensor()
+
+    for name, pls, full, plus in run_spmd(body, 4):
+        assert name == "DTensor" and pls == (R, R)
+        assert torch.equal(full, dense) and torch.equal(plus, dense + 1)

@@ -467,3 +467,24 @@ def test_sdpa_with_mask(mesh_shape):
     check(lambda a, b, c, m: F.scaled_dot_product_attention(a, b, c, attn_mask=m), [q, k, v, mask], mesh_shape,
           limit=10, seed="sdpa-mask", tol=dict(rtol=1e-4, atol=1e-5))
 
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=str)
+@pytest.mark.parametrize("mask", ["causal", "3-D mask"])
+def test_sdpa_on_3d_inputs(mesh_shape, mask):
+    """(batch, seq, dim) attention: torch's math path would build a plain causal mask; it runs as
+    4-D with a batch of one instead, so the batch dim keeps its shards."""
+    g = gen(("sdpa-3d", mask))
+    q, k, v = (data("any", (5, 6, 4), g) for _ in range(3))
+    if mask == "causal":
+        fn, values = (lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True)), [q, k, v]
+    else:
+        m = torch.rand(5, 6, 6, generator=g) > 0.3
+        m[..., 0] = True
+        fn, values = (lambda a, b, c, d: F.scaled_dot_product_attention(a, b, c, attn_mask=d)), [q, k, v, m]
+    batch = tuple(Shard(0) if i == 0 else Replicate() for i in range(len(mesh_shape)))
+    rep = (Replicate(),) * len(mesh_shape)
+    part = (Partial(),) + rep[1:]
+    combos = [(batch,) * 3 + (rep,) * (len(values) - 3), (rep,) * len(values), (part, rep, batch) + (batch,) * (len(values) - 3)]
+    seen = check(fn, values, mesh_shape, combos=combos, tol=dict(rtol=1e-4, atol=1e-5))
+    assert seen[0][1] == batch, seen[0]

@@ -172,3 +172,54 @@ def test_multinomial_bad_probabilities_raise_on_every_rank():
         return False
 
     assert run_recorded((4,), body)[0] == [True] * 4
+
+
+@pytest.mark.parametrize("points", [[1, 4], [3], 3])
+def test_tensor_split_at_a_dtensor_of_split_points(points):
+    """torch's C++ reads a 1-D tensor of split points from memory a DTensor lacks: it is read whole."""
+    x = data("any", (7, 5), gen("tensor_split"))
+    idx = torch.tensor(points)
+    dense = torch.tensor_split(x, idx, dim=0)
+
+    def body(mesh):
+        d = distribute_tensor(x, mesh, [Shard(1)])
+        i = distribute_tensor(idx, mesh, [Replicate()] if idx.ndim == 0 else [Shard(0)])
+        outs = [torch.tensor_split(d, i, dim=0), d.tensor_split(i), torch.tensor_split(d, tensor_indices_or_sections=i)]
+        return [[(o.placements, o.full_tensor()) for o in out] for out in outs]
+
+    for out in run_recorded((4,), body)[0][0]:
+        assert len(out) == len(dense)
+        for (pls, full), want in zip(out, dense):
+            assert pls == (Shard(1),) and torch.equal(full, want)
+
+
+@pytest.mark.parametrize("placements", [(Replicate(),), (Shard(0),), (Shard(1),), (Partial(),)], ids=str)
+@pytest.mark.parametrize("shape", [(3, 4), (2, 1), (8, 6)], ids=str)
+def test_resize_keeps_the_first_elements_in_order(placements, shape):
+    """resize_ (and resize_as_) as on one device: the whole tensor, replicated, keeps its first
+    elements in row-major order; the wrapper takes the new shape and allocates nothing."""
+    x = torch.arange(35.0).reshape(7, 5)
+    numel = min(35, torch.Size(shape).numel())
+
+    def body(mesh):
+        d = (DTensor.from_local(x / 4, mesh, [Partial()]) if placements == (Partial(),)
+             else distribute_tensor(x, mesh, list(placements)))
+        out = d.resize_(*shape)
+        e = distribute_tensor(x, mesh, list(placements)) if placements != (Partial(),) else DTensor.from_local(x / 4, mesh, [Partial()])
+        e.resize_as_(distribute_tensor(torch.zeros(shape), mesh, [Shard(0)]))
+        return out is d, d.placements, tuple(d.shape), d.full_tensor(), (d * 2).shape, e.full_tensor()
+
+    for same, pls, got, full, doubled, full_as in run_recorded((4,), body)[0]:
+        assert same and pls == (Replicate(),) and got == shape and tuple(doubled) == shape
+        assert torch.equal(full.flatten()[:numel], x.flatten()[:numel])
+        assert torch.equal(full_as.flatten()[:numel], x.flatten()[:numel])
+
+
+def test_resize_of_a_sharded_non_contiguous_tensor_is_refused():
+    def body(mesh):
+        d = distribute_tensor(torch.arange(35.0).reshape(7, 5), mesh, [Shard(0)]).t()
+        with pytest.raises(NotImplementedError, match="resize_.*non-contiguous"):
+            d.resize_(2, 2)
+        return tuple(d.shape)
+
+    assert run_recorded((4,), body)[0] == [(5, 7)] * 4

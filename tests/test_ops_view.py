@@ -365,15 +365,23 @@ def test_view_groups_and_exact_prefix():
 
 
 def test_as_strided():
+    """The identity view keeps the shards; any other view of a sharded, Partial or transposed
+    tensor is taken of the gathered whole with the global strides, as a copy that refuses writes."""
+    full = _x((8, 6))
+
     def body(mesh):
-        x = _local(_x((8, 6)), mesh, [Shard(0)])
+        x = _local(full, mesh, [Shard(0)])
         y = torch.as_strided(x, (8, 6), (6, 1))
-        with pytest.raises(NotImplementedError, match="as_strided"):
-            torch.as_strided(x, (4, 6), (6, 1))
-        return y.placements
+        out = [y.placements]
+        for t, dense in [(x, full), (x.t(), full.t()), (DTensor.from_local(full / 4, mesh, [Partial()]), full)]:
+            v = torch.as_strided(t, (3, 2), (1, 6), 2)
+            with pytest.raises(RuntimeError, match="copy, not a view"):
+                v.add_(1)
+            out.append((v.placements, torch.equal(v.full_tensor(), torch.as_strided(dense, (3, 2), (1, 6), 2))))
+        return out
 
     res, _ = run_recorded((4,), body)
-    assert res[0] == (Shard(0),)
+    assert res[0] == [(Shard(0),)] + [((Replicate(),), True)] * 3
 
 
 def view_stack_gloo(t):

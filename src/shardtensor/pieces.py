@@ -17,7 +17,7 @@ from . import comm
 from .mesh import DeviceMesh
 from .placement import Placement, Shard, display, local_shape_and_offset
 
-__all__ = ["check_shape", "check_pieces", "layout_stride"]
+__all__ = ["check_shape", "check_pieces", "layout_stride", "with_strides"]
 
 # every torch dtype, numbered the same way in every process running this torch (no first-seen order)
 _DTYPE_CODES: dict[torch.dtype, int] = {d: i for i, d in enumerate(
@@ -132,3 +132,19 @@ def _summed_size(d: int, shapes: list[list[int]], coords: list[tuple[int, ...]],
         return shapes[0][d]
     return sum(s[d] for s, c in zip(shapes, coords)
                if all(c[j] == 0 for j in range(mesh.ndim) if j not in mesh_dims))
+
+
+def with_strides(t: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
+    """``t`` copied into the layout ``stride`` when it differs and is dense (a layout that
+    overlaps or has gaps cannot hold one copy of each element, so ``t`` stays as it is)."""
+    if tuple(t.stride()) == stride or t.numel() == 0:
+        return t
+    expected = 1
+    for st, n in sorted((st, n) for n, st in zip(shape, stride) if n != 1):
+        if st != expected:
+            return t
+        expected *= n
+    out = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device)
+    with torch.no_grad():
+        out.copy_(t)
+    return out

@@ -13,7 +13,6 @@ import torch
 
 from . import comm
 from .compile import keep_dynamo_out, rank_key, stable_hash
-from .implicit import implicit_replication
 from .mesh import DeviceMesh, resolve_mesh
 from .pieces import check_pieces, check_shape, layout_stride, local_order
 from .placement import (OrderedPlacements, Partial, Placement, Replicate, Shard, chunk, display,
@@ -175,20 +174,13 @@ class DTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return dispatch(func, args, kwargs or {})
 
-    def __getitem__(self, index: Any) -> Any:
-        """Indexing; a Python list in ``index`` becomes an index tensor inside torch's C++, built
-        alike on every rank from the same literal, so it is taken as a replicated value (a plain
-        tensor passed by the caller is not: see docs/propagation.md)."""
-        if _literal_index(index):
-            with implicit_replication():
-                return super().__getitem__(index)
-        return super().__getitem__(index)
-
-    def __setitem__(self, index: Any, value: Any) -> None:
-        if _literal_index(index) and not (isinstance(value, torch.Tensor) and not isinstance(value, DTensor)):
-            with implicit_replication():
-                return super().__setitem__(index, value)
-        return super().__setitem__(index, value)
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        """torch's default handling, with repairs where torch's C++ works outside dispatch
+        (``dispatch/functions.py``)."""
+        if not all(issubclass(cls, t) for t in types):
+            return NotImplemented
+        return torch_function(func, args, kwargs or {})
 
     # -- torch.compile (see compile.py): the metadata is the spec and the calling rank ----
     def __tensor_flatten__(self):
@@ -386,15 +378,4 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
     return DTensor(local, spec, requires_grad=tensor.requires_grad)
 
 
-def _literal_index(index: Any) -> bool:
-    """Whether ``index`` holds a Python list (turned into a tensor by torch) and no plain tensor."""
-    parts = index if isinstance(index, tuple) else (index,)
-    has_list = False
-    for p in parts:
-        if isinstance(p, torch.Tensor) and not isinstance(p, DTensor):
-            return False
-        has_list |= isinstance(p, list)
-    return has_list
-
-
-from .dispatch import dispatch  # noqa: E402  (the dispatch layer wraps its results in DTensor)
+from .dispatch import dispatch, torch_function  # noqa: E402  (the dispatch layer wraps its results in DTensor)

@@ -5,6 +5,7 @@ ops that have one, on the DTensors themselves.
 """
 from .decompose import DECOMPOSITIONS, decomposition, find_decomposition
 from .fallback import strict_sharding
+from .functions import torch_function
 from .run import dispatch, route
 
-__all__ = ["dispatch", "route", "DECOMPOSITIONS", "decomposition", "find_decomposition", "strict_sharding"]
+__all__ = ["dispatch", "route", "torch_function", "DECOMPOSITIONS", "decomposition", "find_decomposition", "strict_sharding"]

@@ -4,7 +4,8 @@ Three sources, tried in order for an op that has no rule:
 
 1. ``DECOMPOSITIONS`` -- our own table: ``max.dim`` into
    ``amax`` + ``argmax``, ``var_mean``, generic ``sum``/``squeeze``, ``floor_divide``,
-   ``split.Tensor``, ``unbind``, ``split_with_sizes_copy``, ``trace``, ``lift_fresh`` ...
+   ``split.Tensor``, ``unbind``, ``split_with_sizes_copy``, ``trace``, ``lift_fresh``, the in-place
+   views (``squeeze_``, ``t_``) and ``resize_`` ...
 2. ``out=`` overloads: the functional overload, then ``copy_`` into each ``out`` tensor (the
    copy rule redistributes the result to ``out``'s placements).
 3. PyTorch's own decompositions: the op's CompositeImplicitAutograd kernel
@@ -20,11 +21,13 @@ from typing import Any, Callable
 
 import torch
 
+from ..aliasing import check_placement_change
 from ..errors import PropagationError
 from ..placement import Replicate, Shard
 from ..propagation.registry import unsupported
 from ..propagation.rules.foreach import contiguous_fused, overloads
 from ..redistribute import redistribute_local
+from ..spec import DTensorSpec
 from .fallback import whole_local, wrap_replicated
 
 aten = torch.ops.aten
@@ -177,6 +180,50 @@ def _inplace_view(op) -> Callable:
 for _op in (aten.squeeze_.default, aten.squeeze_.dim, aten.squeeze_.dims, aten.unsqueeze_.default,
             aten.transpose_.default, aten.t_.default, aten.swapdims_.default, aten.swapaxes_.default):
     DECOMPOSITIONS[_op] = _inplace_view(_op)
+
+
+def _resize_wrapper(x, shape: tuple[int, ...], stride: tuple[int, ...]) -> None:
+    """Give the DTensor wrapper new sizes and strides, below the Python key.  Where its (empty)
+    storage is too small, a CPU wrapper's storage is resized on meta kernels (which allocates
+    nothing); elsewhere torch has no way to do that, so a growing resize raises."""
+    need = (sum((n - 1) * st for n, st in zip(shape, stride)) + 1) * x.element_size() if all(shape) else 0
+    with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Python)):
+        if need > x.untyped_storage().nbytes():
+            if x.device.type != "cpu":
+                raise unsupported(aten.resize_.default, [x._spec], f"growing a DTensor on {x.device.type}: "
+                                                                   "build a new DTensor of the new shape instead")
+            before = torch._C._meta_in_tls_dispatch_include()
+            torch._C._set_meta_in_tls_dispatch_include(True)
+            try:
+                aten.resize_.default(x, shape)
+            finally:
+                torch._C._set_meta_in_tls_dispatch_include(before)
+        aten.as_strided_.default(x, shape, stride)
+
+
+def _resize(x, size, memory_format=None):
+    """``resize_`` keeps the storage's first elements in row-major order: on the whole tensor,
+    replicated, every rank does what one device does.  A sharded self is gathered first (only
+    when contiguous: the gathered copy is then the global memory in order).  Every refusal comes
+    before any change."""
+    spec = x._spec
+    whole = spec.with_placements([Replicate()] * spec.mesh.ndim)
+    if whole != spec:
+        if not x.is_contiguous():
+            raise unsupported(aten.resize_.default, [spec], "on a sharded non-contiguous tensor (its storage "
+                                                            "order is not the gathered copy's); call .contiguous() first")
+        check_placement_change(aten.resize_.default, x, whole, True)
+    meta = torch.empty(0, dtype=x.dtype, device="meta").resize_(size, memory_format=memory_format)
+    _resize_wrapper(x, tuple(meta.shape), meta.stride())
+    local = x._local_tensor if whole == spec else redistribute_local(x._local_tensor, spec, whole).contiguous()
+    local = local.resize_(size, memory_format=memory_format)
+    x._local_tensor = local
+    x._spec = DTensorSpec.build(spec.mesh, whole.placements, local.shape, local.stride(), local.dtype)
+    return x
+
+
+DECOMPOSITIONS[aten.resize_.default] = _resize
+DECOMPOSITIONS[aten.resize_as_.default] = lambda x, t, memory_format=None: _resize(x, tuple(t.shape), memory_format)
 
 
 @decomposition(aten.allclose.default)

@@ -31,6 +31,7 @@ from .. import comm
 from ..aliasing import note_copies, op_kind
 from ..errors import ReplicateFallbackWarning
 from ..implicit import implicit_allowed, plain_tensor_error
+from ..pieces import with_strides
 from ..placement import Replicate
 from ..propagation.call import Call
 from ..propagation.engine import one_mesh
@@ -39,7 +40,7 @@ from ..spec import DTensorSpec, placements_text
 from ..submesh import off_mesh_result
 from ..tensor import DTensor
 
-__all__ = ["strict_sharding", "fallback_allowed", "run_replicated", "wrap_replicated", "whole_local", "check_plain",
+__all__ = ["strict_sharding", "fallback_allowed", "run_replicated", "replicate_plain", "wrap_replicated", "whole_local", "check_plain",
            "ReplicateFallbackWarning"]
 
 
@@ -65,9 +66,9 @@ def strict_sharding() -> Iterator[None]:
 
 _STORAGE_OPS = frozenset({"as_strided", "as_strided_", "set_", "resize_", "resize_as_", "_reshape_alias"})
 """Ops whose meaning is the storage behind a tensor (views of it, or changes to it): a gathered
-copy cannot stand for the DTensor's memory, so they never run on it.  The functional
-``as_strided_copy`` and ``as_strided_scatter`` do fall back: the gathered copy has the global
-strides (``whole_local``)."""
+copy cannot stand for the DTensor's memory, so they never run on it (``as_strided`` has a rule
+that marks a gathered result as a copy; ``resize_`` and ``resize_as_`` a decomposition).  The functional ``as_strided_copy`` and
+``as_strided_scatter`` do fall back: the gathered copy has the global strides (``whole_local``)."""
 
 
 def fallback_allowed(func: Any) -> bool:
@@ -117,23 +118,7 @@ def whole_local(a: DTensor) -> torch.Tensor:
     laid out with the global strides (ops such as ``as_strided_scatter`` read them)."""
     want = _replicated_spec_of(a._spec)
     t = a._local_tensor if want == a._spec else redistribute_local(a._local_tensor, a._spec, want)
-    return _with_strides(t, tuple(a._spec.shape), tuple(a._spec.stride))
-
-
-def _with_strides(t: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
-    """``t`` copied into the layout ``stride`` when it differs and is dense (a layout that
-    overlaps or has gaps cannot hold one copy of each element, so ``t`` stays as it is)."""
-    if tuple(t.stride()) == stride or t.numel() == 0:
-        return t
-    expected = 1
-    for st, n in sorted((st, n) for n, st in zip(shape, stride) if n != 1):
-        if st != expected:
-            return t
-        expected *= n
-    out = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device)
-    with torch.no_grad():
-        out.copy_(t)
-    return out
+    return with_strides(t, tuple(a._spec.shape), tuple(a._spec.stride))
 
 
 def _replicated_spec_of(spec: DTensorSpec) -> DTensorSpec:
@@ -158,6 +143,23 @@ def _write_back(func: Any, args: tuple, kwargs: dict, flat: list, full: list) ->
         local = redistribute_local(written, _replicated_spec_of(spec), spec)
         with torch.no_grad():
             target._local_tensor.copy_(local)
+
+
+def replicate_plain(out: Any, args: tuple, kwargs: dict) -> Any:
+    """New plain tensors in a result (of a decomposition, or of torch's C++ outside dispatch):
+    built from the same shapes on every rank, so ``Replicate`` DTensors on the arguments' mesh.
+    A plain argument written in place (``plain.add_(d)``, ``out=``) is returned as it is."""
+    if isinstance(out, (tuple, list)):
+        fixed = [replicate_plain(o, args, kwargs) for o in out]
+        if all(a is b for a, b in zip(fixed, out)):
+            return out
+        return type(out)(*fixed) if hasattr(out, "_fields") else type(out)(fixed)
+    if not isinstance(out, torch.Tensor) or isinstance(out, DTensor):
+        return out
+    flat = tree_flatten((args, kwargs))[0]
+    if any(out is a for a in flat):
+        return out
+    return wrap_replicated(out, next(a._spec.mesh for a in flat if isinstance(a, DTensor)))
 
 
 def wrap_replicated(t: torch.Tensor, mesh: Any) -> DTensor:

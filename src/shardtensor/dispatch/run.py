@@ -25,7 +25,7 @@ from ..spec import DTensorSpec, placements_text
 from ..submesh import off_mesh_result
 from ..tensor import DTensor
 from .decompose import find_decomposition
-from .fallback import check_plain, fallback_allowed, run_replicated, whole_local, wrap_replicated
+from .fallback import check_plain, fallback_allowed, replicate_plain, run_replicated, whole_local, wrap_replicated
 
 __all__ = ["dispatch", "route"]
 
@@ -54,7 +54,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         check_plain(func, tree_flatten((args, kwargs))[0])
         try:
             with implicit_replication():  # plain tensors the decomposition builds are the same on every rank
-                out = _replicate_plain(r[1](*args, **kwargs), args, kwargs)
+                out = replicate_plain(r[1](*args, **kwargs), args, kwargs)
             return out if view else forget_copies(out)  # a non-view op's results are its own memory
         except NotImplementedError as e:
             if isinstance(e, UnsupportedOpError) and e.op == func:
@@ -124,20 +124,6 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         w = decision.inputs[0]
         note_copies(func, flat[0], decision.copies or (decision.redistribute and w is not None and w != specs[0]), out)
     return out
-
-
-def _replicate_plain(out: Any, args: tuple, kwargs: dict) -> Any:
-    """A decomposition's plain tensor outputs (built by factories, e.g. an empty result) are the
-    same on every rank: ``Replicate`` DTensors on the inputs' mesh."""
-    flat = out if isinstance(out, (tuple, list)) else (out,)
-    if not any(isinstance(o, torch.Tensor) and not isinstance(o, DTensor) for o in flat):
-        return out
-    mesh = next(a._spec.mesh for a in tree_flatten((args, kwargs))[0] if isinstance(a, DTensor))
-    wrapped = [wrap_replicated(o, mesh) if isinstance(o, torch.Tensor) and not isinstance(o, DTensor) else o
-               for o in flat]
-    if not isinstance(out, (tuple, list)):
-        return wrapped[0]
-    return type(out)(*wrapped) if hasattr(out, "_fields") else type(out)(wrapped)
 
 
 def _dispatch_with_plain(func, flat: list, specs: list, treedef, plain: list[int]) -> Any:

@@ -139,7 +139,7 @@ def embedding_bag_rule(call: Call) -> Decision:
         raise unsupported(call.op, call.specs, "with a plain-tensor weight, indices or offsets")
     if bool(call.arg("sparse", False)):
         raise unsupported(call.op, call.specs, "with sparse=True")
-    w, mode = call.specs[wpos], int(call.arg("mode", 0))
+    mode = int(call.arg("mode", 0))
     r = Replicate()
     max_cols = Shard(1) if call.out_meta[3].ndim == 2 else r
     options: list[list[Option]] = []

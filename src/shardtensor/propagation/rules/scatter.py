@@ -107,11 +107,30 @@ def scatter_value_rule(call: Call) -> Decision:
     return decide(call, _candidates([sp, ip], per_dim, pairs), kernel_for=kernel_for)
 
 
-# -- index_add -------------------------------------------------------------------------------
+# -- index_add, index_reduce ----------------------------------------------------------------
+
+_INDEX_REDUCE_KINDS = {"prod": ("product",), "mean": ("sum", "avg"), "amax": ("max",), "amin": ("min",)}
+
 
 @register(aten.index_add.default, aten.index_add_.default)
 def index_add_rule(call: Call) -> Decision:
     """``dim`` gathered on self/source, index R; self + source jointly P(sum|avg); sharded index -> P(sum)."""
+    return _index_decision(call, ("sum", "avg"), sharded_index=True)
+
+
+@register(aten.index_reduce.default, aten.index_reduce_.default)
+def index_reduce_rule(call: Call) -> Decision:
+    """As ``index_add`` without the sharded index; the joint Partial is the kind the reduce keeps."""
+    reduce = call.arg("reduce")
+    if reduce == "mean" and not _self(call)[1].dtype.is_floating_point:
+        return _index_decision(call, (), sharded_index=False)  # an integer mean rounds each rank's term
+    return _index_decision(call, _INDEX_REDUCE_KINDS.get(reduce, ()), sharded_index=False)
+
+
+def _index_decision(call: Call, kinds: tuple[str, ...], sharded_index: bool) -> Decision:
+    """Options of ``op(self, dim, index, source)``: a dim other than ``dim`` sharded on self and
+    source alike, a joint Partial of ``kinds``, and (``sharded_index``) each rank adding its
+    index piece's rows into a ``P(sum)`` term."""
     sp, s = _self(call)
     ip, rp = call.pos("index"), call.pos("source")
     if ip is None or rp is None:
@@ -120,49 +139,19 @@ def index_add_rule(call: Call) -> Decision:
     dim = _norm(call.arg("dim"), s.ndim)
     opts: list[Opt] = [((R, R, R), R)]
     if src.ndim == s.ndim:
-        for d in range(s.ndim):
-            if d != dim:
-                opts.append(((Shard(d), R, Shard(d)), Shard(d)))
+        opts += [((Shard(d), R, Shard(d)), Shard(d)) for d in range(s.ndim) if d != dim]
     for p in _partial_kinds(s, src):
-        if _plain(p) and p.reduce_op in ("sum", "avg"):
+        if _plain(p) and p.reduce_op in kinds:
             opts.append(((p, R, p), p))
-    if ix.ndim == 1 and src.ndim == s.ndim and s.ndim > 0 and not _inplace(call.op):
+    if sharded_index and ix.ndim == 1 and src.ndim == s.ndim and s.ndim > 0 and not _inplace(call.op):
         ps = Partial("sum")
         opts.append(((ps, Shard(0), Shard(dim)), ps))
     per_dim = [_dedupe(_first(opts, (s.placements[j], ix.placements[j], src.placements[j])))
                for j in range(s.mesh.ndim)]
-    pairs = [(0, d, 2, d) for d in range(s.ndim)]
-    return decide(call, _candidates([sp, ip, rp], per_dim, pairs))
-
-
-# -- index_reduce, put, masked_scatter -------------------------------------------------------
-
-_INDEX_REDUCE_KINDS = {"prod": ("product",), "mean": ("sum", "avg"), "amax": ("max",), "amin": ("min",)}
-
-
-@register(aten.index_reduce.default, aten.index_reduce_.default)
-def index_reduce_rule(call: Call) -> Decision:
-    """As ``index_add`` without the sharded-index option; the joint Partial follows the reduce."""
-    sp, s = _self(call)
-    ip, rp = call.pos("index"), call.pos("source")
-    if ip is None or rp is None:
-        raise unsupported(call.op, call.specs, "needs DTensors for index and source")
-    ix, src = call.specs[ip], call.specs[rp]
-    dim = _norm(call.arg("dim"), s.ndim)
-    opts: list[Opt] = [((R, R, R), R)]
-    for d in range(s.ndim):
-        if d != dim and src.ndim == s.ndim and src.shape[d] == s.shape[d]:
-            opts.append(((Shard(d), R, Shard(d)), Shard(d)))
-    kinds = _INDEX_REDUCE_KINDS.get(call.arg("reduce"), ())
-    if call.arg("reduce") == "mean" and not s.dtype.is_floating_point:
-        kinds = ()  # an integer mean rounds each rank's term
-    for p in _partial_kinds(s, src):
-        if _plain(p) and p.reduce_op in kinds:
-            opts.append(((p, R, p), p))
-    per_dim = [_dedupe(_first(opts, (s.placements[j], ix.placements[j], src.placements[j])))
-               for j in range(s.mesh.ndim)]
     return decide(call, _candidates([sp, ip, rp], per_dim, [(0, d, 2, d) for d in range(s.ndim)]))
 
+
+# -- put, masked_scatter ---------------------------------------------------------------------
 
 @register(aten.put.default, aten.put_.default)
 def put_rule(call: Call) -> Decision:

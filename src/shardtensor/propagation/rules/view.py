@@ -12,7 +12,7 @@ unless a row says otherwise.  ``insert``/``drop`` renumber shard dims when a dim
 | ``unsqueeze`` | as is | ``insert(pi, dim)`` |
 | ``cat`` | one common placement per mesh dim, ``S(dim)`` gathered; cheapest of the inputs' own (gathered, with and without partials) and all-R; legacy ``(0,)`` inputs ignored | the common placement |
 | ``stack`` | one common placement (same candidates, ``S(dim)`` legal) | ``insert(pi, dim)`` |
-| ``as_strided`` | identity (same size and stride, offset 0) only; anything else raises | as is |
+| ``as_strided`` | as is for the identity (same size and stride, offset 0) or a replicated tensor; else R (the gathered whole, laid out with the global strides) | as is; R for a gathered whole (a copy: writes into it raise) |
 
 The ``*_copy`` variants of these views share their rules; select, slice and their scatters and
 backwards are in ``slicing.py``.
@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ...errors import PropagationError
+from ...pieces import with_strides
 from ...placement import NormPartial, Partial, Placement, Replicate, Shard, ShardOrder, chunk, unpartial
 from ...spec import DTensorSpec
 from ..call import Call, Decision
@@ -349,15 +350,18 @@ def stack_rule(call: Call) -> Decision:
 @register(aten.as_strided.default)
 def as_strided_rule(call: Call) -> Decision:
     """The identity view (same size and stride, offset 0) on any placements, and any view of a
-    replicated tensor (every rank holds the whole tensor; strides of a shard are not global ones)."""
+    replicated tensor (every rank holds the whole tensor).  Any other view of a sharded or
+    Partial tensor is taken of the gathered whole, laid out with the global strides: it is a
+    copy, so writing into it raises (as for every view that needs other ranks' data)."""
     s = call.specs[0]
     size, stride = list(call.arg("size")), list(call.arg("stride"))
     offset = call.arg("storage_offset", None)
     if all(p.is_replicate() for p in s.placements):
         return finish(call, {}, spec_of(call, call.out_meta, s.placements, None), kernel=_whole_as_strided(call.op, s))
     if size != list(s.shape) or stride != list(s.stride) or offset not in (None, 0):
-        raise unsupported(call.op, call.specs, f"with size {tuple(size)}, stride {tuple(stride)}, offset {offset} "
-                                               "(only the identity is supported on a DTensor)")
+        whole = s.with_placements([R] * s.mesh.ndim)
+        return finish(call, {0: whole}, spec_of(call, call.out_meta, whole.placements, None),
+                      kernel=_whole_as_strided(call.op, s, gathered=True))
 
     def kernel(x, *args, **kwargs):
         return aten.alias.default(x)
@@ -365,12 +369,15 @@ def as_strided_rule(call: Call) -> Decision:
     return follow(call, 0, {d: d for d in range(s.ndim)}, call.out_meta, kernel=kernel)
 
 
-def _whole_as_strided(op: Any, s: DTensorSpec) -> Callable[..., torch.Tensor]:
-    """Kernel: ``as_strided`` of the local (whole) tensor, whose strides must be the global ones."""
+def _whole_as_strided(op: Any, s: DTensorSpec, gathered: bool = False) -> Callable[..., torch.Tensor]:
+    """Kernel: ``as_strided`` of the local (whole) tensor, whose strides must be the global ones.
+    A ``gathered`` copy is laid out with them first (possible where the global layout is dense)."""
 
     def kernel(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if gathered:
+            x = with_strides(x, tuple(s.shape), tuple(s.stride))
         if tuple(x.stride()) != tuple(s.stride):
-            raise PropagationError(f"shardtensor: {op}: the replicated tensor's local strides {tuple(x.stride())} "
+            raise PropagationError(f"shardtensor: {op}: the whole tensor's local strides {tuple(x.stride())} "
                                    f"differ from its global strides {tuple(s.stride)}; call .contiguous() first")
         return op(x, *args, **kwargs)
 

@@ -1,0 +1,92 @@
+"""Torch functions on DTensors: torch's default handling, with repairs where torch's C++ works
+outside dispatch, on memory or plain tensors a DTensor cannot stand for.
+
+- **Indexing with a Python list** (``x[[0, 2]]``, ``x[:, [1, 3]] = v``): C++ turns the list into
+  an index tensor, built alike on every rank from the same literal, so it is taken as a
+  replicated value.  A plain index tensor the caller passes is not (see docs/propagation.md).
+- **``tensor_split`` at a tensor of split points** reads the points from memory: a DTensor of
+  them is read whole first.
+- **3-D ``scaled_dot_product_attention``** takes torch's math path, which builds its causal
+  mask as a plain tensor: the inputs get a leading batch dim of 1, so the 4-D path (and its
+  sharding rule) runs, and the result drops it again.
+- **A plain tensor a composite builds from metadata alone** (``matrix_rank`` of an empty
+  matrix) is the same on every rank: a ``Replicate`` DTensor, not a wrapper without a spec.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..implicit import implicit_replication
+from ..tensor import DTensor
+from .fallback import replicate_plain
+
+__all__ = ["torch_function"]
+
+_NOWRAP = torch.overrides.get_default_nowrap_functions()
+_TENSOR_SPLIT = torch.Tensor.tensor_split
+_GETITEM, _SETITEM = torch.Tensor.__getitem__, torch.Tensor.__setitem__
+_SDPA = F.scaled_dot_product_attention
+
+
+def torch_function(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Run ``func`` below torch-function handling; results are DTensors or plain Python values."""
+    if func is torch.tensor_split or func is _TENSOR_SPLIT:
+        args, kwargs = _whole_split_points(args, kwargs)
+    elif (func is _GETITEM or func is _SETITEM) and _literal_index(args[1], args[2:]):
+        with implicit_replication(), torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    elif func is _SDPA and _is_3d(args, kwargs):
+        return _sdpa_batched(args, kwargs)
+    with torch._C.DisableTorchFunctionSubclass():
+        out = func(*args, **kwargs)
+    if type(out) is DTensor or func in _NOWRAP:
+        return out
+    return replicate_plain(out, args, kwargs)
+
+
+def _whole_split_points(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``tensor_split``'s DTensor of split points as the Python list (or int) it stands for."""
+    if len(args) > 1 and isinstance(args[1], DTensor):
+        args = (args[0], args[1].full_tensor().tolist(), *args[2:])
+    for name in ("indices_or_sections", "tensor_indices_or_sections"):
+        if isinstance(kwargs.get(name), DTensor):
+            kwargs = dict(kwargs)
+            points = kwargs.pop(name).full_tensor().tolist()
+            kwargs["sections" if isinstance(points, int) else "indices"] = points
+    return args, kwargs
+
+
+def _literal_index(index: Any, value: tuple) -> bool:
+    """Whether ``index`` holds a Python list (turned into a tensor by torch) and no plain tensor,
+    and a written ``value`` (``__setitem__``) is not a plain tensor either."""
+    if value and isinstance(value[0], torch.Tensor) and not isinstance(value[0], DTensor):
+        return False
+    parts = index if isinstance(index, tuple) else (index,)
+    has_list = False
+    for p in parts:
+        if isinstance(p, torch.Tensor) and not isinstance(p, DTensor):
+            return False
+        has_list |= isinstance(p, list)
+    return has_list
+
+
+_SDPA_TENSORS = ("query", "key", "value", "attn_mask")
+
+
+def _is_3d(args: tuple, kwargs: dict) -> bool:
+    q = args[0] if args else kwargs.get("query")
+    return isinstance(q, DTensor) and q.ndim == 3
+
+
+def _sdpa_batched(args: tuple, kwargs: dict) -> Any:
+    """3-D attention as 4-D with a batch of one (the same values: a leading dim broadcasts)."""
+    named = dict(zip(_SDPA_TENSORS, args))
+    named.update(kwargs)
+    for name in _SDPA_TENSORS:
+        t = named.get(name)
+        if isinstance(t, torch.Tensor) and (name != "attn_mask" or t.ndim == 3):
+            named[name] = t.unsqueeze(0)
+    return _SDPA(**named).squeeze(0)
