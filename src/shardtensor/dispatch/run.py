@@ -16,9 +16,9 @@ from torch.utils._pytree import tree_flatten
 from .. import comm
 from ..aliasing import check_placement_change, check_writes, forget_copies, note_copies, op_kind
 from ..errors import MeshMismatchError, UnsupportedOpError
-from ..placement import Partial
 from ..implicit import implicit_allowed, implicit_replication, plain_tensor_error
 from ..listops import is_list_op, run_per_mesh
+from ..placement import Partial
 from ..propagation import flatten_call, propagate, rule_for, unflatten_call
 from ..redistribute import redistribute_local
 from ..spec import DTensorSpec, placements_text
