@@ -215,7 +215,7 @@ def _resize(x, size, memory_format=None):
         check_placement_change(aten.resize_.default, x, whole, True)
     meta = torch.empty(0, dtype=x.dtype, device="meta").resize_(size, memory_format=memory_format)
     _resize_wrapper(x, tuple(meta.shape), meta.stride())
-    local = x._local_tensor if whole == spec else redistribute_local(x._local_tensor, spec, whole).contiguous()
+    local = x._local_tensor if whole == spec else whole_local(x)  # contiguous, as x is
     local = local.resize_(size, memory_format=memory_format)
     x._local_tensor = local
     x._spec = DTensorSpec.build(spec.mesh, whole.placements, local.shape, local.stride(), local.dtype)

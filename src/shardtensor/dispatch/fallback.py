@@ -40,7 +40,8 @@ from ..spec import DTensorSpec, placements_text
 from ..submesh import off_mesh_result
 from ..tensor import DTensor
 
-__all__ = ["strict_sharding", "fallback_allowed", "run_replicated", "replicate_plain", "wrap_replicated", "whole_local", "check_plain",
+__all__ = ["strict_sharding", "fallback_allowed", "run_replicated", "replicate_plain", "wrap_replicated", "whole_local", "write_into",
+           "check_plain",
            "ReplicateFallbackWarning"]
 
 
@@ -67,8 +68,9 @@ def strict_sharding() -> Iterator[None]:
 _STORAGE_OPS = frozenset({"as_strided", "as_strided_", "set_", "resize_", "resize_as_", "_reshape_alias"})
 """Ops whose meaning is the storage behind a tensor (views of it, or changes to it): a gathered
 copy cannot stand for the DTensor's memory, so they never run on it (``as_strided`` has a rule
-that marks a gathered result as a copy; ``resize_`` and ``resize_as_`` a decomposition).  The functional ``as_strided_copy`` and
-``as_strided_scatter`` do fall back: the gathered copy has the global strides (``whole_local``)."""
+that marks a gathered result as a copy; ``resize_`` and ``resize_as_`` a decomposition).  The
+functional ``as_strided_copy`` and ``as_strided_scatter`` do fall back: the gathered copy has the
+global strides (``whole_local``)."""
 
 
 def fallback_allowed(func: Any) -> bool:
@@ -137,12 +139,18 @@ def _write_back(func: Any, args: tuple, kwargs: dict, flat: list, full: list) ->
         if not isinstance(target, DTensor):
             continue
         written = full[next(k for k, a in enumerate(flat) if a is target)]
-        if written is target._local_tensor:
-            continue  # already replicated: written in place
-        spec = target._spec
-        local = redistribute_local(written, _replicated_spec_of(spec), spec)
+        write_into(target, written, _replicated_spec_of(target._spec))
+
+
+def write_into(target: DTensor, result: torch.Tensor, spec: DTensorSpec) -> None:
+    """``result``, laid out as ``spec``, written into ``target``'s own local tensor in ``target``'s
+    placements: an argument an op writes into keeps its placements and memory, so its views see
+    the write, as on one device."""
+    if spec.placements != target._spec.placements or spec.shard_order != target._spec.shard_order:
+        result = redistribute_local(result, spec, target._spec)
+    if result is not target._local_tensor:  # a replicated whole may already be target's memory
         with torch.no_grad():
-            target._local_tensor.copy_(local)
+            target._local_tensor.copy_(result)
 
 
 def replicate_plain(out: Any, args: tuple, kwargs: dict) -> Any:

@@ -25,7 +25,8 @@ from ..spec import DTensorSpec, placements_text
 from ..submesh import off_mesh_result
 from ..tensor import DTensor
 from .decompose import find_decomposition
-from .fallback import check_plain, fallback_allowed, replicate_plain, run_replicated, whole_local, wrap_replicated
+from .fallback import (check_plain, fallback_allowed, replicate_plain, run_replicated, whole_local, wrap_replicated,
+                       write_into)
 
 __all__ = ["dispatch", "route"]
 
@@ -112,7 +113,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     if inplace:
         me = flat[0]
         if keep:
-            _write_into(me, local[0], decision.output)
+            write_into(me, local[0], decision.output)
         elif isinstance(me, DTensor):
             if local[0] is not me._local_tensor:
                 me._local_tensor = local[0]
@@ -172,16 +173,6 @@ def _keeps_placements(spec: DTensorSpec, out: Any) -> bool:
     (``t_``, ``squeeze_``) take the result's spec."""
     return (isinstance(out, DTensorSpec) and out.shape == spec.shape
             and not any(isinstance(p, Partial) for p in spec.placements))
-
-
-def _write_into(me: DTensor, result: torch.Tensor, spec: DTensorSpec) -> None:
-    """An in-place op keeps its self's placements and memory (as on one device, where views of
-    it see the write): a result the rule left in other placements is redistributed back and
-    copied into self's own local tensor."""
-    if spec.placements != me._spec.placements or spec.shard_order != me._spec.shard_order:
-        result = redistribute_local(result, spec, me._spec)
-    if result is not me._local_tensor:
-        me._local_tensor.copy_(result)
 
 
 def _local_args(flat: list, specs: list, decision) -> list:

@@ -46,6 +46,14 @@ _REDUCE_KINDS = {"sum": ("sum", "avg"), "mean": ("sum", "avg"), "prod": ("produc
                  "amin": ("min",)}
 
 
+def _kept_kinds(reduce: str | None, dtype: torch.dtype) -> tuple[str, ...]:
+    """The Partial kinds a reduce of rows commutes with (none for an integer mean: each rank's term
+    would be rounded)."""
+    if reduce == "mean" and not dtype.is_floating_point:
+        return ()
+    return _REDUCE_KINDS.get(reduce or "", ())
+
+
 def _reduce_of(call: Call) -> str | None:
     if call.op in (aten.scatter_reduce.two, aten.scatter_reduce_.two):
         return call.arg("reduce")
@@ -65,9 +73,7 @@ def scatter_rule(call: Call) -> Decision:
     dim = _norm(call.arg("dim"), s.ndim)
     reduce = _reduce_of(call)
     opts = _index_shaped(dim, s, ix, src)
-    kinds = _REDUCE_KINDS.get(reduce, ()) if reduce is not None else ("sum", "avg", "max", "min", "product")
-    if reduce == "mean" and not s.dtype.is_floating_point:
-        kinds = ()
+    kinds = _kept_kinds(reduce, s.dtype) if reduce is not None else ("sum", "avg", "max", "min", "product")
     for p in _partial_kinds(s, src):
         if _plain(p) and p.reduce_op in kinds:
             opts.append(((p, R, p), p))
@@ -109,28 +115,22 @@ def scatter_value_rule(call: Call) -> Decision:
 
 # -- index_add, index_reduce ----------------------------------------------------------------
 
-_INDEX_REDUCE_KINDS = {"prod": ("product",), "mean": ("sum", "avg"), "amax": ("max",), "amin": ("min",)}
-
-
 @register(aten.index_add.default, aten.index_add_.default)
 def index_add_rule(call: Call) -> Decision:
     """``dim`` gathered on self/source, index R; self + source jointly P(sum|avg); sharded index -> P(sum)."""
-    return _index_decision(call, ("sum", "avg"), sharded_index=True)
+    return _index_decision(call, "sum")
 
 
 @register(aten.index_reduce.default, aten.index_reduce_.default)
 def index_reduce_rule(call: Call) -> Decision:
-    """As ``index_add`` without the sharded index; the joint Partial is the kind the reduce keeps."""
-    reduce = call.arg("reduce")
-    if reduce == "mean" and not _self(call)[1].dtype.is_floating_point:
-        return _index_decision(call, (), sharded_index=False)  # an integer mean rounds each rank's term
-    return _index_decision(call, _INDEX_REDUCE_KINDS.get(reduce, ()), sharded_index=False)
+    """As ``index_add``; the joint Partial is the kind the reduce keeps."""
+    return _index_decision(call, call.arg("reduce"))
 
 
-def _index_decision(call: Call, kinds: tuple[str, ...], sharded_index: bool) -> Decision:
-    """Options of ``op(self, dim, index, source)``: a dim other than ``dim`` sharded on self and
-    source alike, a joint Partial of ``kinds``, and (``sharded_index``) each rank adding its
-    index piece's rows into a ``P(sum)`` term."""
+def _index_decision(call: Call, reduce: str) -> Decision:
+    """Options of ``op(self, dim, index, source)`` combining rows by ``reduce``: a dim other than
+    ``dim`` sharded on self and source alike, a joint Partial of the kinds the reduce keeps, and
+    for a sum each rank adding its index piece's rows into a ``P(sum)`` term."""
     sp, s = _self(call)
     ip, rp = call.pos("index"), call.pos("source")
     if ip is None or rp is None:
@@ -140,10 +140,11 @@ def _index_decision(call: Call, kinds: tuple[str, ...], sharded_index: bool) -> 
     opts: list[Opt] = [((R, R, R), R)]
     if src.ndim == s.ndim:
         opts += [((Shard(d), R, Shard(d)), Shard(d)) for d in range(s.ndim) if d != dim]
+    kinds = _kept_kinds(reduce, s.dtype)
     for p in _partial_kinds(s, src):
         if _plain(p) and p.reduce_op in kinds:
             opts.append(((p, R, p), p))
-    if sharded_index and ix.ndim == 1 and src.ndim == s.ndim and s.ndim > 0 and not _inplace(call.op):
+    if reduce == "sum" and ix.ndim == 1 and src.ndim == s.ndim and s.ndim > 0 and not _inplace(call.op):
         ps = Partial("sum")
         opts.append(((ps, Shard(0), Shard(dim)), ps))
     per_dim = [_dedupe(_first(opts, (s.placements[j], ix.placements[j], src.placements[j])))
