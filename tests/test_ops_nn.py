@@ -171,6 +171,40 @@ def test_layer_norm(mesh, shape, norm):
         assert out == tuple(p if isinstance(p, Shard) and p.dim < axis else R for p in xp)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_layer_norm_statistics_keep_the_kernels_dtype(dtype):
+    """CPU layer norm keeps half statistics half (its meta kernel says float32): every output
+    reports the dtype its local data has, as on one device, with and without the decision cache."""
+    x = data("any", (6, 5), gen(24)).to(dtype)
+    dense = aten.native_layer_norm(x, [5], None, None, 1e-5)
+
+    def body():
+        mesh = init_device_mesh("cpu", (2,))
+        dx = distribute_tensor(x, mesh, [S0])
+        runs = [aten.native_layer_norm(dx, [5], None, None, 1e-5) for _ in range(2)]
+        return [[(o.dtype, o._local_tensor.dtype, o.full_tensor()) for o in outs] for outs in runs]
+    for runs in run_spmd(body, 2):
+        for outs in runs:
+            for (spec_dtype, local_dtype, got), want in zip(outs, dense):
+                assert spec_dtype == local_dtype == want.dtype
+                torch.testing.assert_close(got, want)
+
+
+def test_wrapped_result_reports_its_local_dtype():
+    """A rule's metadata comes from meta kernels; where a device's kernel makes another dtype, the
+    DTensor reports the dtype of its data (the spec is retyped, once per spec and dtype)."""
+    from shardtensor.dispatch.run import _wrap
+
+    def body():
+        mesh = init_device_mesh("cpu", (2,))
+        spec = distribute_tensor(torch.zeros(4, 2), mesh, [S0])._spec
+        local = torch.ones(2, 2, dtype=torch.bfloat16)
+        a, b = _wrap(local, spec), _wrap((local, local), (spec, spec))
+        return a.dtype, a._spec is b[1]._spec, a.full_tensor().dtype
+    for dtype, shared, full in run_spmd(body, 2):
+        assert dtype == full == torch.bfloat16 and shared
+
+
 def test_layer_norm_backward_weight_grad_exact():
     x = data("any", (7, 6), gen(20))
     w, b = data("pos", (6,), gen(21)), data("any", (6,), gen(22))

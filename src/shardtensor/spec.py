@@ -22,6 +22,8 @@ class DTensorSpec:
     dtype: torch.dtype
     shard_order: ShardOrder = field(default=())
     _hash: int = field(default=0, init=False, repr=False, compare=False)
+    _locals: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """Local shape and offset per mesh coordinate, computed once (views and factories ask per call)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_hash", hash((self.mesh, self.placements, tuple(self.shape), self.stride, self.dtype,
@@ -78,8 +80,12 @@ class DTensorSpec:
 
     def local_shape_and_offset(self, coordinate: Sequence[int] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Local shape and global offset of this rank (or of ``coordinate``)."""
-        coord = self.mesh.get_coordinate() if coordinate is None else coordinate
-        return local_shape_and_offset(self.shape, self.mesh.shape, coord, self.placements, self.shard_order)
+        coord = self.mesh._coord if coordinate is None else tuple(coordinate)
+        r = self._locals.get(coord)
+        if r is None:
+            r = self._locals[coord] = local_shape_and_offset(self.shape, self.mesh.shape, coord, self.placements,
+                                                             self.shard_order)
+        return r
 
     @property
     def local_shape(self) -> tuple[int, ...]:

@@ -178,9 +178,12 @@ class DTensor(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         """torch's default handling, with repairs where torch's C++ works outside dispatch
         (``dispatch/functions.py``)."""
-        if not all(issubclass(cls, t) for t in types):
-            return NotImplemented
-        return torch_function(func, args, kwargs or {})
+        if func in REPAIRED or len(types) != 1 or types[0] is not cls:
+            if not all(issubclass(cls, t) for t in types):
+                return NotImplemented
+            return torch_function(func, types, args, kwargs)
+        out = below(func, types, args, kwargs) if kwargs else below(func, types, args)
+        return out if type(out) is DTensor else finish(func, out, args, kwargs)
 
     # -- torch.compile (see compile.py): the metadata is the spec and the calling rank ----
     def __tensor_flatten__(self):
@@ -378,4 +381,5 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
     return DTensor(local, spec, requires_grad=tensor.requires_grad)
 
 
-from .dispatch import dispatch, torch_function  # noqa: E402  (the dispatch layer wraps its results in DTensor)
+from .dispatch import dispatch  # noqa: E402  (the dispatch layer wraps its results in DTensor)
+from .dispatch.functions import REPAIRED, below, finish, torch_function  # noqa: E402

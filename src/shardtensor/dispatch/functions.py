@@ -23,28 +23,42 @@ from ..implicit import implicit_replication
 from ..tensor import DTensor
 from .fallback import replicate_plain
 
-__all__ = ["torch_function"]
+__all__ = ["torch_function", "REPAIRED", "below", "finish"]
 
 _NOWRAP = torch.overrides.get_default_nowrap_functions()
 _TENSOR_SPLIT = torch.Tensor.tensor_split
 _GETITEM, _SETITEM = torch.Tensor.__getitem__, torch.Tensor.__setitem__
 _SDPA = F.scaled_dot_product_attention
 
+REPAIRED = frozenset({torch.tensor_split, _TENSOR_SPLIT, _GETITEM, _SETITEM, _SDPA})
+"""The functions ``torch_function`` looks at before running them; every other function goes
+straight to ``below`` (``DTensor.__torch_function__`` checks this first: the hot path)."""
 
-def torch_function(func: Any, args: tuple, kwargs: dict) -> Any:
+below = torch._C._disabled_torch_function_impl
+"""``below(func, types, args[, kwargs])``: ``func`` run with torch-function handling off for
+DTensors (torch's C++ implementation of exactly that; ``kwargs`` only when not empty, since a
+property getter takes none)."""
+
+
+def torch_function(func: Any, types: tuple, args: tuple, kwargs: dict | None) -> Any:
     """Run ``func`` below torch-function handling; results are DTensors or plain Python values."""
     if func is torch.tensor_split or func is _TENSOR_SPLIT:
-        args, kwargs = _whole_split_points(args, kwargs)
+        args, kwargs = _whole_split_points(args, kwargs or {})
     elif (func is _GETITEM or func is _SETITEM) and _literal_index(args[1], args[2:]):
-        with implicit_replication(), torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
-    elif func is _SDPA and _is_3d(args, kwargs):
-        return _sdpa_batched(args, kwargs)
-    with torch._C.DisableTorchFunctionSubclass():
-        out = func(*args, **kwargs)
+        with implicit_replication():
+            return below(func, types, args, kwargs) if kwargs else below(func, types, args)
+    elif func is _SDPA and _is_3d(args, kwargs or {}):
+        return _sdpa_batched(args, kwargs or {})
+    out = below(func, types, args, kwargs) if kwargs else below(func, types, args)
+    return finish(func, out, args, kwargs)
+
+
+def finish(func: Any, out: Any, args: tuple, kwargs: dict | None) -> Any:
+    """``func``'s result with any plain tensor torch's C++ built from shapes alone made a
+    ``Replicate`` DTensor (the same on every rank)."""
     if type(out) is DTensor or func in _NOWRAP:
         return out
-    return replicate_plain(out, args, kwargs)
+    return replicate_plain(out, args, kwargs or {})
 
 
 def _whole_split_points(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -8,6 +8,7 @@ local kernel and wraps the result.  An op with no rule for its inputs runs on re
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -20,6 +21,8 @@ from ..implicit import implicit_allowed, implicit_replication, plain_tensor_erro
 from ..listops import is_list_op, run_per_mesh
 from ..placement import Partial
 from ..propagation import flatten_call, propagate, rule_for, unflatten_call
+from ..propagation.engine import HOT, HOT_HITS, _freeze, _sign, remember
+from ..propagation.registry import _BY_SIGN
 from ..redistribute import redistribute_local
 from ..spec import DTensorSpec, placements_text
 from ..submesh import off_mesh_result
@@ -47,6 +50,13 @@ def route(op) -> Any:
 
 def dispatch(func, args: tuple, kwargs: dict) -> Any:
     """propagation -> redistribute -> local kernel -> wrap (or a decomposition into ops that have rules)."""
+    hot = _HOT_OPS.get(id(func))
+    if hot is None:
+        hot = _HOT_OPS[id(func)] = _hot_facts(func)
+    if hot[0]:
+        out = _hit(func, args, kwargs, hot[1], hot[2])
+        if out is not _MISSING:
+            return out
     view, writes = op_kind(func)
     if writes:
         check_writes(func, writes, args, kwargs)
@@ -127,6 +137,86 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     return out
 
 
+_HOT_OPS: dict[int, tuple[bool, bool, Any]] = {}
+_LEAVES = frozenset({int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.memory_format,
+                     torch.layout})
+
+
+def _hot_facts(func) -> tuple[bool, bool, Any]:
+    """``(may take the hit path, is a view op, how its scalars are keyed)``, once per op: ops with a
+    rule that write into no argument."""
+    view, writes = op_kind(func)
+    ok = not writes and callable(route(func))  # route first: it marks the ops keyed by scalar sign
+    return ok, view, _sign if id(func) in _BY_SIGN else _freeze
+
+
+def _hit(func, args: tuple, kwargs: dict, view: bool, freeze: Any) -> Any:
+    """The op run on a cached decision that moves nothing: unwrap, run, wrap; ``_MISSING`` sends
+    the call down the full path (plain tensors, redistribution, off-mesh ranks, errors).
+
+    The key holds each DTensor's spec by id (the entry holds the specs, so no id is reused while it
+    lives) and other arguments frozen as ``propagate`` freezes them; a call of flat positional
+    arguments (the common case) is keyed and run without building its tree."""
+    treedef = None
+    flat: Any = args
+    if kwargs or any(type(a) is list or type(a) is tuple for a in args):
+        flat, treedef = flatten_call(args, kwargs)
+    key: list = [id(func), treedef]
+    local: list = []
+    first = None
+    for a in flat:
+        if type(a) is DTensor:
+            key.append(id(a._spec))
+            local.append(a._local_tensor)
+            if first is None:
+                first = a
+        elif type(a) in _LEAVES:
+            key.append(freeze(a))
+            local.append(a)
+        else:
+            return _MISSING
+    if first is None:
+        return _MISSING
+    k = tuple(key)
+    entry = HOT.get(k)
+    if entry is None:
+        decision = _hot_decision(func, args, kwargs, k)
+        if decision is None:
+            return _MISSING
+    else:
+        decision = entry[0]
+        HOT_HITS.n += 1
+    if first._local_tensor.numel() <= 1 and first._spec.mesh._coord is None:
+        return _MISSING  # a rank outside the mesh runs nothing
+    if decision.local_args is not None:
+        local = decision.local_args(local)
+    if treedef is None:
+        out = (decision.kernel or func)(*local)
+    else:
+        largs, lkwargs = unflatten_call(local, treedef)
+        out = (decision.kernel or func)(*largs, **lkwargs)
+    spec = decision.output
+    out = DTensor(out, spec) if type(spec) is DTensorSpec and out.dtype is spec.dtype else _wrap(out, spec)
+    if view:
+        note_copies(func, flat[0], decision.copies, out)
+    return out
+
+
+def _hot_decision(func, args: tuple, kwargs: dict, key: tuple) -> Any:
+    """The decision for a call the hit path has not seen, kept under ``key`` when it moves nothing;
+    ``None`` when it does or propagation raises (the full path then raises it again, or handles it)."""
+    flat, treedef = flatten_call(args, kwargs)
+    specs = [a._spec if type(a) is DTensor else None for a in flat]
+    try:
+        decision = propagate(func, flat, specs, treedef)
+    except Exception:  # noqa: BLE001
+        return None
+    if decision.redistribute:
+        return None
+    remember(key, decision, tuple(s for s in specs if s is not None))
+    return decision
+
+
 def _dispatch_with_plain(func, flat: list, specs: list, treedef, plain: list[int]) -> Any:
     """Dispatch with the plain tensors at ``plain`` taken as replicated values (see ``implicit``).
 
@@ -190,7 +280,23 @@ def _local_args(flat: list, specs: list, decision) -> list:
 
 def _wrap(out: Any, spec: Any) -> Any:
     if isinstance(out, torch.Tensor):
-        return DTensor(out, spec)
+        return DTensor(out, spec if out.dtype is spec.dtype else _retyped(spec, out.dtype))
     if isinstance(out, (tuple, list)):
         return type(out)(_wrap(o, s) for o, s in zip(out, spec))
     return out
+
+
+_RETYPED: dict[tuple[DTensorSpec, torch.dtype], DTensorSpec] = {}
+
+
+def _retyped(spec: DTensorSpec, dtype: torch.dtype) -> DTensorSpec:
+    """``spec`` with the dtype the local kernel produced: a rule's metadata comes from meta kernels,
+    which can differ from a device's (CPU layer norm keeps half statistics half), and a DTensor
+    must report the dtype its data has."""
+    key = (spec, dtype)
+    r = _RETYPED.get(key)
+    if r is None:
+        if len(_RETYPED) > 1024:
+            _RETYPED.clear()
+        r = _RETYPED[key] = replace(spec, dtype=dtype)
+    return r

@@ -18,7 +18,7 @@ from .call import Call, Decision
 from .registry import _BY_SIGN, rule_for, unsupported
 from .strategy import Candidate, decide
 
-__all__ = ["propagate", "clear_cache", "cache_info", "one_mesh"]
+__all__ = ["propagate", "clear_cache", "cache_info", "one_mesh", "HOT", "HOT_HITS", "remember"]
 
 
 class _LRU:
@@ -47,14 +47,41 @@ class _LRU:
 
 _cache = _LRU(4096)
 
+HOT: dict[tuple, tuple] = {}
+"""The dispatcher's hit path (``dispatch/run.py``): ``(op id, treedef, per flat argument its spec's
+id or its frozen value)`` -> ``(decision, the specs)``.  Holding the specs keeps their ids from being
+reused while the entry lives; cleared with the main cache, and whole when it holds ``_cache.maxsize``."""
+
+
+class _Hits:
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
+
+
+HOT_HITS = _Hits()
+
 
 def clear_cache(maxsize: int | None = None) -> None:
+    """Forget every cached decision (and the counters)."""
     global _cache
     _cache = _LRU(maxsize or _cache.maxsize)
+    HOT.clear()
+    HOT_HITS.n = 0
+
+
+def remember(key: tuple, decision: Decision, specs: tuple) -> None:
+    """Keep ``decision`` for the hit path under ``key`` (``specs``: the specs whose ids it holds)."""
+    if len(HOT) >= _cache.maxsize:
+        HOT.clear()
+    HOT[key] = (decision, specs)
 
 
 def cache_info() -> dict[str, int]:
-    return {"hits": _cache.hits, "misses": _cache.misses, "size": len(_cache.data), "maxsize": _cache.maxsize}
+    """Hits (both paths), misses, sizes and the bound of the decision cache."""
+    return {"hits": _cache.hits + HOT_HITS.n, "misses": _cache.misses, "size": len(_cache.data),
+            "hot_size": len(HOT), "maxsize": _cache.maxsize}
 
 
 def _sign(v: Any) -> Any:
