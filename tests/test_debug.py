@@ -1,4 +1,5 @@
-"""shardtensor.debug: CommTrace (bytes, attribution, outputs), visualize_sharding, and the docs' examples."""
+"""shardtensor.debug: CommTrace (bytes, attribution, outputs), visualize_sharding, DispatchProfile and
+cache_stats, and the docs' examples."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor, init_device_mesh, run_spmd
-from shardtensor.debug import CommTrace, describe_sharding, name_modules, visualize_sharding
+from shardtensor.debug import (CommTrace, DispatchProfile, cache_stats, describe_sharding, name_modules,
+                               visualize_sharding)
 from shardtensor.spec import DTensorSpec
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -527,6 +529,58 @@ def test_visualize_png(tmp_path):
 def test_visualize_rejects_plain_tensors():
     with pytest.raises(TypeError, match="needs a DTensor"):
         visualize_sharding(torch.zeros(3))
+
+
+# -- DispatchProfile and cache_stats ------------------------------------------------------------
+
+def _profiled_step():
+    mesh = init_device_mesh("cpu", (2,))
+    x = distribute_tensor(torch.randn(8, 6), mesh, [S0])
+    w = distribute_tensor(torch.randn(6, 6), mesh, [R])
+    for _ in range(3):
+        y = (x @ w).sum(0)  # Partial(sum): nothing moves yet
+    return y.redistribute(mesh, [R]).to_local()
+
+
+def test_dispatch_profile_counts_calls_misses_and_plans():
+    from shardtensor.propagation import clear_cache
+    from shardtensor.redistribute import planner
+    clear_cache()
+    planner.clear_cache()
+    with DispatchProfile() as prof:
+        outs = run_spmd(_profiled_step, 2)
+    d = prof.to_dict()["ops"]
+    assert d["aten.mm.default"]["calls"] == 6 and d["aten.sum.dim_IntList"]["calls"] == 6  # 3 per rank
+    assert 1 <= d["aten.mm.default"]["decided"] <= 2  # the ranks share the cache; both may miss at once
+    assert d["redistribute"]["planned"] >= 1 and d["redistribute"]["calls"] == 0
+    for row in d.values():
+        assert row["own"] <= row["total"] + 1e-9 and row["decide_s"] >= 0
+    text = prof.summary()
+    assert "aten.mm.default" in text and "decisions cache:" in text and "plans cache:" in text
+    torch.testing.assert_close(outs[0], outs[1])
+    # closed, the dispatch entry is the plain one again, and a second profile may open
+    assert "timed" not in DTensor.__dict__["__torch_dispatch__"].__func__.__qualname__
+    with DispatchProfile():
+        with pytest.raises(RuntimeError, match="already open"):
+            DispatchProfile().__enter__()
+
+
+def test_cache_stats_hits_after_the_first_call():
+    from shardtensor.propagation import clear_cache
+
+    def body():
+        mesh = init_device_mesh("cpu", (2,))
+        x = distribute_tensor(torch.randn(4, 4), mesh, [S0])
+        for _ in range(5):
+            x = x * 2.0
+        return x.to_local()
+    clear_cache()
+    before = cache_stats()
+    run_spmd(body, 2)
+    after = cache_stats()
+    assert set(after) == {"decisions", "plans"}
+    assert after["decisions"]["misses"] - before["decisions"]["misses"] <= 2
+    assert after["decisions"]["hits"] - before["decisions"]["hits"] >= 8
 
 
 # -- every python example of docs/ runs --------------------------------------------------------

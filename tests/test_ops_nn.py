@@ -193,13 +193,13 @@ def test_layer_norm_statistics_keep_the_kernels_dtype(dtype):
 def test_wrapped_result_reports_its_local_dtype():
     """A rule's metadata comes from meta kernels; where a device's kernel makes another dtype, the
     DTensor reports the dtype of its data (the spec is retyped, once per spec and dtype)."""
-    from shardtensor.dispatch.run import _wrap
+    from shardtensor.dispatch.hit import wrap
 
     def body():
         mesh = init_device_mesh("cpu", (2,))
         spec = distribute_tensor(torch.zeros(4, 2), mesh, [S0])._spec
         local = torch.ones(2, 2, dtype=torch.bfloat16)
-        a, b = _wrap(local, spec), _wrap((local, local), (spec, spec))
+        a, b = wrap(local, spec), wrap((local, local), (spec, spec))
         return a.dtype, a._spec is b[1]._spec, a.full_tensor().dtype
     for dtype, shared, full in run_spmd(body, 2):
         assert dtype == full == torch.bfloat16 and shared

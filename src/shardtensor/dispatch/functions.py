@@ -14,7 +14,7 @@ outside dispatch, on memory or plain tensors a DTensor cannot stand for.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,7 @@ REPAIRED = frozenset({torch.tensor_split, _TENSOR_SPLIT, _GETITEM, _SETITEM, _SD
 """The functions ``torch_function`` looks at before running them; every other function goes
 straight to ``below`` (``DTensor.__torch_function__`` checks this first: the hot path)."""
 
-below = torch._C._disabled_torch_function_impl
+below: Callable[..., Any] = torch._C._disabled_torch_function_impl
 """``below(func, types, args[, kwargs])``: ``func`` run with torch-function handling off for
 DTensors (torch's C++ implementation of exactly that; ``kwargs`` only when not empty, since a
 property getter takes none)."""
@@ -56,9 +56,16 @@ def torch_function(func: Any, types: tuple, args: tuple, kwargs: dict | None) ->
 def finish(func: Any, out: Any, args: tuple, kwargs: dict | None) -> Any:
     """``func``'s result with any plain tensor torch's C++ built from shapes alone made a
     ``Replicate`` DTensor (the same on every rank)."""
-    if type(out) is DTensor or func in _NOWRAP:
+    t = type(out)
+    if t is DTensor or t in _PLAIN_VALUES or func in _NOWRAP:
+        return out
+    if (t is list or t is tuple) and all(type(o) is DTensor for o in out):  # foreach results
         return out
     return replicate_plain(out, args, kwargs or {})
+
+
+_PLAIN_VALUES = frozenset({type(None), bool, int, float, complex, str, torch.Size, torch.dtype, torch.device,
+                           torch.layout})
 
 
 def _whole_split_points(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -8,7 +8,6 @@ local kernel and wraps the result.  An op with no rule for its inputs runs on re
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -19,9 +18,8 @@ from ..aliasing import check_placement_change, check_writes, forget_copies, note
 from ..errors import MeshMismatchError, UnsupportedOpError
 from ..implicit import implicit_allowed, implicit_replication, plain_tensor_error
 from ..listops import is_list_op, run_per_mesh
-from ..placement import Partial
 from ..propagation import flatten_call, propagate, rule_for, unflatten_call
-from ..propagation.engine import HOT, HOT_HITS, _freeze, _sign, remember
+from ..propagation.engine import _freeze, _sign
 from ..propagation.registry import _BY_SIGN
 from ..redistribute import redistribute_local
 from ..spec import DTensorSpec, placements_text
@@ -30,11 +28,11 @@ from ..tensor import DTensor
 from .decompose import find_decomposition
 from .fallback import (check_plain, fallback_allowed, replicate_plain, run_replicated, whole_local, wrap_replicated,
                        write_into)
+from .hit import MISSING, NO_WRITES, WRITES_LIST, WRITES_SELF, hit, keeps_placements, wrap
 
 __all__ = ["dispatch", "route"]
 
 _decomposed: dict[int, Any] = {}
-_MISSING = object()
 
 
 def route(op) -> Any:
@@ -42,20 +40,20 @@ def route(op) -> Any:
     rule = rule_for(op)
     if rule is not None:
         return rule
-    fn = _decomposed.get(id(op), _MISSING)
-    if fn is _MISSING:
+    fn = _decomposed.get(id(op), MISSING)
+    if fn is MISSING:
         fn = _decomposed[id(op)] = find_decomposition(op)
     return ("decompose", fn) if fn is not None else None
 
 
 def dispatch(func, args: tuple, kwargs: dict) -> Any:
     """propagation -> redistribute -> local kernel -> wrap (or a decomposition into ops that have rules)."""
-    hot = _HOT_OPS.get(id(func))
-    if hot is None:
-        hot = _HOT_OPS[id(func)] = _hot_facts(func)
-    if hot[0]:
-        out = _hit(func, args, kwargs, hot[1], hot[2])
-        if out is not _MISSING:
+    facts = _HIT_FACTS.get(id(func))
+    if facts is None:
+        facts = _HIT_FACTS[id(func)] = _hit_facts(func)
+    if facts[0]:
+        out = hit(func, args, kwargs, *facts[1:])
+        if out is not MISSING:
             return out
     view, writes = op_kind(func)
     if writes:
@@ -116,7 +114,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         local = decision.local_args(local)
     largs, lkwargs = unflatten_call(local, treedef)
     inplace = _returns_self(func)
-    keep = inplace and first is flat[0] and _keeps_placements(first._spec, decision.output)
+    keep = inplace and first is flat[0] and keeps_placements(first._spec, decision.output)
     if inplace and first is flat[0] and not keep:  # before the kernel writes: raising then loses nothing
         check_placement_change(func, first, decision.output, local[0] is not first._local_tensor)
     out = (decision.kernel or func)(*largs, **lkwargs)
@@ -130,91 +128,29 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
             if isinstance(decision.output, DTensorSpec) and decision.output != me._spec:
                 me._spec = decision.output
         return me
-    out = _wrap(out, decision.output)
+    out = wrap(out, decision.output)
     if view:
         w = decision.inputs[0]
         note_copies(func, flat[0], decision.copies or (decision.redistribute and w is not None and w != specs[0]), out)
     return out
 
 
-_HOT_OPS: dict[int, tuple[bool, bool, Any]] = {}
-_LEAVES = frozenset({int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.memory_format,
-                     torch.layout})
+_HIT_FACTS: dict[int, tuple] = {}
 
 
-def _hot_facts(func) -> tuple[bool, bool, Any]:
-    """``(may take the hit path, is a view op, how its scalars are keyed)``, once per op: ops with a
-    rule that write into no argument."""
+def _hit_facts(func) -> tuple:
+    """``(may take the hit path, view op, what it writes, the written positions, how its scalars
+    are keyed)``, once per op: ops with a rule that write nothing, only their first argument and
+    return it, or only tensor lists and return nothing (see ``hit.py``)."""
     view, writes = op_kind(func)
-    ok = not writes and callable(route(func))  # route first: it marks the ops keyed by scalar sign
-    return ok, view, _sign if id(func) in _BY_SIGN else _freeze
-
-
-def _hit(func, args: tuple, kwargs: dict, view: bool, freeze: Any) -> Any:
-    """The op run on a cached decision that moves nothing: unwrap, run, wrap; ``_MISSING`` sends
-    the call down the full path (plain tensors, redistribution, off-mesh ranks, errors).
-
-    The key holds each DTensor's spec by id (the entry holds the specs, so no id is reused while it
-    lives) and other arguments frozen as ``propagate`` freezes them; a call of flat positional
-    arguments (the common case) is keyed and run without building its tree."""
-    treedef = None
-    flat: Any = args
-    if kwargs or any(type(a) is list or type(a) is tuple for a in args):
-        flat, treedef = flatten_call(args, kwargs)
-    key: list = [id(func), treedef]
-    local: list = []
-    first = None
-    for a in flat:
-        if type(a) is DTensor:
-            key.append(id(a._spec))
-            local.append(a._local_tensor)
-            if first is None:
-                first = a
-        elif type(a) in _LEAVES:
-            key.append(freeze(a))
-            local.append(a)
-        else:
-            return _MISSING
-    if first is None:
-        return _MISSING
-    k = tuple(key)
-    entry = HOT.get(k)
-    if entry is None:
-        decision = _hot_decision(func, args, kwargs, k)
-        if decision is None:
-            return _MISSING
-    else:
-        decision = entry[0]
-        HOT_HITS.n += 1
-    if first._local_tensor.numel() <= 1 and first._spec.mesh._coord is None:
-        return _MISSING  # a rank outside the mesh runs nothing
-    if decision.local_args is not None:
-        local = decision.local_args(local)
-    if treedef is None:
-        out = (decision.kernel or func)(*local)
-    else:
-        largs, lkwargs = unflatten_call(local, treedef)
-        out = (decision.kernel or func)(*largs, **lkwargs)
-    spec = decision.output
-    out = DTensor(out, spec) if type(spec) is DTensorSpec and out.dtype is spec.dtype else _wrap(out, spec)
-    if view:
-        note_copies(func, flat[0], decision.copies, out)
-    return out
-
-
-def _hot_decision(func, args: tuple, kwargs: dict, key: tuple) -> Any:
-    """The decision for a call the hit path has not seen, kept under ``key`` when it moves nothing;
-    ``None`` when it does or propagation raises (the full path then raises it again, or handles it)."""
-    flat, treedef = flatten_call(args, kwargs)
-    specs = [a._spec if type(a) is DTensor else None for a in flat]
-    try:
-        decision = propagate(func, flat, specs, treedef)
-    except Exception:  # noqa: BLE001
-        return None
-    if decision.redistribute:
-        return None
-    remember(key, decision, tuple(s for s in specs if s is not None))
-    return decision
+    rule = callable(route(func))  # route first: it marks the ops keyed by scalar sign
+    kind = NO_WRITES
+    if writes:
+        sch = func._schema
+        lists = all(str(sch.arguments[i].type) == "List[Tensor]" and not sch.arguments[i].kwarg_only for i in writes)
+        kind = (WRITES_SELF if writes == (0,) and _returns_self(func) else
+                WRITES_LIST if lists and not sch.returns else -1)
+    return rule and kind != -1, view, kind, writes, _sign if id(func) in _BY_SIGN else _freeze
 
 
 def _dispatch_with_plain(func, flat: list, specs: list, treedef, plain: list[int]) -> Any:
@@ -256,15 +192,6 @@ def _returns_self(func) -> bool:
     return r
 
 
-def _keeps_placements(spec: DTensorSpec, out: Any) -> bool:
-    """Whether an in-place op on ``spec`` keeps its placements: always for a shard or replica whose
-    shape the op keeps.  A Partial self may be reduced in place (it becomes the result's placements;
-    ``check_placement_change`` refuses that while views share its memory); in-place view ops
-    (``t_``, ``squeeze_``) take the result's spec."""
-    return (isinstance(out, DTensorSpec) and out.shape == spec.shape
-            and not any(isinstance(p, Partial) for p in spec.placements))
-
-
 def _local_args(flat: list, specs: list, decision) -> list:
     """Local tensors of the arguments, redistributed where the decision requires."""
     local = []
@@ -276,27 +203,3 @@ def _local_args(flat: list, specs: list, decision) -> list:
         else:
             local.append(a._local_tensor)
     return local
-
-
-def _wrap(out: Any, spec: Any) -> Any:
-    if isinstance(out, torch.Tensor):
-        return DTensor(out, spec if out.dtype is spec.dtype else _retyped(spec, out.dtype))
-    if isinstance(out, (tuple, list)):
-        return type(out)(_wrap(o, s) for o, s in zip(out, spec))
-    return out
-
-
-_RETYPED: dict[tuple[DTensorSpec, torch.dtype], DTensorSpec] = {}
-
-
-def _retyped(spec: DTensorSpec, dtype: torch.dtype) -> DTensorSpec:
-    """``spec`` with the dtype the local kernel produced: a rule's metadata comes from meta kernels,
-    which can differ from a device's (CPU layer norm keeps half statistics half), and a DTensor
-    must report the dtype its data has."""
-    key = (spec, dtype)
-    r = _RETYPED.get(key)
-    if r is None:
-        if len(_RETYPED) > 1024:
-            _RETYPED.clear()
-        r = _RETYPED[key] = replace(spec, dtype=dtype)
-    return r

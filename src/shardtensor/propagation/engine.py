@@ -7,12 +7,14 @@ An op without a rule raises ``UnsupportedOpError`` naming the op and the input p
 from __future__ import annotations
 
 import math
+import time
 from collections import OrderedDict
 from typing import Any, Sequence
 
 import torch
 
 from ..errors import MeshMismatchError, PropagationError, ShardingError
+from ..observe import LISTENERS, note
 from ..spec import DTensorSpec, placements_text
 from .call import Call, Decision
 from .registry import _BY_SIGN, rule_for, unsupported
@@ -71,11 +73,12 @@ def clear_cache(maxsize: int | None = None) -> None:
     HOT_HITS.n = 0
 
 
-def remember(key: tuple, decision: Decision, specs: tuple) -> None:
+def remember(key: tuple, decision: Decision, specs: tuple) -> tuple:
     """Keep ``decision`` for the hit path under ``key`` (``specs``: the specs whose ids it holds)."""
     if len(HOT) >= _cache.maxsize:
         HOT.clear()
-    HOT[key] = (decision, specs)
+    entry = HOT[key] = (decision, specs)
+    return entry
 
 
 def cache_info() -> dict[str, int]:
@@ -120,6 +123,7 @@ def propagate(op, flat: list[Any], specs: list[DTensorSpec | None], treedef) -> 
     if rule is None:
         raise unsupported(op, specs)
     call = Call(op, flat, specs, treedef)
+    t0 = time.perf_counter() if LISTENERS else 0.0
     try:
         d = rule(call)
     except (ShardingError, NotImplementedError):
@@ -132,6 +136,8 @@ def propagate(op, flat: list[Any], specs: list[DTensorSpec | None], treedef) -> 
     if not isinstance(d, Decision):
         raise ValueError(f"shardtensor: rule of {op} returned {type(d).__name__}, expected a Decision or candidates")
     _cache.put(key, d)
+    if LISTENERS:
+        note("decide", op, time.perf_counter() - t0)
     return d
 
 

@@ -13,9 +13,11 @@ mesh dims' links differ in bandwidth (floating-point prices could then tie diffe
 from __future__ import annotations
 
 import math
+import time
 from functools import lru_cache, partial
 from typing import Sequence
 
+from ..observe import LISTENERS, note
 from ..placement import Placement, ShardOrder
 from .cost import LinkModel, normalize_links
 from .flatten import ceiling_applies, direct_elements, direct_plan, improve
@@ -81,6 +83,7 @@ def _plan(mesh_shape, links, src, src_order, dst, dst_order, shape, itemsize, st
     The search is capped at the direct plan's bytes where that is sound (``flatten.ceiling_applies``):
     once it proves that every per-dim plan moves more, it stops, and the direct plan is the plan,
     as ``improve`` would have chosen (fewer bytes first)."""
+    t0 = time.perf_counter() if LISTENERS else 0.0
     direct = direct_plan(mesh_shape, src, src_order, dst, dst_order, shape)
     ceiling = None
     if direct is not None and ceiling_applies(links, src, dst, mesh_shape):
@@ -90,8 +93,12 @@ def _plan(mesh_shape, links, src, src_order, dst, dst_order, shape, itemsize, st
         stats.update(info)
     if base is None:
         assert direct is not None
-        return direct
-    return improve(base, mesh_shape, links, src, src_order, dst, dst_order, shape, itemsize, direct)
+        steps = direct
+    else:
+        steps = improve(base, mesh_shape, links, src, src_order, dst, dst_order, shape, itemsize, direct)
+    if LISTENERS:
+        note("plan", None, time.perf_counter() - t0)
+    return steps
 
 
 _cached = lru_cache(maxsize=CACHE_SIZE)(_plan)

@@ -359,6 +359,8 @@ def contiguous_fused(op, *args: Any, **kwargs: Any) -> Any:
 
     def fix(v: Any) -> Any:
         if isinstance(v, (list, tuple)):
+            if all(not isinstance(t, torch.Tensor) or t.is_contiguous() for t in v):
+                return v  # the common case: nothing to copy
             return type(v)(fix(t) for t in v)
         if isinstance(v, torch.Tensor) and not v.is_contiguous():
             c = v.contiguous()

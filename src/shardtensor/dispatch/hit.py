@@ -1,0 +1,216 @@
+"""The hit path of dispatch: a call whose decision is cached and moves nothing runs as unwrap,
+kernel, wrap.
+
+The key holds each DTensor argument's spec by id (the cache entry holds the specs, so no id is
+reused while it lives) and every other argument frozen as propagation freezes it; a call of flat
+positional arguments (the common case) is keyed and run without building its argument tree.
+Anything else -- plain tensors, a decision that redistributes, a rank outside the mesh, a write
+into a copied view or one that would change placements, an error -- returns ``MISSING`` and
+takes the full path (``run.py``), which does the same work in full.
+
+In-place ops take this path too when they write only into their first argument (``x.add_(y)``,
+``torch._foreach_mul_(xs, s)``) and keep its placements: the kernel writes into the local
+tensors, as the full path would.  Wrapping is shared with the full path: a result reports the
+dtype its local data has (``retyped``).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from ..aliasing import note_copies
+from ..placement import Partial
+from ..propagation import flatten_call, propagate, unflatten_call
+from ..propagation.call import FlatCall
+from ..propagation.engine import HOT, HOT_HITS, remember
+from ..spec import DTensorSpec
+from ..tensor import DTensor
+from .fallback import write_into
+
+__all__ = ["MISSING", "hit", "wrap", "keeps_placements"]
+
+MISSING = object()
+LEAVES = frozenset({int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.memory_format,
+                    torch.layout})
+"""Argument types the hit path keys by value; any other (a plain tensor, a list of lists) takes the full path."""
+
+NO_WRITES, WRITES_SELF, WRITES_LIST = 0, 1, 2
+"""What an op writes, for the hit path: nothing; its first argument, which it returns (``add_``);
+its first argument, a list (``_foreach_mul_``)."""
+
+
+def hit(func: Any, args: tuple, kwargs: dict, view: bool, writes: int, written: tuple, freeze: Any) -> Any:
+    """``func`` on a cached decision that moves nothing, or ``MISSING`` (``writes``: the kind of
+    in-place op, ``written``: the positions of the arguments it writes)."""
+    if kwargs:
+        return _run_flat(func, args, kwargs, view, writes, written, freeze)
+    key: list = [id(func)]
+    local: list = []
+    first = None
+    for a in args:
+        t = type(a)
+        if t is DTensor:
+            key.append(id(a._spec))
+            local.append(a._local_tensor)
+            if first is None:
+                first = a
+        elif t in LEAVES:
+            key.append(freeze(a))
+            local.append(a)
+        elif (t is list or t is tuple) and a and type(a[0]) is DTensor:  # a tensor list (foreach ops)
+            try:
+                key.append((t, len(a)))
+                key.extend([id(x._spec) for x in a])
+                local.append(t(x._local_tensor for x in a))
+            except AttributeError:  # a plain tensor or a number among DTensors
+                return MISSING
+            if first is None:
+                first = a[0]
+        elif t is list or t is tuple:  # sizes, dims, empty lists: keyed and run in flat form
+            return _run_flat(func, args, kwargs, view, writes, written, freeze)
+        else:
+            return MISSING
+    if first is None or (writes and not _writable(args, writes, written, first)):
+        return MISSING
+    entry = _entry(func, args, kwargs, tuple(key), writes, first)
+    if entry is None:
+        return MISSING
+    decision = entry[0]
+    if decision.local_args is not None:
+        shapes = FlatCall((tuple(None if type(a) is not list and type(a) is not tuple else (type(a), len(a))
+                                 for a in args), (), ()))
+        largs, _ = unflatten_call(decision.local_args([x for a in local for x in _leaves(a)]), shapes)
+        local = list(largs)
+    return _finish(func, (decision.kernel or func)(*local), decision, first, args[0], view, writes, local[0])
+
+
+def _leaves(a: Any) -> Any:
+    return a if type(a) is list or type(a) is tuple else (a,)
+
+
+def _run_flat(func: Any, args: tuple, kwargs: dict, view: bool, writes: int, written: tuple, freeze: Any) -> Any:
+    """The hit path for calls with keyword arguments or lists of sizes: keyed on the flat leaves."""
+    flat, treedef = flatten_call(args, kwargs)
+    key: list = [id(func), treedef]
+    local: list = []
+    first = None
+    for a in flat:
+        if type(a) is DTensor:
+            key.append(id(a._spec))
+            local.append(a._local_tensor)
+            if first is None:
+                first = a
+        elif type(a) in LEAVES or (type(a) is torch.Tensor and a.ndim == 0):  # 0-d: a fused step's counters
+            key.append(freeze(a))
+            local.append(a)
+        else:
+            return MISSING
+    if first is None or (writes and not _writable(args, writes, written, first)):
+        return MISSING
+    entry = _entry(func, args, kwargs, tuple(key), writes, first)
+    if entry is None:
+        return MISSING
+    decision = entry[0]
+    if decision.local_args is not None:
+        local = decision.local_args(local)
+    largs, lkwargs = unflatten_call(local, treedef)
+    out = (decision.kernel or func)(*largs, **lkwargs)
+    return _finish(func, out, decision, first, flat[0], view, writes, local[0])
+
+
+def _entry(func: Any, args: tuple, kwargs: dict, key: tuple, writes: int, first: DTensor) -> tuple | None:
+    """The cached entry under ``key`` (made on first sight), or ``None`` for a rank outside the
+    mesh or a call the hit path does not take."""
+    if first._local_tensor.numel() <= 1 and first._spec.mesh._coord is None:
+        return None  # a rank outside the mesh runs nothing (the full path knows what to return)
+    entry = HOT.get(key)
+    if entry is None:
+        entry = _decide(func, args, kwargs, key, writes)
+    else:
+        HOT_HITS.n += 1
+    return entry
+
+
+def _finish(func: Any, out: Any, decision: Any, first: DTensor, base: Any, view: bool, writes: int,
+            local0: Any) -> Any:
+    """The kernel's result as the full path returns it: self for an in-place op, else DTensors."""
+    if writes == WRITES_SELF:  # the kernel wrote into self's local tensor (as in the full path)
+        if local0 is not first._local_tensor:
+            write_into(first, local0, decision.output)
+        return first
+    spec = decision.output
+    out = DTensor(out, spec) if type(spec) is DTensorSpec and out.dtype is spec.dtype else wrap(out, spec)
+    if view:
+        note_copies(func, base, decision.copies, out)
+    return out
+
+
+def _writable(args: tuple, writes: int, written: tuple, first: DTensor) -> bool:
+    """Whether the written arguments are DTensor memory the hit path may write: passed by
+    position, not copied views (the full path raises there), and for ``WRITES_SELF`` the first
+    DTensor argument itself."""
+    if writes == WRITES_SELF:
+        return bool(args) and args[0] is first and first._copied_view is None
+    for i in written:
+        a = args[i] if i < len(args) else None
+        if (type(a) is not list and type(a) is not tuple) or not all(
+                type(t) is DTensor and t._copied_view is None for t in a):
+            return False
+    return True
+
+
+def _decide(func: Any, args: tuple, kwargs: dict, key: tuple, writes: int) -> tuple | None:
+    """The cache entry for a call the hit path has not seen, kept under ``key`` when its decision
+    moves nothing (and, for ``WRITES_SELF``, keeps self's placements); ``None`` otherwise or when
+    propagation raises (the full path then raises it again, or handles it)."""
+    flat, treedef = flatten_call(args, kwargs)
+    specs = [a._spec if type(a) is DTensor else None for a in flat]
+    try:
+        decision = propagate(func, flat, specs, treedef)
+    except Exception:  # noqa: BLE001
+        return None
+    if decision.redistribute or (writes == WRITES_SELF and not keeps_placements(_first_spec(specs), decision.output)):
+        return None
+    return remember(key, decision, tuple(s for s in specs if s is not None))
+
+
+def _first_spec(specs: list) -> DTensorSpec:
+    spec = specs[0]
+    assert spec is not None  # _writable: self is the first DTensor argument
+    return spec
+
+
+def keeps_placements(spec: DTensorSpec, out: Any) -> bool:
+    """Whether an in-place op on ``spec`` keeps its placements: always for a shard or replica whose
+    shape the op keeps.  A Partial self may be reduced in place (it becomes the result's placements;
+    ``check_placement_change`` refuses that while views share its memory); in-place view ops
+    (``t_``, ``squeeze_``) take the result's spec."""
+    return (isinstance(out, DTensorSpec) and out.shape == spec.shape
+            and not any(isinstance(p, Partial) for p in spec.placements))
+
+
+def wrap(out: Any, spec: Any) -> Any:
+    """Local results as DTensors of the decided specs (tuples and lists alike)."""
+    if isinstance(out, torch.Tensor):
+        return DTensor(out, spec if out.dtype is spec.dtype else retyped(spec, out.dtype))
+    if isinstance(out, (tuple, list)):
+        return type(out)(wrap(o, s) for o, s in zip(out, spec))
+    return out
+
+
+_RETYPED: dict[tuple[DTensorSpec, torch.dtype], DTensorSpec] = {}
+
+
+def retyped(spec: DTensorSpec, dtype: torch.dtype) -> DTensorSpec:
+    """``spec`` with the dtype the local kernel produced: a rule's metadata comes from meta kernels,
+    which can differ from a device's (CPU layer norm keeps half statistics half), and a DTensor
+    must report the dtype its data has."""
+    key = (spec, dtype)
+    r = _RETYPED.get(key)
+    if r is None:
+        if len(_RETYPED) > 1024:
+            _RETYPED.clear()
+        r = _RETYPED[key] = replace(spec, dtype=dtype)
+    return r
