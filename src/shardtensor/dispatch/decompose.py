@@ -369,6 +369,9 @@ def _fused_sgd(op) -> Callable[..., None]:
                                        "must be Replicate or Shard")
             local_g = []
             for p, g in zip(params, grads):
+                if g._spec.placements == p._spec.placements and g._spec.shard_order == p._spec.shard_order:
+                    local_g.append(g._local_tensor)  # the common case: nothing to move
+                    continue
                 want = g._spec.with_placements(p._spec.placements, p._spec.shard_order)
                 if want != g._spec and grad_scale is not None:
                     raise unsupported(op, specs, "with grad_scale and grads placed unlike their params (the kernel "

@@ -110,6 +110,9 @@ def _foreach_kernel(p: float, dtypes: Sequence[torch.dtype]) -> Callable:
     fill = norm_identity(p)
 
     def kernel(tensors: Sequence[torch.Tensor], ord: Any = 2, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        if fill is None or all(t.numel() for t in tensors):  # one foreach kernel: no empty piece to fill
+            norms = torch._foreach_norm(list(tensors), p, dtype=dtype)
+            return [r if r.dtype is dt else r.to(dt) for r, dt in zip(norms, dtypes)]
         out = []
         for t, dt in zip(tensors, dtypes):
             if t.numel() == 0 and fill is not None:
