@@ -56,7 +56,7 @@ def hit(func: Any, args: tuple, kwargs: dict, view: bool, writes: int, written: 
             local.append(a._local_tensor)
             if first is None:
                 first = a
-        elif t in LEAVES:
+        elif t in LEAVES or (t is torch.Tensor and a.ndim == 0):  # 0-d: a fused step's counters
             key.append(freeze(a))
             local.append(a)
         elif (t is list or t is tuple) and a and type(a[0]) is DTensor:  # a tensor list (foreach ops)
@@ -72,12 +72,9 @@ def hit(func: Any, args: tuple, kwargs: dict, view: bool, writes: int, written: 
             return _run_flat(func, args, kwargs, view, writes, written, freeze)
         else:
             return MISSING
-    if first is None or (writes and not _writable(args, writes, written, first)):
+    decision = _decision(func, args, kwargs, tuple(key), writes, written, first)
+    if decision is None or first is None:
         return MISSING
-    entry = _entry(func, args, kwargs, tuple(key), writes, first)
-    if entry is None:
-        return MISSING
-    decision = entry[0]
     if decision.local_args is not None:
         shapes = FlatCall((tuple(None if type(a) is not list and type(a) is not tuple else (type(a), len(a))
                                  for a in args), (), ()))
@@ -107,12 +104,9 @@ def _run_flat(func: Any, args: tuple, kwargs: dict, view: bool, writes: int, wri
             local.append(a)
         else:
             return MISSING
-    if first is None or (writes and not _writable(args, writes, written, first)):
+    decision = _decision(func, args, kwargs, tuple(key), writes, written, first)
+    if decision is None or first is None:
         return MISSING
-    entry = _entry(func, args, kwargs, tuple(key), writes, first)
-    if entry is None:
-        return MISSING
-    decision = entry[0]
     if decision.local_args is not None:
         local = decision.local_args(local)
     largs, lkwargs = unflatten_call(local, treedef)
@@ -120,9 +114,12 @@ def _run_flat(func: Any, args: tuple, kwargs: dict, view: bool, writes: int, wri
     return _finish(func, out, decision, first, flat[0], view, writes, local[0])
 
 
-def _entry(func: Any, args: tuple, kwargs: dict, key: tuple, writes: int, first: DTensor) -> tuple | None:
-    """The cached entry under ``key`` (made on first sight), or ``None`` for a rank outside the
-    mesh or a call the hit path does not take."""
+def _decision(func: Any, args: tuple, kwargs: dict, key: tuple, writes: int, written: tuple,
+              first: DTensor | None) -> Any:
+    """The cached decision under ``key`` (made on first sight), or ``None`` for a call the hit
+    path does not take: no DTensor, a write it may not make, a rank outside the mesh."""
+    if first is None or (writes and not _writable(args, writes, written, first)):
+        return None
     if first._local_tensor.numel() <= 1 and first._spec.mesh._coord is None:
         return None  # a rank outside the mesh runs nothing (the full path knows what to return)
     entry = HOT.get(key)
@@ -130,7 +127,7 @@ def _entry(func: Any, args: tuple, kwargs: dict, key: tuple, writes: int, first:
         entry = _decide(func, args, kwargs, key, writes)
     else:
         HOT_HITS.n += 1
-    return entry
+    return None if entry is None else entry[0]
 
 
 def _finish(func: Any, out: Any, decision: Any, first: DTensor, base: Any, view: bool, writes: int,
