@@ -23,7 +23,6 @@ import torch
 from ..aliasing import note_copies
 from ..placement import Partial
 from ..propagation import flatten_call, propagate, unflatten_call
-from ..propagation.call import FlatCall
 from ..propagation.engine import HOT, HOT_HITS, remember
 from ..spec import DTensorSpec
 from ..tensor import DTensor
@@ -75,16 +74,9 @@ def hit(func: Any, args: tuple, kwargs: dict, view: bool, writes: int, written: 
     decision = _decision(func, args, kwargs, tuple(key), writes, written, first)
     if decision is None or first is None:
         return MISSING
-    if decision.local_args is not None:
-        shapes = FlatCall((tuple(None if type(a) is not list and type(a) is not tuple else (type(a), len(a))
-                                 for a in args), (), ()))
-        largs, _ = unflatten_call(decision.local_args([x for a in local for x in _leaves(a)]), shapes)
-        local = list(largs)
+    if decision.local_args is not None:  # it rewrites the flat arguments: run in flat form
+        return _run_flat(func, args, kwargs, view, writes, written, freeze)
     return _finish(func, (decision.kernel or func)(*local), decision, first, args[0], view, writes, local[0])
-
-
-def _leaves(a: Any) -> Any:
-    return a if type(a) is list or type(a) is tuple else (a,)
 
 
 def _run_flat(func: Any, args: tuple, kwargs: dict, view: bool, writes: int, written: tuple, freeze: Any) -> Any:
@@ -168,15 +160,9 @@ def _decide(func: Any, args: tuple, kwargs: dict, key: tuple, writes: int) -> tu
         decision = propagate(func, flat, specs, treedef)
     except Exception:  # noqa: BLE001
         return None
-    if decision.redistribute or (writes == WRITES_SELF and not keeps_placements(_first_spec(specs), decision.output)):
-        return None
+    if decision.redistribute or (writes == WRITES_SELF and not keeps_placements(args[0]._spec, decision.output)):
+        return None  # (``_writable`` made sure a WRITES_SELF call's first argument is its DTensor self)
     return remember(key, decision, tuple(s for s in specs if s is not None))
-
-
-def _first_spec(specs: list) -> DTensorSpec:
-    spec = specs[0]
-    assert spec is not None  # _writable: self is the first DTensor argument
-    return spec
 
 
 def keeps_placements(spec: DTensorSpec, out: Any) -> bool:

@@ -50,8 +50,8 @@ class _LRU:
 _cache = _LRU(4096)
 
 HOT: dict[tuple, tuple] = {}
-"""The dispatcher's hit path (``dispatch/run.py``): ``(op id, treedef, per flat argument its spec's
-id or its frozen value)`` -> ``(decision, the specs)``.  Holding the specs keeps their ids from being
+"""The dispatcher's hit path (``dispatch/hit.py``): ``(op id, [treedef,] per argument its spec's id,
+a tensor list's length and ids, or its frozen value)`` -> ``(decision, the specs)``.  Holding the specs keeps their ids from being
 reused while the entry lives; cleared with the main cache, and whole when it holds ``_cache.maxsize``."""
 
 
