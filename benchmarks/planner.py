@@ -33,7 +33,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from shardtensor.placement import Partial, Replicate, Shard, default_shard_order  # noqa: E402
-from shardtensor.redistribute import exchange, planner  # noqa: E402
+from shardtensor.redistribute import planner  # noqa: E402
 from shardtensor.redistribute.baseline import baseline_plan as simple_plan  # noqa: E402
 from shardtensor.redistribute.cost import normalize_links, plan_cost  # noqa: E402
 from shardtensor.redistribute.planner import norm_order  # noqa: E402
@@ -309,9 +309,10 @@ def _ratio(a: float, b: float) -> str:
 
 
 def _cold(src, so, dst, do, shape, mesh_shape, stats=None):
-    """A cold plan: the plan cache bypassed and the exchange pricing's cache emptied (the per-mesh
-    tables of the search stay: they are built once per mesh shape and tensor rank)."""
-    exchange.exchange_loads.cache_clear()
+    """A cold plan: the plan cache bypassed and the planner's other caches emptied (exchange
+    prices, cycle costs; the per-mesh tables of the search stay: they are built once per mesh
+    shape and tensor rank)."""
+    planner.clear_cache()
     return planner.plan_uncached(src, so, dst, do, shape, mesh_shape, ITEMSIZE, stats=stats)
 
 

@@ -25,7 +25,7 @@ from shardtensor.redistribute.execute import apply_step
 from shardtensor.redistribute.flatten import direct_plan, improve
 from shardtensor.redistribute.planner import norm_order, per_dim_plan, plan_uncached
 from shardtensor.redistribute.planner import plan as best_plan
-from shardtensor.redistribute.exchange import blocks, exchange_dims, exchange_loads
+from shardtensor.redistribute.exchange import blocks, exchange_dims, exchange_floor, exchange_loads
 from shardtensor.redistribute.search import search
 from shardtensor.redistribute.steps import ExchangeStep, FlatStep, Step
 from test_redistribute import dense, expected_slice, make_source, rank_events
@@ -320,10 +320,11 @@ def test_exchange_spreads_replicated_blocks_over_their_holders():
         assert per_rank == [(True, {ExchangeStep}, True)]
 
 
-@pytest.mark.parametrize("mesh_shape", [(2, 2), (2, 3), (2, 2, 2), (4, 2)])
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (2, 3), (2, 2, 2), (4, 2), (2, 3, 2)])
 def test_exchange_prices_what_the_executor_sends(mesh_shape):
     # exchange_loads (vectorised, for the planner) and blocks (per rank, for the executor) apply
-    # the same serving rule: the busiest rank's send and receive agree on random pairs
+    # the same serving rule: the busiest rank's send and receive agree on random pairs, and the
+    # planner's cheap floor is exactly the busiest receive
     rng = random.Random(17)
     seen = 0
     while seen < 40:
@@ -346,6 +347,7 @@ def test_exchange_prices_what_the_executor_sends(mesh_shape):
             most_received = max(most_received, sum(n for n, self_ in sizes if not self_))
         assert exchange_loads(shape, mesh_shape, dims, src, so, dst, do) == (most_sent, most_received), \
             (shape, src, so, dst, do)
+        assert exchange_floor(shape, mesh_shape, dims, src, so, dst, do) == most_received
 
 
 def test_exchange_is_not_used_with_partials_or_for_single_collectives():

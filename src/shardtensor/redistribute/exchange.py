@@ -20,8 +20,10 @@ holders.  Either way the serving holders hold the whole tensor once, so every bl
 
 Cost (``exchange_comm``): bytes per rank = the most any rank sends or receives, over the
 whole mesh, so the choice is rank independent; ``K-1`` latency terms (pairwise exchange) and
-one launch.  Priced on meshes of at most ``MAX_RANKS`` ranks (the pricing looks at every rank
-pair, vectorised); larger meshes keep the per-dim plan.
+one launch.  A rank receives exactly the part of its target block it does not hold, so the
+busiest receiver is one pass over the ranks (``exchange_floor``); the busiest sender pairs each
+receiver with the holders of its serving class (``exchange_loads``).  Priced on meshes of at
+most ``MAX_RANKS`` ranks (vectorised); larger meshes keep the per-dim plan.
 """
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ import numpy as np
 
 from ..placement import Partial, Placement, Replicate, Shard, ShardOrder, execution_order, local_shape_and_offset
 
-__all__ = ["exchange_dims", "exchange_bound", "exchange_floor", "exchange_comm", "exchange_loads", "blocks", "MAX_RANKS"]
+__all__ = ["exchange_dims", "exchange_bound", "exchange_floor", "exchange_comm", "exchange_loads", "blocks", "clear_caches",
+           "MAX_RANKS"]
 
 MAX_RANKS = 64
 
@@ -144,14 +147,12 @@ def exchange_bound(shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims: tu
     return max(need, held * copies)
 
 
-def exchange_floor(shape: tuple[int, ...], mesh_shape: tuple[int, ...], src: tuple, src_order: ShardOrder,
-                   dst: tuple, dst_order: ShardOrder) -> int:
-    """A cheap lower bound of ``exchange_comm``'s elements: what rank 0 must receive, the part of
-    its target block it does not hold."""
-    zero = (0,) * len(mesh_shape)
-    need = _box(shape, mesh_shape, zero, dst, dst_order)
-    both = _overlap(_box(shape, mesh_shape, zero, src, src_order), need)
-    return math.prod(need[1]) - (math.prod(both[1]) if both is not None else 0)
+def exchange_floor(shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims: tuple[int, ...],
+                   src: tuple, src_order: ShardOrder, dst: tuple, dst_order: ShardOrder) -> int:
+    """A lower bound of ``exchange_comm``'s elements, cheaper than it (one pass over the ranks,
+    not over the pairs that may exchange): the most any rank receives, the part of its target
+    block it does not hold."""
+    return _rank_blocks(shape, mesh_shape, dims, src, src_order, dst, dst_order)[-1]
 
 
 def exchange_comm(shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims: tuple[int, ...],
@@ -168,22 +169,21 @@ def exchange_loads(shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims: tu
     """``(most elements a rank sends, most elements a rank receives)``.  What a rank receives is
     exactly the part of its target block it does not hold: no plan can deliver less.
 
-    Vectorised over rank pairs (numpy): about 0.1 ms on 16 ranks, 0.3 ms on 64, which is why
-    the planner asks for it only where ``exchange_bound`` loses and ``exchange_floor`` could win.
+    Vectorised (numpy) over each receiver and the holders that may serve it: ranks of its group
+    (the same coordinates off ``dims``) whose coordinates on the group's mesh dims that
+    replicate the source are the ones ``_serving`` names.
     """
-    coords = _coords(mesh_shape)
-    ho, hs = _boxes(shape, mesh_shape, coords, src, src_order)
-    no, ns = _boxes(shape, mesh_shape, coords, dst, dst_order)
-    # pair (r, s): r sends s the overlap of r's block with s's target block, if r serves s
-    lo = np.maximum(ho[:, None, :], no[None, :, :])
-    hi = np.minimum((ho + hs)[:, None, :], (no + ns)[None, :, :])
-    inter = np.clip(hi - lo, 0, None).prod(axis=2) if shape else np.ones((len(coords), len(coords)), np.int64)
-    outer = [j for j in range(len(mesh_shape)) if j not in dims]
-    serves = np.ones_like(inter, dtype=bool)
-    if outer:
-        sub = coords[:, outer]
-        serves &= (sub[:, None, :] == sub[None, :, :]).all(axis=2)
+    coords, ho, he, no, ne, both, recv = _rank_blocks(shape, mesh_shape, dims, src, src_order, dst, dst_order)
+    G = math.prod(mesh_shape[j] for j in dims)
+    O = len(coords) // G
+    # a rank's index in its group is row-major over ``dims``; holders of one serving class
+    # differ only on the group's other mesh dims
+    stride, step = {}, 1
+    for j in reversed(dims):
+        stride[j] = step
+        step *= mesh_shape[j]
     rdims = [j for j in dims if isinstance(src[j], Replicate)]
+    base = np.zeros(len(coords), np.int64)
     if rdims:  # _serving, for every rank at once
         radix = [mesh_shape[j] for j in rdims]
         shift = np.zeros(len(coords), np.int64)
@@ -193,20 +193,53 @@ def exchange_loads(shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims: tu
         value = np.zeros(len(coords), np.int64)
         for j in rdims:
             value = value * mesh_shape[j] + coords[:, j]
-        value = np.where(np.diagonal(inter) > 0, value, (value + shift) % math.prod(radix))
-        want = np.empty((len(coords), len(rdims)), np.int64)
-        for i in range(len(rdims) - 1, -1, -1):
-            value, want[:, i] = np.divmod(value, radix[i])
-        serves &= (coords[:, rdims][:, None, :] == want[None, :, :]).all(axis=2)
-    np.fill_diagonal(serves, False)
-    load = np.where(serves, inter, 0)
-    return int(load.sum(axis=1).max(initial=0)), int(load.sum(axis=0).max(initial=0))
+        value = np.where(both > 0, value, (value + shift) % math.prod(radix))
+        for j in reversed(rdims):
+            value, digit = np.divmod(value, mesh_shape[j])
+            base += digit * stride[j]
+    offsets = np.zeros(1, np.int64)
+    for j in dims:
+        if j not in rdims:
+            offsets = (offsets[:, None] + np.arange(mesh_shape[j]) * stride[j]).reshape(-1)
+    # holder of pair (receiver s, i): global row; its box against s's target box
+    first = np.repeat(np.arange(O) * G, G)
+    holder = first[:, None] + base[:, None] + offsets[None, :]
+    lo = np.maximum(ho[holder], no[:, None, :])
+    hi = np.minimum(he[holder], ne[:, None, :])
+    inter = np.clip(hi - lo, 0, None).prod(axis=2)
+    inter[holder == np.arange(len(coords))[:, None]] = 0  # a rank keeps what it holds
+    send = np.bincount(holder.reshape(-1), inter.reshape(-1), minlength=len(coords))
+    return int(round(send.max(initial=0))), recv
 
 
 @lru_cache(maxsize=64)
-def _coords(mesh_shape: tuple[int, ...]) -> np.ndarray:
-    """Every rank's coordinate, row-major: ``(ranks, mesh ndim)``."""
-    return np.indices(mesh_shape).reshape(len(mesh_shape), -1).T.copy()
+def _rank_blocks(shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims: tuple[int, ...],
+                 src: tuple, src_order: ShardOrder, dst: tuple, dst_order: ShardOrder) -> tuple:
+    """Every rank's held and needed boxes (``_group_coords`` order; starts and ends), how much
+    of its need it holds, and the most any rank must receive (what it needs and lacks)."""
+    coords = _group_coords(mesh_shape, dims)
+    ho, hs = _boxes(shape, mesh_shape, coords, src, src_order)
+    no, ns = _boxes(shape, mesh_shape, coords, dst, dst_order)
+    he, ne = ho + hs, no + ns
+    both = np.clip(np.minimum(he, ne) - np.maximum(ho, no), 0, None).prod(axis=1)
+    return coords, ho, he, no, ne, both, int((ns.prod(axis=1) - both).max(initial=0))
+
+
+def clear_caches() -> None:
+    """Forget every priced exchange (benchmarks time cold plans)."""
+    exchange_loads.cache_clear()
+    _rank_blocks.cache_clear()
+
+
+@lru_cache(maxsize=256)
+def _group_coords(mesh_shape: tuple[int, ...], dims: tuple[int, ...]) -> np.ndarray:
+    """Every rank's coordinate ``(ranks, mesh ndim)``, ordered so that each run of
+    ``prod(mesh_shape[dims])`` rows shares its coordinates off ``dims``."""
+    perm = [j for j in range(len(mesh_shape)) if j not in dims] + list(dims)
+    idx = np.indices([mesh_shape[j] for j in perm]).reshape(len(perm), -1).T
+    coords = np.empty_like(idx)
+    coords[:, perm] = idx
+    return coords
 
 
 def _boxes(shape, mesh_shape, coords, pl, order):

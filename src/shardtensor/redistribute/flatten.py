@@ -106,9 +106,9 @@ def direct_plan(mesh_shape, src, src_order, dst, dst_order, shape) -> tuple[Step
                                       target_order=dst_order),)
 
 
-def direct_elements(steps: tuple[Step, ...], mesh_shape, shape, exact: bool) -> int:
-    """Elements per rank the direct plan moves (reduce-scatters, then the exchange's busiest rank),
-    or a cheap upper bound of them."""
+def direct_elements(steps: tuple[Step, ...], mesh_shape, shape, kind: str) -> int:
+    """Elements per rank the direct plan moves (reduce-scatters, then the exchange's busiest rank)
+    if ``kind`` is ``"exact"``, else a cheap ``"upper"`` or ``"lower"`` bound of them."""
     pre, ex = steps[:-1], steps[-1]
     assert isinstance(ex, ExchangeStep)
     total = 0
@@ -116,8 +116,12 @@ def direct_elements(steps: tuple[Step, ...], mesh_shape, shape, exact: bool) -> 
         _, num, den, _ = step_comm(st, shape, mesh_shape)
         assert den == 1, st
         total += num
-    a = (shape, mesh_shape, ex.dims, ex.placements, ex.order, ex.target, ex.target_order)
-    return total + (exchange_comm(*a)[0] if exact else exchange_bound(*a))
+    a = (ex.placements, ex.order, ex.target, ex.target_order)
+    if kind == "exact":
+        return total + exchange_comm(shape, mesh_shape, ex.dims, *a)[0]
+    if kind == "upper":
+        return total + exchange_bound(shape, mesh_shape, ex.dims, *a)
+    return total + exchange_floor(shape, mesh_shape, ex.dims, *a)
 
 
 def ceiling_applies(links, src, dst, mesh_shape) -> bool:
@@ -134,8 +138,8 @@ def ceiling_applies(links, src, dst, mesh_shape) -> bool:
 
 def _direct_score(score: "_Scorer", best_score: tuple, mesh_shape, steps: tuple[Step, ...], shape) -> tuple:
     """The direct plan's score.  The exchange is priced first on a cheap upper bound; when that
-    does not win, and what rank 0 alone must receive could, on the exact busiest rank (a pass
-    over every rank pair, so only then)."""
+    does not win, and what the busiest receiver must receive could, on the exact busiest rank
+    (a pass over the pairs that may exchange, so only then)."""
     pre, ex = steps[:-1], steps[-1]
     assert isinstance(ex, ExchangeStep)
     pre_bw, pre_t = score.plan(pre)
@@ -147,7 +151,7 @@ def _direct_score(score: "_Scorer", best_score: tuple, mesh_shape, steps: tuple[
         return pre_bw + bw, pre_t + t
 
     ub = total(exchange_bound(shape, mesh_shape, ex.dims, *a[2:]))
-    if ub < best_score or total(exchange_floor(*a)) >= best_score:
+    if ub < best_score or total(exchange_floor(shape, mesh_shape, ex.dims, *a[2:])) >= best_score:
         return ub
     return total(exchange_comm(shape, mesh_shape, ex.dims, *a[2:])[0])
 

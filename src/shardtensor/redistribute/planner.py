@@ -21,6 +21,8 @@ from ..observe import LISTENERS, note
 from ..placement import Placement, ShardOrder
 from .cost import LinkModel, normalize_links
 from .flatten import ceiling_applies, direct_elements, direct_plan, improve
+from .exchange import clear_caches as clear_exchange_caches
+from .search import clear_caches as clear_search_caches
 from .search import search
 from .steps import Step
 
@@ -105,8 +107,10 @@ _cached = lru_cache(maxsize=CACHE_SIZE)(_plan)
 
 
 def clear_cache() -> None:
-    """Forget every cached plan."""
+    """Forget every cached plan, and the exchange prices and cycle costs the planner kept."""
     _cached.cache_clear()
+    clear_exchange_caches()
+    clear_search_caches()
 
 
 def cache_info():

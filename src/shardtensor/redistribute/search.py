@@ -25,15 +25,16 @@ from .baseline import baseline_plan
 from .cost import LinkModel
 from .steps import Step
 
-__all__ = ["search", "MAX_EXPANSIONS", "CEILING_AFTER"]
+__all__ = ["search", "clear_caches", "MAX_EXPANSIONS", "CEILING_AFTER"]
 
 MAX_EXPANSIONS = 1024
 """Expanded states before the search gives up and returns the baseline plan (correct, never
 more bytes than itself; not reached on the planner benchmark's pairs)."""
 
 CEILING_AFTER = (2, 4)
-"""Expanded states before the search asks for its ``ceiling``: a cheap bound first, then the
-exact value (easy plans never pay for either)."""
+"""Expanded states before the search asks for cheap bounds of its ``ceiling``: an upper bound,
+then a lower one (easy plans never pay for either).  The exact value is asked only once the
+queue's smallest bound passes the lower one."""
 
 _REPLICATE = Replicate()
 _INF = 1 << 4000
@@ -44,15 +45,17 @@ _AG, _A2A, _AR, _RS, _CHUNK = 0, 1, 2, 3, 4
 
 def search(mesh_shape: tuple[int, ...], links: tuple[LinkModel, ...], src: tuple, src_order: ShardOrder,
            dst: tuple, dst_order: ShardOrder, shape: tuple[int, ...],
-           ceiling: Callable[[bool], int] | None = None) -> tuple[tuple[Step, ...] | None, dict]:
+           ceiling: Callable[[str], int] | None = None) -> tuple[tuple[Step, ...] | None, dict]:
     """``(steps, info)``: the cheapest per-mesh-dim plan and the search's counters
     (``expanded``, ``generated``, ``capped``, ``cut``).  Arguments are normalised (``planner.py``).
 
-    ``ceiling(exact)``, if given, is asked after ``CEILING_AFTER`` expanded states (for a cheap
-    upper bound, then the exact value): the elements per rank that another plan moves (the
-    direct plan).  Once every per-dim plan is known to move more, the search stops and returns
-    ``None`` (``info["cut"]``): the caller takes the other plan.  Only for links of one
-    bandwidth (the units are plain elements)."""
+    ``ceiling(kind)``, if given, gives the elements per rank that another plan moves (the
+    direct plan): ``"exact"``, or an ``"upper"`` or ``"lower"`` bound of them (asked after
+    ``CEILING_AFTER`` expanded states).  Once every per-dim plan is known to move more, the
+    search stops and returns ``None`` (``info["cut"]``): the caller takes the other plan.  The
+    exact value is asked only when the queue's smallest bound passes the lower one, so a search
+    that ends below it never pays for it.  Only for links of one bandwidth (the units are plain
+    elements)."""
     info = {"expanded": 0, "generated": 0, "capped": False, "cut": False}
     pb = _Problem(mesh_shape, links, src, src_order, dst, dst_order, shape)
     if pb.done(pb.start):
@@ -68,12 +71,17 @@ def search(mesh_shape: tuple[int, ...], links: tuple[LinkModel, ...], src: tuple
     # (a total order: nothing depends on hashing, so every rank finds the same plan)
     pq = [(0, 0, pb.start)]
     found = None
-    above = _INF  # f values above this mean: every per-dim plan moves more than the ceiling
+    # f at or above ``low`` may pass the ceiling, at or above ``above`` it does; ``exact``: above is exact
+    low = above = _INF
+    exact = False
     while pq:
         f, ng, st = heapq.heappop(pq)
         g = -ng
         if g != best[st]:
             continue  # reached more cheaply since this entry was queued
+        if f >= low and not exact:
+            assert ceiling is not None
+            above, exact = pb.above(ceiling("exact")), True
         if f >= above:
             info["cut"] = True
             return None, info
@@ -91,7 +99,10 @@ def search(mesh_shape: tuple[int, ...], links: tuple[LinkModel, ...], src: tuple
                 continue
         info["expanded"] += 1
         if ceiling is not None and info["expanded"] in CEILING_AFTER:
-            above = pb.above(ceiling(info["expanded"] == CEILING_AFTER[-1]))
+            if info["expanded"] == CEILING_AFTER[0]:
+                above = pb.above(ceiling("upper"))
+            else:
+                low = pb.above(ceiling("lower"))
         if info["expanded"] > MAX_EXPANSIONS:
             info["capped"] = True
             break
@@ -180,12 +191,12 @@ class _Problem:
         # an empty tensor dim with no target entries and the size class of an empty smaller one
         # is never pushed onto (its plans mirror the smaller one's)
         shape, K_all = self.shape, self.K_all
-        self.twin = [-1] * N
+        self.twins: list[tuple[int, int]] = []
         for d in range(N):
             if not T[d]:
                 for e in range(d):
                     if not T[e] and (shape[e] == shape[d] or (shape[e] % K_all == 0 and shape[d] % K_all == 0)):
-                        self.twin[d] = e
+                        self.twins.append((d, e))
                         break
 
     def above(self, elements: int) -> int:
@@ -214,7 +225,7 @@ class _Problem:
                 at[d * m + p] = j
                 if p >= H[d]:
                     H[d] = p + 1
-        n = [-(-self.shape[d] // Kd[d]) for d in range(N)]
+        n = [-(-x // y) for x, y in zip(self.shape, Kd)]
         TN = [-1] * N  # the mesh dim whose push onto d lands in its final place
         FL = [0] * N  # length of d's final prefix
         PD = [0] * N  # 1 if d still waits for a target entry above its final prefix
@@ -289,9 +300,14 @@ class _Problem:
         not a decode, and only for successors that are queued."""
         codes, H, n, phi, FL, TN, PD, (Kf, KC, KP, KO, A2, LT), own, ownl, _ = dec
         m, N, ks, CD, CP, SH, MASK = self.m, self.N, self.ks, self.CD, self.CP, self.SH, self.MASK
-        AG, TD, tS, twin, LU, AU, AU2 = self.AG, self.TD, self.tS, self.twin, self.LAT1, self.AU, self.AU2
+        AG, TD, tS, LU, AU, AU2 = self.AG, self.TD, self.tS, self.LAT1, self.AU, self.AU2
         bound, push, get = self.bound, heapq.heappush, best.get
-        skip = [(twin[b] >= 0 and H[b] == 0 and H[twin[b]] == 0) or n[b] <= 1 for b in range(N)]
+        XS, PE, hmul = self.XS, self.PHIEND, self.hmul
+        skip = [x <= 1 for x in n]
+        for d, e in self.twins:
+            if H[d] == 0 and H[e] == 0:
+                skip[d] = True
+        pn = [phi // x if x else 0 for x in n]  # the local volume over one piece of each dim
         for j in range(m):
             c = codes[j]
             if c >= 2:
@@ -320,22 +336,35 @@ class _Problem:
                 prev[cleared] = (st, j | (_AG if c >= 2 else _AR) << 8)
                 h = bound(kf, kc * k, kp, ko, a2, lt) if ts else bound(kf, kc, kp, ko * k, a2, lt)
                 push(pq, (g2 + h, -g2, cleared))
-            # to Shard(b), appended last: all-to-all, reduce-scatter or chunk
+            # to Shard(b), appended last: all-to-all, reduce-scatter or chunk.  Every such
+            # successor has the same volume terms of the bound (``bound`` with Kf = kf * k)
+            A = XS // (kf * k)
+            c2 = kc * ko
+            x1 = PE + A // kc - 2 * (A // (kc * kp))
+            x2 = PE + A // c2 - 2 * (A // (c2 * kp))
+            agj, luj = AG[j], LU[j]
             for b in range(N):
                 if b == a or (skip[b] and b != tdj):
                     continue
                 s2 = cleared | ((2 + b * m + H[b]) << sj)
-                nb = n[b]
-                g2 = g if c == 0 else g + (AG[j] * (phi // nb * -(-nb // k)) if nb else 0) + LU[j]
+                g2 = g + agj * pn[b] * -(-n[b] // k) + luj if c else g
                 if g2 < get(s2, _INF):
                     best[s2] = g2
                     prev[s2] = (st, kind | b << 12)
                     if TN[b] == j:  # lands in its final place
-                        h = bound(kf * k, kc, kp, ko, a2, lt)
+                        aa, ll = a2, lt
                     else:
-                        w = (AU2[j] if tdj == b else AU[j]) if ts else (AU[j] if PD[b] else 0)
-                        h = bound(kf * k, kc, kp, ko, a2 + w, lt + LU[j])
-                    push(pq, (g2 + h, -g2, s2))
+                        aa = a2 + ((AU2[j] if tdj == b else AU[j]) if ts else (AU[j] if PD[b] else 0))
+                        ll = lt + LU[j]
+                    v = x1 + ko * aa
+                    if x2 + aa < v:
+                        v = x2 + aa
+                    push(pq, (g2 + (v * hmul if v > 0 else 0) + ll, -g2, s2))
+
+
+def clear_caches() -> None:
+    """Forget the cycle costs kept across searches."""
+    _feedback_cost.cache_clear()
 
 
 def _int_weights(values: Sequence[float]) -> tuple[int, ...]:
@@ -415,32 +444,32 @@ def _encode(pl: tuple, order: ShardOrder, m: int, N: int, SH: tuple, what: str) 
 def _cycle_extra(codes, CD, TD, FL, tS, m, weight) -> int:
     """Cheapest set of extra moves that breaks every waiting cycle among misplaced shards.
 
-    Node: a shard not in its final place whose target is a shard on another tensor dim.  Edge
-    ``j -> x``: ``x`` sits on ``j``'s target list, so it must leave before ``j`` arrives.  In a
-    cycle no member can make its first move its final one, so one member moves twice.
+    A misplaced shard whose target is a shard on another tensor dim is an edge from the tensor
+    dim it sits on to its target dim: every shard sitting on its target list must leave before
+    it arrives.  In a cycle no member can make its first move its final one, so one member
+    moves twice: the extra cost is that of the cheapest edges whose removal leaves no cycle.
     """
-    nodes = []
-    where = {}
+    edges = []
     for j in range(m):
         c = codes[j]
         if c >= 2 and tS[j]:
             d = CD[c]
             if d != TD[j] and (c - 2) % m >= FL[d]:
-                nodes.append(j)
-                where[j] = d
-    if len(nodes) < 2:
-        return 0
-    succ = [0] * len(nodes)
-    for i, j in enumerate(nodes):
-        for x, y in enumerate(nodes):
-            if y != j and where[y] == TD[j]:
-                succ[i] |= 1 << x
-    full = (1 << len(nodes)) - 1
+                edges.append((d, TD[j], weight[j]))
+    return _feedback_cost(tuple(edges)) if len(edges) > 1 else 0
+
+
+@lru_cache(maxsize=4096)
+def _feedback_cost(edges: tuple[tuple[int, int, int], ...]) -> int:
+    """The least total weight of ``(tail, head, weight)`` edges whose removal leaves no directed
+    cycle (every subset tried: a search has at most one edge per mesh dim)."""
+    n = len(edges)
+    succ = [sum(1 << x for x in range(n) if x != i and edges[x][0] == edges[i][1]) for i in range(n)]
 
     def acyclic(alive: int) -> bool:
-        while alive:  # drop nodes with no successor left alive; a stall means a cycle
+        while alive:  # drop edges with no successor left alive; a stall means a cycle
             drop = 0
-            for i in range(len(nodes)):
+            for i in range(n):
                 if alive >> i & 1 and not succ[i] & alive:
                     drop |= 1 << i
             if not drop:
@@ -448,15 +477,11 @@ def _cycle_extra(codes, CD, TD, FL, tS, m, weight) -> int:
             alive &= ~drop
         return True
 
+    full = (1 << n) - 1
     if acyclic(full):
         return 0
-    best = None
-    for cut in range(1, full + 1):
-        if acyclic(full & ~cut):
-            w = sum(weight[nodes[i]] for i in range(len(nodes)) if cut >> i & 1)
-            if best is None or w < best:
-                best = w
-    return best or 0
+    return min(sum(edges[i][2] for i in range(n) if cut >> i & 1)
+               for cut in range(1, full + 1) if acyclic(full & ~cut))
 
 
 def _to_steps(moves, src, src_order, dst, dst_order) -> tuple[Step, ...]:
