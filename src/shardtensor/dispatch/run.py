@@ -19,8 +19,7 @@ from ..errors import MeshMismatchError, UnsupportedOpError
 from ..implicit import implicit_allowed, implicit_replication, plain_tensor_error
 from ..listops import is_list_op, run_per_mesh
 from ..propagation import flatten_call, propagate, rule_for, unflatten_call
-from ..propagation.engine import _freeze, _sign
-from ..propagation.registry import _BY_SIGN
+from ..propagation.engine import freezer
 from ..redistribute import redistribute_local
 from ..spec import DTensorSpec, placements_text
 from ..submesh import off_mesh_result
@@ -150,7 +149,7 @@ def _hit_facts(func) -> tuple:
         lists = all(str(sch.arguments[i].type) == "List[Tensor]" and not sch.arguments[i].kwarg_only for i in writes)
         kind = (WRITES_SELF if writes == (0,) and _returns_self(func) else
                 WRITES_LIST if lists and not sch.returns else -1)
-    return rule and kind != -1, view, kind, writes, _sign if id(func) in _BY_SIGN else _freeze
+    return rule and kind != -1, view, kind, writes, freezer(func)
 
 
 def _dispatch_with_plain(func, flat: list, specs: list, treedef, plain: list[int]) -> Any:

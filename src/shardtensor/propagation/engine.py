@@ -20,7 +20,7 @@ from .call import Call, Decision
 from .registry import _BY_SIGN, rule_for, unsupported
 from .strategy import Candidate, decide
 
-__all__ = ["propagate", "clear_cache", "cache_info", "one_mesh", "HOT", "HOT_HITS", "remember"]
+__all__ = ["propagate", "freezer", "clear_cache", "cache_info", "one_mesh", "HOT", "HOT_HITS", "remember"]
 
 
 class _LRU:
@@ -111,9 +111,15 @@ def _freeze(v: Any) -> Any:
     return v
 
 
+def freezer(op) -> Any:
+    """How ``op``'s non-tensor arguments enter a cache key: by type and sign for ops registered
+    with ``scalars_by_sign``, else by value."""
+    return _sign if id(op) in _BY_SIGN else _freeze
+
+
 def propagate(op, flat: list[Any], specs: list[DTensorSpec | None], treedef) -> Decision:
     """The decision for one call, from the cache when the same signature was seen before."""
-    fr = _sign if id(op) in _BY_SIGN else _freeze
+    fr = freezer(op)
     key = (id(op), treedef, tuple(s if s is not None else fr(a) for a, s in zip(flat, specs)))
     d = _cache.get(key)
     if d is not None:

@@ -282,11 +282,17 @@ class _Problem:
         """A lower bound of the cost to the goal from the bound's six numbers (docs/redistribution.md):
         the change of local volume to the goal's, the entries (chunks weigh 1, reductions 2) taken
         with the free mesh dims sharded or not, whichever is less, plus the moves and the latency."""
+        x1, x2 = self.volume_terms(Kf, KC, KP, KO)
+        v = min(x1 + KO * A2, x2 + A2)
+        return (v * self.hmul if v > 0 else 0) + LT
+
+    def volume_terms(self, Kf: int, KC: int, KP: int, KO: int) -> tuple[int, int]:
+        """The bound's two volume terms (free mesh dims sharded, or not), before the moves:
+        successors that differ only in their moves share them (``expand``)."""
         A = self.XS // Kf
         C2 = KC * KO
-        v = min(self.PHIEND + A // KC - 2 * (A // (KC * KP)) + KO * A2,
-                self.PHIEND + A // C2 - 2 * (A // (C2 * KP)) + A2)
-        return (v * self.hmul if v > 0 else 0) + LT
+        return (self.PHIEND + A // KC - 2 * (A // (KC * KP)),
+                self.PHIEND + A // C2 - 2 * (A // (C2 * KP)))
 
     def cycle_extra(self, dec: tuple) -> int:
         return _cycle_extra(dec[0], self.CD, self.TD, dec[4], self.tS, self.m, self.CYW)
@@ -302,7 +308,7 @@ class _Problem:
         m, N, ks, CD, CP, SH, MASK = self.m, self.N, self.ks, self.CD, self.CP, self.SH, self.MASK
         AG, TD, tS, LU, AU, AU2 = self.AG, self.TD, self.tS, self.LAT1, self.AU, self.AU2
         bound, push, get = self.bound, heapq.heappush, best.get
-        XS, PE, hmul = self.XS, self.PHIEND, self.hmul
+        terms, hmul = self.volume_terms, self.hmul
         skip = [x <= 1 for x in n]
         for d, e in self.twins:
             if H[d] == 0 and H[e] == 0:
@@ -337,11 +343,8 @@ class _Problem:
                 h = bound(kf, kc * k, kp, ko, a2, lt) if ts else bound(kf, kc, kp, ko * k, a2, lt)
                 push(pq, (g2 + h, -g2, cleared))
             # to Shard(b), appended last: all-to-all, reduce-scatter or chunk.  Every such
-            # successor has the same volume terms of the bound (``bound`` with Kf = kf * k)
-            A = XS // (kf * k)
-            c2 = kc * ko
-            x1 = PE + A // kc - 2 * (A // (kc * kp))
-            x2 = PE + A // c2 - 2 * (A // (c2 * kp))
+            # successor has the same volume terms of the bound, so ``bound`` is inlined below
+            x1, x2 = terms(kf * k, kc, kp, ko)
             agj, luj = AG[j], LU[j]
             for b in range(N):
                 if b == a or (skip[b] and b != tdj):
