@@ -457,6 +457,72 @@ def test_tied_weights_in_one_group_and_error_across_groups():
         assert err is not None and "shared with the child fully_shard" in err
 
 
+class Twice(nn.Module):
+    """One block applied twice per forward: two live unsharded handles of one group at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blk = Block(DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blk(self.blk(self.emb(tokens))))
+
+
+def _twice_build() -> Twice:
+    m = Twice()
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return m
+
+
+def _twice_train(model: nn.Module, rows: slice, full) -> tuple[list[float], list[torch.Tensor]]:
+    """SGD steps where one step backpropagates twice (``retain_graph``) and every step ends with a
+    no-grad forward: the handles of one group are reused across forwards, never within one."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, evals = [], []
+    for s in range(3):
+        x, y = batch("tiny", s)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x[rows]).float().reshape(-1, VOCAB), y[rows].reshape(-1))
+        if s == 1:
+            loss.backward(retain_graph=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        with torch.no_grad():
+            evals.append(full(model(x[rows])))
+    return losses, evals
+
+
+def _twice_body():
+    mesh = init_device_mesh("cpu", (WORLD,))
+    m = _twice_build()
+    fully_shard(m.blk, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    n = BATCH // WORLD
+    r = mesh.get_local_rank()
+    losses, evals = _twice_train(m, slice(r * n, (r + 1) * n), lambda t: t.detach().clone())
+    return losses, evals, {k: p.full_tensor() for k, p in m.named_parameters()}
+
+
+def test_block_called_twice_retain_graph_and_eval_match_single_device():
+    ref = _twice_build()
+    ref_losses, ref_evals = _twice_train(ref, slice(None), lambda t: t.detach().clone())
+    results = run_spmd(_twice_body, WORLD)
+    n = BATCH // WORLD
+    mean = [sum(r[0][s] for r in results) / WORLD for s in range(3)]
+    torch.testing.assert_close(torch.tensor(mean), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
+    for rank, (_, evals, params) in enumerate(results):
+        for got, want in zip(evals, ref_evals):
+            torch.testing.assert_close(got, want[rank * n:(rank + 1) * n], rtol=1e-5, atol=1e-5)
+        for k, p in ref.named_parameters():
+            torch.testing.assert_close(params[k], p.detach(), rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------
 # FSDP x TP on a (2, 2) mesh
 # ---------------------------------------------------------------------------------------

@@ -340,3 +340,48 @@ def test_decide_builds_fresh_output_specs():
     with pytest.raises(Exception):
         spmd(lambda: setattr(distribute_tensor(torch.ones(2), init_device_mesh("cpu", (2,)), [S0])._spec,
                              "placements", (R,)), 2)
+
+
+def test_equal_specs_are_one_object_so_rebuilt_inputs_hit():
+    """A spec built again from equal arguments (``from_local`` each step, a redistribute's target)
+    is the same object, so the dispatcher's hit path, keyed by spec identity, hits on it."""
+    from shardtensor.propagation.engine import HOT_HITS
+    from shardtensor.spec import DTensorSpec
+
+    def body():
+        mesh = init_device_mesh("cpu", (1,))  # one rank: the hit counter is process-wide
+        a = DTensorSpec.build(mesh, [S0], (4, 6), None, torch.float32)
+        b = DTensorSpec.build(mesh, (Shard(0),), torch.Size([4, 6]), (6, 1), torch.float32)
+        c = DTensorSpec.build(mesh, [S1], (4, 6), None, torch.float32)
+        d = a.with_dtype(torch.bfloat16).with_dtype(torch.float32)
+        hits = []
+        for _ in range(3):
+            x = DTensor.from_local(torch.ones(4, 6), mesh, [S0])  # a new DTensor, an equal spec
+            before = HOT_HITS.n
+            x * 2.0
+            hits.append(HOT_HITS.n - before)
+        return a is b, a is c, a is d, hits
+
+    for same, other, back, hits in spmd(body, 1):
+        assert same and not other and back
+        assert hits[1:] == [1, 1], hits  # the first call decides, later ones hit the cached decision
+
+
+def test_spec_build_still_checks_its_arguments():
+    from shardtensor.spec import DTensorSpec
+
+    def body():
+        mesh = init_device_mesh("cpu", (2,))
+        DTensorSpec.build(mesh, [S0], (4,), None, torch.float32)
+        errors = []
+        for bad in (lambda: DTensorSpec.build("mesh", [S0], (4,), None, torch.float32),
+                    lambda: DTensorSpec.build(mesh, [Shard(3)], (4,), None, torch.float32),
+                    lambda: DTensorSpec.build(mesh, [[S0]], (4,), None, torch.float32)):
+            try:
+                bad()
+                errors.append(None)
+            except (TypeError, ValueError, IndexError) as e:
+                errors.append(type(e).__name__)
+        return errors
+
+    assert all(e is not None for e in spmd(body, 2)[0])

@@ -46,17 +46,31 @@ class DTensorSpec:
     @staticmethod
     def build(mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int], stride: Sequence[int] | None,
               dtype: torch.dtype, shard_order: ShardOrder | None = None) -> "DTensorSpec":
-        """Validated spec; the shard order defaults to mesh dims left to right."""
+        """Validated spec; the shard order defaults to mesh dims left to right.  Equal arguments
+        give the same (interned) spec, so caches keyed by a spec's identity hit across calls."""
+        if shard_order is None:  # a DTensor's OrderedPlacements passed back carries its order
+            shard_order = getattr(placements, "shard_order", None)
+        try:
+            key: tuple | None = (mesh, tuple(placements), tuple(shape), None if stride is None else tuple(stride),
+                                 dtype, shard_order)
+            spec = _BUILT.get(key)  # type: ignore[arg-type]
+        except TypeError:  # unhashable arguments: the checks below say what is wrong
+            key = spec = None
+        if spec is not None:
+            return spec
         if not isinstance(mesh, DeviceMesh):
             raise TypeError(f"device_mesh must be a DeviceMesh, got {mesh!r}")
         shape = torch.Size(shape)
-        if shard_order is None:  # a DTensor's OrderedPlacements passed back carries its order
-            shard_order = getattr(placements, "shard_order", None)
         pl = normalize_placements(placements, len(shape), mesh.ndim)
         order = default_shard_order(pl) if shard_order is None else validate_shard_order(pl, shard_order)
         if stride is None:
             stride = contiguous_stride(shape)
-        return DTensorSpec(mesh, pl, shape, tuple(stride), dtype, order)
+        spec = interned(DTensorSpec(mesh, pl, shape, tuple(stride), dtype, order))
+        if key is not None:
+            if len(_BUILT) >= _MAX_INTERNED:
+                _BUILT.clear()
+            _BUILT[key] = spec
+        return spec
 
     def with_placements(self, placements: Sequence[Placement], shard_order: ShardOrder | None = None) -> "DTensorSpec":
         return DTensorSpec.build(self.mesh, placements, self.shape, self.stride, self.dtype, shard_order)
@@ -68,7 +82,7 @@ class DTensorSpec:
         return self.with_placements(unpartial(self.placements), self.shard_order)
 
     def with_dtype(self, dtype: torch.dtype) -> "DTensorSpec":
-        return replace(self, dtype=dtype)
+        return self if dtype == self.dtype else interned(replace(self, dtype=dtype))
 
     @property
     def ndim(self) -> int:
@@ -93,6 +107,23 @@ class DTensorSpec:
 
     def __repr__(self) -> str:
         return f"DTensorSpec({display(self.placements, self.shard_order)}, shape={tuple(self.shape)}, {self.dtype})"
+
+
+_MAX_INTERNED = 4096
+_BUILT: dict[tuple, DTensorSpec] = {}  # build's arguments -> the spec
+_BY_VALUE: dict[DTensorSpec, DTensorSpec] = {}
+
+
+def interned(spec: DTensorSpec) -> DTensorSpec:
+    """The one spec equal to ``spec`` (itself when first seen): the dispatcher's hit path keys a
+    call by its specs' identities, so a spec rebuilt each step (``from_local``, a redistribute's
+    target) must come back as the same object to hit.  Bounded: full tables start afresh."""
+    got = _BY_VALUE.get(spec)
+    if got is None:
+        if len(_BY_VALUE) >= _MAX_INTERNED:
+            _BY_VALUE.clear()
+        got = _BY_VALUE[spec] = spec
+    return got
 
 
 def placements_text(specs: Sequence["DTensorSpec | None"]) -> str:

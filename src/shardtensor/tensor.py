@@ -19,7 +19,7 @@ from .placement import (OrderedPlacements, Partial, Placement, Replicate, Shard,
                         normalize_placements, unpartial)
 from .redistribute import redistribute_local
 from .redistribute.execute import partition
-from .spec import DTensorSpec
+from .spec import DTensorSpec, interned
 from .submesh import empty_local
 
 __all__ = ["DTensor", "distribute_tensor"]
@@ -290,7 +290,8 @@ class _Redistribute(torch.autograd.Function):
         if forward_dtype is not None and forward_dtype != local.dtype:
             local = local.to(forward_dtype)
             src = src.with_dtype(forward_dtype)
-        target = DTensorSpec(target.mesh, target.placements, src.shape, src.stride, src.dtype, target.shard_order)
+        target = interned(DTensorSpec(target.mesh, target.placements, src.shape, src.stride, src.dtype,
+                                      target.shard_order))
         if src.placements == target.placements and src.shard_order == target.shard_order:
             return DTensor(local, src, requires_grad=x.requires_grad)
         if comm.listening():

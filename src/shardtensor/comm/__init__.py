@@ -225,9 +225,11 @@ def tracing(t: torch.Tensor) -> bool:
     """Whether ``t`` belongs to a trace (torch.compile, or fake tensors) rather than to real data."""
     if torch.compiler.is_compiling():
         return True
+    if type(t) is torch.Tensor:
+        return False
     from torch._subclasses.fake_tensor import is_fake
 
-    return type(t) is not torch.Tensor and is_fake(t)
+    return is_fake(t)
 
 
 def _collective(kind: str, t: torch.Tensor, mesh: "DeviceMesh", mesh_dim: MeshDims, extra: tuple = (),

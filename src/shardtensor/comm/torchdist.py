@@ -28,6 +28,12 @@ _OPS = {
 }
 
 
+# the tensor forms of all-gather and reduce-scatter; torch 2.13 renamed them (``*_single``) and
+# the old names warn on every call, which costs as much as the call itself on small tensors
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class TorchDistTransport(Transport):
     """This process's rank in the default torch.distributed process group."""
 
@@ -69,12 +75,12 @@ class TorchDistTransport(Transport):
             if self.backend == "gloo":
                 work = dist.all_gather(list(out.unbind(0)), t, group=pg, async_op=True)
             else:
-                work = dist.all_gather_into_tensor(out, t, group=pg, async_op=True)
+                work = _ALL_GATHER(out, t, group=pg, async_op=True)
             return _pending(work, out, t, None if perm is None else (lambda x: x[perm]))
         if self.backend == "gloo":
             dist.all_gather(list(out.unbind(0)), t, group=pg)
         else:
-            dist.all_gather_into_tensor(out, t, group=pg)
+            _ALL_GATHER(out, t, group=pg)
         return out if perm is None else out[perm]
 
     def all_reduce(self, t, op, group, *, async_op=False):
@@ -107,12 +113,12 @@ class TorchDistTransport(Transport):
         t = t.detach()
         if perm is not None:
             t = t[[group.index(r) for r in sorted(group)]]
-        t = t.contiguous()
         out = torch.empty(t.shape[1:], dtype=t.dtype, device=t.device)
+        t = t.contiguous().view(-1)  # the flat form every torch version takes
         rop = dist.ReduceOp.AVG if op == "avg" else _OPS[op]
         if async_op:
-            return _pending(dist.reduce_scatter_tensor(out, t, op=rop, group=pg, async_op=True), out, t)
-        dist.reduce_scatter_tensor(out, t, op=rop, group=pg)
+            return _pending(_REDUCE_SCATTER(out, t, op=rop, group=pg, async_op=True), out, t)
+        _REDUCE_SCATTER(out, t, op=rop, group=pg)
         return out
 
     def all_to_all(self, t, group, *, async_op=False):

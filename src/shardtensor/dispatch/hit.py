@@ -15,7 +15,6 @@ dtype its local data has (``retyped``).
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -195,5 +194,5 @@ def retyped(spec: DTensorSpec, dtype: torch.dtype) -> DTensorSpec:
     if r is None:
         if len(_RETYPED) > 1024:
             _RETYPED.clear()
-        r = _RETYPED[key] = replace(spec, dtype=dtype)
+        r = _RETYPED[key] = spec.with_dtype(dtype)
     return r

@@ -47,6 +47,8 @@ def route(op) -> Any:
 
 def dispatch(func, args: tuple, kwargs: dict) -> Any:
     """propagation -> redistribute -> local kernel -> wrap (or a decomposition into ops that have rules)."""
+    if func is _DETACH and type(args[0]) is DTensor:  # autograd detaches every gradient it accumulates
+        return _detach(args[0])
     facts = _HIT_FACTS.get(id(func))
     if facts is None:
         facts = _HIT_FACTS[id(func)] = _hit_facts(func)
@@ -135,6 +137,14 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
 
 
 _HIT_FACTS: dict[int, tuple] = {}
+_DETACH = torch.ops.aten.detach.default
+
+
+def _detach(x: DTensor) -> DTensor:
+    """``x.detach()``: the same placements over a detached local tensor, a view of ``x``."""
+    out = DTensor(x._local_tensor.detach(), x._spec)
+    note_copies(_DETACH, x, False, out)
+    return out
 
 
 def _hit_facts(func) -> tuple:

@@ -9,7 +9,7 @@ when               what happens (per module, per rank)
 =================  =============================================================================
 fully_shard        each parameter becomes ``nn.Parameter(DTensor)``, ``Shard(0)`` on the dp mesh
                    dim (torch.chunk rule: 7 rows over 4 ranks -> 2, 2, 2, 1; 3 -> 1, 1, 1, 0)
-forward pre-hook   copy-in (``chunk_cat`` of the padded local shards, cast to ``param_dtype``),
+forward pre-hook   copy-in (one ``cat`` of the padded local shards, cast to ``param_dtype``),
                    ONE all-gather over dp, copy-out (``split_with_sizes_copy``) into the
                    unsharded buffers; the module sees the unsharded tensors
 forward hook       the sharded parameters are put back; ``reshard_after_forward`` frees the

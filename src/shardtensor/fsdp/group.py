@@ -1,12 +1,13 @@
 """The parameters of one ``fully_shard`` module: one all-gather in, one reduce-scatter out.
 
 ``ParamGroup.unshard()`` returns an ``Unsharded`` handle holding the padded unsharded
-buffers of one forward call.  Copy-in packs the padded local shards into one flat buffer
-(``chunk_cat`` with one chunk, or casting copies under a param dtype), one all-gather over
-the dp mesh dim returns a ``(W, M)`` stack, and ``split_with_sizes_copy`` scatters it into
-the per-parameter buffers.  The handle's storage can be freed
-(``untyped_storage().resize_(0)``) and refilled in place before backward without touching
-the autograd version counters of the tensors the forward saved.
+buffers of one forward call.  Copy-in concatenates the padded local shards into one flat
+buffer (casting copies under a param dtype), one all-gather over the dp mesh dim returns a
+``(W, M)`` stack, and ``split_with_sizes_copy`` scatters it into the per-parameter buffers.
+The handle's storage can be freed (``untyped_storage().resize_(0)``) and refilled in place
+before backward without touching the autograd version counters of the tensors the forward
+saved; a freed handle no forward call holds is reused by the next one, so a step allocates
+no handles.
 
 ``_Unshard`` is the autograd edge: sharded parameters in, unsharded views out; its backward
 packs the unsharded gradients with ``chunk_cat`` (cast to the reduce dtype inside the copy),
@@ -33,6 +34,11 @@ from .param import FSDPParam, MeshInfo
 __all__ = ["ParamGroup", "Unsharded"]
 
 
+_OWN_CHUNK_CAT_BYTES = 1 << 24
+"""Gradient packs from this size on (CPU) use ``kernels.chunk_cat``, whose copies run at memcpy
+speed; below it ``torch._chunk_cat`` costs less per call (``benchmarks/README.md``, hooks.py section)."""
+
+
 class Unsharded:
     """The unsharded buffers of one forward call (``None`` slot: a zero-element parameter)."""
 
@@ -44,6 +50,7 @@ class Unsharded:
             buf = torch.empty((group.info.world * p.c, *p.rest), dtype=dtype_of(p), device=p.padded.device)
             self.buffers.append(buf)
         self.raw = [b.data for b in self.buffers]  # own version counters: refills are invisible to autograd
+        self.targets = group.gather_targets(self.raw)  # views stay valid across frees and refills
         self.nbytes = [b.untyped_storage().nbytes() for b in self.buffers]
         self.views = [p.unsharded_view(b) for p, b in zip(group.params, self.buffers)]
         self.freed = True
@@ -66,7 +73,7 @@ class Unsharded:
         for raw, n in zip(self.raw, self.nbytes):
             if raw.untyped_storage().nbytes() != n:
                 raw.untyped_storage().resize_(n)
-        self.pending = self.group.all_gather_start(self.raw)
+        self.pending = self.group.all_gather_start(self.raw, self.targets)
 
     def free(self) -> None:
         if self.pending is not None:
@@ -91,6 +98,8 @@ class ParamGroup:
         self.prefetched: Unsharded | None = None
         self.prefetch_hits = 0  # gathers that found their all-gather already issued (a prefetch)
         self.live: weakref.WeakSet[Unsharded] = weakref.WeakSet()
+        self._layout: _Layout | None = None
+        self._spare: Unsharded | None = None
 
     def compute_dtype(self, p: FSDPParam) -> torch.dtype:
         if self.param_dtype is not None and p.orig_dtype.is_floating_point:
@@ -102,7 +111,7 @@ class ParamGroup:
         """The unsharded buffers for one forward call: the prefetched ones, or gathered now."""
         h, self.prefetched = self.prefetched, None
         if h is None:
-            h = Unsharded(self)
+            h = self._idle_handle()
         h.gather()
         self.live.add(h)
         return h
@@ -110,8 +119,20 @@ class ParamGroup:
     def prefetch(self) -> None:
         """Start the next forward's all-gather now, so it overlaps the current module's compute."""
         if self.prefetched is None:
-            self.prefetched = Unsharded(self)
+            self.prefetched = self._idle_handle()
             self.prefetched.start()
+
+    def _idle_handle(self) -> Unsharded:
+        """The last handle again when no forward call holds it (it is freed then), else a new one.
+
+        A handle leaves ``live`` once its backward ran, or the forward built no graph, or
+        backward ended; an old graph that still holds its views re-gathers before using them, as
+        it would if the handle were its own, so the buffers are reused as FSDP2 reuses its
+        unsharded parameters: a module called once per step allocates nothing per step."""
+        h = self._spare
+        if h is None or h in self.live or h.pending is not None or not h.freed:
+            h = self._spare = Unsharded(self)
+        return h
 
     def drop_prefetch(self) -> None:
         """Forget a prefetch the forward never used (its data may be stale by the next one)."""
@@ -119,32 +140,39 @@ class ParamGroup:
             self.prefetched.free()
             self.prefetched = None
 
-    def all_gather_start(self, outs: Sequence[torch.Tensor]) -> tuple | None:
-        """Copy-in and the all-gather issued asynchronously; ``all_gather_finish`` completes it."""
-        items = [(p, o) for p, o in zip(self.params, outs) if p.padded_numel > 0]
-        if not items:
+    def layout(self) -> "_Layout":
+        """What the all-gather packs, worked out once: the parameters with elements, their sizes and
+        how their shards travel (one dtype as is, one dtype after a cast, or mixed dtypes as bytes)."""
+        if self._layout is None:
+            self._layout = _Layout(self)
+        return self._layout
+
+    def all_gather_start(self, outs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> tuple | None:
+        """Copy-in and the all-gather issued asynchronously; ``all_gather_finish`` completes it by
+        splitting the stack into ``targets`` (``gather_targets`` of ``outs``)."""
+        lay = self.layout()
+        if not lay.items:
             return None
-        W = self.info.world
-        dtypes = {o.dtype for _, o in items}
+        params = self.params
         with torch.no_grad():
-            for p, _ in items:
-                p.sync_padded()
-            if len(dtypes) == 1:
-                (dtype,) = dtypes
-                sizes = [p.padded_numel for p, _ in items]
-                flat = torch.empty(sum(sizes), dtype=dtype, device=items[0][1].device)
-                if all(p.padded.dtype == dtype for p, _ in items):
-                    chunk_cat([p.padded for p, _ in items], 0, 1, out=flat.view(1, -1))
-                else:
-                    torch._foreach_copy_(list(flat.split(sizes)), [p.padded.reshape(-1) for p, _ in items])
-                dst = [o.view(W, n) for (_, o), n in zip(items, sizes)]
+            for i in lay.items:
+                params[i].sync_padded()
+            if lay.mode == "same":  # one concatenation of the padded shards
+                flat = torch.cat(lay.sources)
+            elif lay.mode == "cast":  # cast inside the copies
+                flat = torch.empty(lay.total, dtype=lay.dtype, device=lay.sources[0].device)
+                torch._foreach_copy_(list(flat.split(lay.sizes)), lay.sources)
             else:  # mixed dtypes travel as bytes
-                srcs = [p.padded.to(o.dtype).reshape(-1).view(torch.uint8) for p, o in items]
-                sizes = [s.numel() for s in srcs]
-                flat = torch.empty(sum(sizes), dtype=torch.uint8, device=items[0][1].device)
-                chunk_cat(srcs, 0, 1, out=flat.view(1, -1))
-                dst = [o.view(-1).view(torch.uint8).view(W, n) for (_, o), n in zip(items, sizes)]
-        return comm.all_gather(flat, self.info.mesh, self.info.dp_dim, async_op=True), sizes, dst
+                flat = torch.cat([params[i].padded.to(outs[i].dtype).reshape(-1).view(torch.uint8) for i in lay.items])
+        return comm.all_gather(flat, self.info.mesh, self.info.dp_dim, async_op=True), lay.sizes, targets
+
+    def gather_targets(self, raw: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Where the all-gather's ``(W, total)`` stack is split into: each gathered parameter's
+        unsharded buffer as ``(W, its share)`` (bytes when dtypes are mixed)."""
+        lay, W = self.layout(), self.info.world
+        if lay.mode == "bytes":
+            return [raw[i].view(-1).view(torch.uint8).view(W, n) for i, n in zip(lay.items, lay.sizes)]
+        return [raw[i].view(W, n) for i, n in zip(lay.items, lay.sizes)]
 
     @staticmethod
     def all_gather_finish(pending: tuple | None) -> None:
@@ -153,7 +181,11 @@ class ParamGroup:
             return
         work, sizes, dst = pending
         with torch.no_grad():
-            split_with_sizes_copy(work.wait(), sizes, dim=1, out=dst)
+            stack = work.wait()
+            if stack.is_cuda:
+                split_with_sizes_copy(stack, sizes, dim=1, out=dst)  # one launch (Triton)
+            else:
+                torch.split_with_sizes_copy(stack, sizes, dim=1, out=dst)
 
     # -- reduce-scatter --------------------------------------------------------------------
     def reduce_grads(self, params: Sequence[FSDPParam], grads: Sequence[torch.Tensor | None]) -> list[DTensor | None]:
@@ -194,7 +226,10 @@ class ParamGroup:
         n_out = sum(p.padded_numel for _, p, _ in todo)
         flat = torch.empty((W, n_out), dtype=rdtype, device=grads_in[0].device)
         with torch.no_grad():
-            chunk_cat(grads_in, 0, W, out=flat)
+            if flat.is_cuda or flat.numel() * flat.element_size() >= _OWN_CHUNK_CAT_BYTES:
+                chunk_cat(grads_in, 0, W, out=flat)  # CUDA: one Triton launch; CPU: memcpy-speed copies
+            else:
+                torch._chunk_cat(grads_in, 0, W, out=flat)  # small: torch's fixed cost is lower
             red = self._average(flat)
         off = 0
         for i, p, _ in todo:
@@ -240,6 +275,24 @@ class ParamGroup:
         return redistribute_local(g._local_tensor, g._spec, target)
 
 
+class _Layout:
+    """How a group's shards travel in its all-gather (``ParamGroup.layout``)."""
+
+    def __init__(self, group: ParamGroup) -> None:
+        params = group.params
+        self.items = [i for i, p in enumerate(params) if p.padded_numel > 0]
+        dtypes = {group.compute_dtype(params[i]) for i in self.items}
+        self.dtype = next(iter(dtypes)) if len(dtypes) == 1 else torch.uint8
+        if len(dtypes) > 1:
+            self.mode = "bytes"
+            self.sizes = [params[i].padded_numel * group.compute_dtype(params[i]).itemsize for i in self.items]
+        else:
+            self.mode = "same" if all(params[i].padded.dtype == self.dtype for i in self.items) else "cast"
+            self.sizes = [params[i].padded_numel for i in self.items]
+        self.total = sum(self.sizes)
+        self.sources = [params[i].padded.view(-1) for i in self.items]  # ``padded`` is never replaced
+
+
 def _widens(src: torch.dtype, dst: torch.dtype) -> bool:
     return src.is_floating_point and dst.is_floating_point and torch.finfo(dst).bits > torch.finfo(src).bits
 
@@ -277,7 +330,7 @@ def unsharded_with_grad(handle: Unsharded) -> list[torch.Tensor]:
     """The tensors the forward uses: trainable ones through ``_Unshard`` (when grad is enabled)."""
     params = handle.group.params
     views = list(handle.views)
-    idx = tuple(i for i, p in enumerate(params) if p.requires_grad and p.sharded.requires_grad)
+    idx = tuple([i for i, p in enumerate(params) if p.requires_grad and p.sharded.requires_grad])
     if idx and torch.is_grad_enabled():
         outs = _Unshard.apply(handle, idx, *[params[i].sharded for i in idx])
         for i, o in zip(idx, outs):

@@ -113,9 +113,8 @@ class FSDPParam:
         if self.spec.local_shape != tuple(local.shape):
             raise AssertionError(f"FSDP layout of {self.fqn}: spec {self.spec} gives local shape "
                                  f"{self.spec.local_shape}, the padded shard has {tuple(local.shape)}")
-        sharded: Any = nn.Parameter(DTensor(local, self.spec), requires_grad=param.requires_grad)
-        sharded._local_tensor = local
-        self.sharded = sharded
+        self.sharded: Any = nn.Parameter(DTensor(local, self.spec), requires_grad=param.requires_grad)
+        self._point_at_padded()
 
     @property
     def fqn(self) -> str:
@@ -163,12 +162,18 @@ class FSDPParam:
     def sync_padded(self) -> None:
         """Re-point the sharded parameter at ``padded`` if something replaced its local tensor."""
         local = self.sharded._local_tensor
+        if local is self._local and local.data_ptr() == self._local_ptr:  # the one this object set (hot path)
+            return
         if local.untyped_storage().data_ptr() == self.padded.untyped_storage().data_ptr() and \
                 local.data_ptr() == self.padded.data_ptr() and tuple(local.shape) == (self.rows, *self.rest):
             return
         with torch.no_grad():
             self.padded[: self.rows].copy_(local)
-        self.sharded._local_tensor = self.padded.narrow(0, 0, self.rows)
+        self._point_at_padded()
+
+    def _point_at_padded(self) -> None:
+        local = self.sharded._local_tensor = self.padded.narrow(0, 0, self.rows)
+        self._local, self._local_ptr = local, local.data_ptr()
 
     def wrap_grad(self, local: torch.Tensor) -> DTensor:
         return DTensor(local, self.spec)
