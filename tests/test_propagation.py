@@ -385,3 +385,29 @@ def test_spec_build_still_checks_its_arguments():
         return errors
 
     assert all(e is not None for e in spmd(body, 2)[0])
+
+
+def test_size_one_mesh_dims_move_nothing_and_hit():
+    """Placements that differ only on mesh dims of one rank hold the same local tensors: such a
+    decision runs on the inputs as they are (and is cached for the hit path), and redistributing
+    between them returns the local tensor itself."""
+    from shardtensor.propagation.engine import HOT_HITS
+
+    def body():
+        mesh = init_device_mesh("cpu", (1,))
+        g = torch.Generator().manual_seed(3)
+        b, x, w = (torch.randn(*s, generator=g) for s in ((5,), (3, 4), (4, 5)))
+        db = distribute_tensor(b, mesh, [R])
+        dx, dw = distribute_tensor(x, mesh, [S1]), distribute_tensor(w, mesh, [S0])
+        outs, hits = [], []
+        for _ in range(3):
+            before = HOT_HITS.n
+            outs.append(torch.addmm(db, dx, dw).full_tensor())
+            hits.append(HOT_HITS.n - before)
+        p = DTensor.from_local(x.clone(), mesh, [P])
+        same = [dx.redistribute(mesh, [R])._local_tensor is dx._local_tensor,
+                p.redistribute(mesh, [R])._local_tensor is p._local_tensor]
+        return [torch.allclose(o, torch.addmm(b, x, w)) for o in outs], hits, same
+
+    close, hits, same = spmd(body, 1)[0]
+    assert all(close) and hits[1:] == [1, 1] and all(same), (close, hits, same)

@@ -126,6 +126,26 @@ def interned(spec: DTensorSpec) -> DTensorSpec:
     return got
 
 
+def same_local(have: DTensorSpec, want: DTensorSpec) -> bool:
+    """Whether every rank's local tensor is the same under ``have`` and ``want``: they differ at
+    most on mesh dims of size one (a shard, a replica and a partial term of one rank are all the
+    whole value).  Propagation then runs an op on its inputs as they are (and the dispatcher may
+    cache the decision), and redistributing between them moves nothing."""
+    if have is want:
+        return True
+    if have.shape != want.shape or have.stride != want.stride or have.dtype != want.dtype or have.mesh != want.mesh:
+        return False
+    return _effective(have) == _effective(want)
+
+
+def _effective(spec: DTensorSpec) -> tuple:
+    """The placements and shard order of ``spec`` on the mesh dims with more than one rank."""
+    ks = spec.mesh.shape
+    pl = tuple(p if ks[j] > 1 else None for j, p in enumerate(spec.placements))
+    order = tuple((d, kept) for d, js in spec.shard_order if (kept := tuple(j for j in js if ks[j] > 1)))
+    return pl, order
+
+
 def placements_text(specs: Sequence["DTensorSpec | None"]) -> str:
     """The input placements of an op as errors and warnings print them: ``(S(0)), (R, P(sum))``."""
     return ", ".join(display(s.placements, s.shard_order) for s in specs if s is not None)

@@ -196,15 +196,16 @@ def issue(kind: str, group: Group, mesh_dim: MeshDims, t: torch.Tensor, extra: t
     ``kind`` is all_gather, all_reduce, reduce_scatter or all_to_all; ``extra`` holds the
     reduce op of the reducing ones.
     """
-    b = _bytes(kind, t, len(group))
-    return _recorded(kind, group, mesh_dim, t, b, b,
+    return _recorded(kind, group, mesh_dim, t, None, None,
                      lambda tr, a: getattr(tr, kind)(t, *extra, group, async_op=a), async_op)
 
 
-def _recorded(kind: str, group: Group, mesh_dim: MeshDims, t: torch.Tensor, sent: int, received: int,
-              call: Callable[[Transport, bool], Any], async_op: bool = False) -> Any:
+def _recorded(kind: str, group: Group, mesh_dim: MeshDims, t: torch.Tensor, sent: int | None,
+              received: int | None, call: Callable[[Transport, bool], Any], async_op: bool = False) -> Any:
     """``call(transport, async_op)`` on the calling rank's transport, reported to the listeners
-    when complete (at ``wait()`` for async work).  The one place a transport is called from."""
+    when complete (at ``wait()`` for async work).  The one place a transport is called from.
+    ``sent``/``received`` of ``None``: the ring model's bytes of ``kind`` on ``t`` (worked out
+    only when someone listens)."""
     tr = current_transport()
     if len(group) == 1:
         out = call(tr, False)
@@ -212,12 +213,15 @@ def _recorded(kind: str, group: Group, mesh_dim: MeshDims, t: torch.Tensor, sent
     t0 = time.perf_counter()
 
     def done(out: Any) -> Any:
-        record(kind, mesh_dim, group, tr.rank, sent, received, t.dtype, tuple(t.shape), time.perf_counter() - t0,
-               tr.name, tr.world_id)
+        if _listeners:
+            ring = _bytes(kind, t, len(group))
+            record(kind, mesh_dim, group, tr.rank, ring if sent is None else sent,
+                   ring if received is None else received, t.dtype, tuple(t.shape), time.perf_counter() - t0,
+                   tr.name, tr.world_id)
         return out
 
     if async_op:
-        return call(tr, True).then(done)
+        return call(tr, True).chain(done)
     return done(call(tr, False))
 
 

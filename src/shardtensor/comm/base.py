@@ -107,6 +107,15 @@ class Work:
         """A handle whose result is ``fn(self.wait())``, computed once, at its own first wait."""
         return Work(self.wait, self.is_completed, fn)
 
+    def chain(self, fn: Callable[[Any], Any]) -> "Work":
+        """This handle with ``fn`` run on its result after its own ``post`` (``then`` without a
+        second handle): only for a handle nobody else holds yet, such as one just issued."""
+        if self._done:
+            return self.then(fn)
+        post = self._post
+        self._post = fn if post is None else (lambda x: fn(post(x)))
+        return self
+
     def __repr__(self) -> str:
         state = "failed" if self._error is not None else "done" if self._done else "pending"
         return f"<{type(self).__name__} {state}>"

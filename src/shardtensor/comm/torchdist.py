@@ -46,6 +46,7 @@ class TorchDistTransport(Transport):
         self.name = f"torch.distributed/{self.backend}"
         self.timeout = timedelta(seconds=timeout)
         self._groups: dict[Group, dist.ProcessGroup] = {}
+        self._found: dict[Group, tuple[dist.ProcessGroup, list[int] | None]] = {}  # _pg's answers
 
     def prepare_groups(self, groups: list[Group]) -> None:
         for g in groups:
@@ -55,11 +56,13 @@ class TorchDistTransport(Transport):
 
     def _pg(self, group: Group) -> tuple[dist.ProcessGroup, list[int] | None]:
         """Process group and, if the group's order is not ascending, the permutation to apply."""
-        key = tuple(sorted(group))
-        if key not in self._groups:
-            raise RuntimeError(f"no process group for ranks {group}; build meshes on every rank in the same order")
-        perm = None if key == group else [key.index(r) for r in group]
-        return self._groups[key], perm
+        got = self._found.get(group)
+        if got is None:
+            key = tuple(sorted(group))
+            if key not in self._groups:
+                raise RuntimeError(f"no process group for ranks {group}; build meshes on every rank in the same order")
+            got = self._found[group] = (self._groups[key], None if key == group else [key.index(r) for r in group])
+        return got
 
     def _native_avg(self) -> bool:
         return self.backend == "nccl"

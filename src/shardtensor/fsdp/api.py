@@ -46,6 +46,7 @@ class FSDPState:
         self._graph_built = False
         self._callback_queued = False
         self.root: FSDPState = self
+        self.tree: list[FSDPState] = []  # root only: every state under it, found at the first forward
         self.order: list[FSDPState] | None = None  # root only: pre-forward order of the first forward
         self.post_order: list[FSDPState] = []  # root only: its post-forward order (reversed: backward's)
         self.recording = False
@@ -58,7 +59,8 @@ class FSDPState:
     # -- hooks ----------------------------------------------------------------------------
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.is_root is None:
-            for s in self.states_in_tree():
+            self.tree = self.states_in_tree()  # fixed from the first forward on, as in FSDP2
+            for s in self.tree:
                 if s.is_root is None:
                     s.is_root = False
                     s.root = self
@@ -86,7 +88,7 @@ class FSDPState:
         """Root, at each forward: record the order once; drop prefetches a forward left unused."""
         if self.order is None:
             self.order, self.post_order, self.recording = [], [], True
-        for s in self.states_in_tree():
+        for s in self.tree:
             s.group.drop_prefetch()
 
     def _prefetch_targets(self, forward: bool) -> list["FSDPState"]:
@@ -137,7 +139,7 @@ class FSDPState:
     def _finalize_backward(self) -> None:
         """End of backward (root): free unsharded buffers whose gradients never came."""
         self._callback_queued = False
-        for s in self.states_in_tree():
+        for s in self.tree:
             for h in list(s.group.live):
                 h.free()
             s.group.live.clear()

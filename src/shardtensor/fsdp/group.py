@@ -18,6 +18,7 @@ accumulates them into ``param.grad``.
 from __future__ import annotations
 
 import functools
+import math
 import weakref
 from typing import Any, Sequence
 
@@ -40,19 +41,24 @@ speed; below it ``torch._chunk_cat`` costs less per call (``benchmarks/README.md
 
 
 class Unsharded:
-    """The unsharded buffers of one forward call (``None`` slot: a zero-element parameter)."""
+    """The unsharded buffers of one forward call: views into one byte storage per device, so a
+    free or a refill is one storage resize, whatever the number of parameters."""
 
     def __init__(self, group: "ParamGroup") -> None:
         self.group = group
-        dtype_of = group.compute_dtype
-        self.buffers: list[torch.Tensor] = []
-        for p in group.params:
-            buf = torch.empty((group.info.world * p.c, *p.rest), dtype=dtype_of(p), device=p.padded.device)
-            self.buffers.append(buf)
-        self.raw = [b.data for b in self.buffers]  # own version counters: refills are invisible to autograd
+        flats: dict[torch.device, torch.Tensor] = {}
+        for dev, nbytes in group.layout().storage_bytes.items():
+            flats[dev] = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        raws = {dev: f.data for dev, f in flats.items()}  # own version counters: refills are invisible to autograd
+        spots = group.layout().spots
+        self.buffers = [_carve(flats, spot) for spot in spots]
+        self.raw = [_carve(raws, spot) for spot in spots]
+        self.storages = [r.untyped_storage() for r in raws.values()]
+        self.nbytes = [st.nbytes() for st in self.storages]
         self.targets = group.gather_targets(self.raw)  # views stay valid across frees and refills
-        self.nbytes = [b.untyped_storage().nbytes() for b in self.buffers]
         self.views = [p.unsharded_view(b) for p, b in zip(group.params, self.buffers)]
+        for st in self.storages:
+            st.resize_(0)
         self.freed = True
         self.pending: tuple | None = None
 
@@ -70,9 +76,9 @@ class Unsharded:
         """Copy-in and issue the all-gather without waiting for it (a prefetch)."""
         if self.pending is not None:
             return
-        for raw, n in zip(self.raw, self.nbytes):
-            if raw.untyped_storage().nbytes() != n:
-                raw.untyped_storage().resize_(n)
+        for st, n in zip(self.storages, self.nbytes):
+            if st.nbytes() != n:
+                st.resize_(n)
         self.pending = self.group.all_gather_start(self.raw, self.targets)
 
     def free(self) -> None:
@@ -80,8 +86,8 @@ class Unsharded:
             self.gather()  # a collective in flight completes before its buffers go
         if self.freed:
             return
-        for raw in self.raw:
-            raw.untyped_storage().resize_(0)
+        for st in self.storages:
+            st.resize_(0)
         self.freed = True
 
 
@@ -154,16 +160,17 @@ class ParamGroup:
         if not lay.items:
             return None
         params = self.params
-        with torch.no_grad():
-            for i in lay.items:
-                params[i].sync_padded()
-            if lay.mode == "same":  # one concatenation of the padded shards
-                flat = torch.cat(lay.sources)
-            elif lay.mode == "cast":  # cast inside the copies
-                flat = torch.empty(lay.total, dtype=lay.dtype, device=lay.sources[0].device)
-                torch._foreach_copy_(list(flat.split(lay.sizes)), lay.sources)
-            else:  # mixed dtypes travel as bytes
-                flat = torch.cat([params[i].padded.to(outs[i].dtype).reshape(-1).view(torch.uint8) for i in lay.items])
+        # no autograd context needed here or in the finish: the padded shards and the buffers
+        # never require grad, so nothing is recorded
+        for i in lay.items:
+            params[i].sync_padded()
+        if lay.mode == "same":  # one concatenation of the padded shards
+            flat = torch.cat(lay.sources)
+        elif lay.mode == "cast":  # cast inside the copies
+            flat = torch.empty(lay.total, dtype=lay.dtype, device=lay.sources[0].device)
+            torch._foreach_copy_(list(flat.split(lay.sizes)), lay.sources)
+        else:  # mixed dtypes travel as bytes
+            flat = torch.cat([params[i].padded.to(outs[i].dtype).reshape(-1).view(torch.uint8) for i in lay.items])
         return comm.all_gather(flat, self.info.mesh, self.info.dp_dim, async_op=True), lay.sizes, targets
 
     def gather_targets(self, raw: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -180,12 +187,11 @@ class ParamGroup:
         if pending is None:
             return
         work, sizes, dst = pending
-        with torch.no_grad():
-            stack = work.wait()
-            if stack.is_cuda:
-                split_with_sizes_copy(stack, sizes, dim=1, out=dst)  # one launch (Triton)
-            else:
-                torch.split_with_sizes_copy(stack, sizes, dim=1, out=dst)
+        stack = work.wait()
+        if stack.is_cuda:
+            split_with_sizes_copy(stack, sizes, dim=1, out=dst)  # one launch (Triton)
+        else:
+            torch.split_with_sizes_copy(stack, sizes, dim=1, out=dst)
 
     # -- reduce-scatter --------------------------------------------------------------------
     def reduce_grads(self, params: Sequence[FSDPParam], grads: Sequence[torch.Tensor | None]) -> list[DTensor | None]:
@@ -291,6 +297,25 @@ class _Layout:
             self.sizes = [params[i].padded_numel for i in self.items]
         self.total = sum(self.sizes)
         self.sources = [params[i].padded.view(-1) for i in self.items]  # ``padded`` is never replaced
+        # where each unsharded buffer lives: (device, byte offset, dtype, shape), offsets aligned
+        self.storage_bytes: dict[torch.device, int] = {}
+        self.spots: list[tuple[torch.device, int, torch.dtype, tuple[int, ...]]] = []
+        for p in params:
+            dev, dtype = p.padded.device, group.compute_dtype(p)
+            shape = (group.info.world * p.c, *p.rest)
+            at = self.storage_bytes.get(dev, 0)
+            self.spots.append((dev, at, dtype, shape))
+            self.storage_bytes[dev] = at + -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
+
+
+_ALIGN = 64  # bytes: every buffer starts where any dtype (and vector loads) may
+
+
+def _carve(flats: dict[torch.device, torch.Tensor], spot: tuple) -> torch.Tensor:
+    """The buffer at ``spot`` (device, byte offset, dtype, shape) of the byte storages ``flats``."""
+    dev, at, dtype, shape = spot
+    n = math.prod(shape) * dtype.itemsize
+    return flats[dev].narrow(0, at, n).view(dtype).view(shape)
 
 
 def _widens(src: torch.dtype, dst: torch.dtype) -> bool:
@@ -330,7 +355,8 @@ def unsharded_with_grad(handle: Unsharded) -> list[torch.Tensor]:
     """The tensors the forward uses: trainable ones through ``_Unshard`` (when grad is enabled)."""
     params = handle.group.params
     views = list(handle.views)
-    idx = tuple([i for i, p in enumerate(params) if p.requires_grad and p.sharded.requires_grad])
+    with torch._C.DisableTorchFunctionSubclass():  # plain attribute reads, not DTensor's handler
+        idx = tuple([i for i, p in enumerate(params) if p.requires_grad and p.sharded.requires_grad])
     if idx and torch.is_grad_enabled():
         outs = _Unshard.apply(handle, idx, *[params[i].sharded for i in idx])
         for i, o in zip(idx, outs):

@@ -29,7 +29,7 @@ import torch
 
 from ..errors import PropagationError
 from ..placement import Partial, Placement, Replicate, Shard
-from ..spec import DTensorSpec, placements_text
+from ..spec import DTensorSpec, placements_text, same_local
 from .call import Decision
 
 __all__ = ["Candidate", "decide", "finish", "select", "pick", "expand", "dedupe", "input_cost", "out_specs",
@@ -258,13 +258,14 @@ def finish(call, required: dict[int, Pl] | dict[int, DTensorSpec], output: Any, 
             want = s.with_placements(pl, None if order is None else order(pos, s, pl))
         if want != s:
             inputs[pos] = want
-            moved = True
+            moved = moved or not same_local(s, want)
     if reorder_all:
         for i, s in enumerate(inputs):
             if s is not None and not s.is_default_order:
                 inputs[i] = s.with_placements(s.placements)
-                moved = True
+                moved = moved or not same_local(s, inputs[i])
     return Decision(tuple(inputs), output, moved, local_args, kernel)
+
 
 
 def decide(call, cands: Sequence[Candidate] | Candidate, *, kernel: Callable | None = None,

@@ -15,6 +15,7 @@ from ..comm.base import Completed, Work
 from ..mesh import DeviceMesh
 from ..placement import NormPartial, Partial, Replicate, Shard, chunk, local_shape_and_offset
 from .exchange import blocks
+from ..spec import same_local
 from .planner import plan_for
 from .steps import ExchangeStep, FlatStep, Step
 
@@ -248,6 +249,8 @@ def redistribute_local(t: torch.Tensor, src_spec, dst_spec, async_op: bool = Fal
         return t
     if src_spec.placements == dst_spec.placements and src_spec.shard_order == dst_spec.shard_order:
         return t
+    if t.shape == src_spec.shape and same_local(src_spec, dst_spec.with_dtype(src_spec.dtype)):
+        return t  # they differ only on mesh dims of one rank
     for j, (a, b) in enumerate(zip(src_spec.placements, dst_spec.placements)):
         if isinstance(a, Shard) and isinstance(b, Partial) and mesh.shape[j] > 1:
             raise RuntimeError(f"redistributing {a} to {b} on mesh dim {j} is not supported in the forward pass")
