@@ -470,13 +470,17 @@ class Twice(nn.Module):
         return self.head(self.blk(self.blk(self.emb(tokens))))
 
 
-def _twice_build() -> Twice:
-    m = Twice()
-    g = torch.Generator().manual_seed(7)
+def _seeded(m: nn.Module, scale: float, seed: int = 7) -> nn.Module:
+    """``m`` with every parameter drawn from a private generator (safe in rank threads)."""
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in m.parameters():
-            p.copy_(0.3 * torch.randn(p.shape, generator=g))
+            p.copy_(scale * torch.randn(p.shape, generator=g))
     return m
+
+
+def _twice_build() -> nn.Module:
+    return _seeded(Twice(), 0.3)
 
 
 def _twice_train(model: nn.Module, rows: slice, full) -> tuple[list[float], list[torch.Tensor]]:
@@ -539,12 +543,7 @@ class TPMLP(nn.Module):
 
 
 def _tp_build() -> nn.Module:
-    m = TPMLP()
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(0.4 * torch.randn(p.shape, generator=g))
-    return m
+    return _seeded(TPMLP(), 0.4)
 
 
 def _tp_batch(step: int):
