@@ -46,16 +46,14 @@ class Unsharded:
 
     def __init__(self, group: "ParamGroup") -> None:
         self.group = group
-        flats: dict[torch.device, torch.Tensor] = {}
-        for dev, nbytes in group.layout().storage_bytes.items():
-            flats[dev] = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        lay = group.layout()
+        flats = {dev: torch.empty(n, dtype=torch.uint8, device=dev) for dev, n in lay.storage_bytes.items()}
         raws = {dev: f.data for dev, f in flats.items()}  # own version counters: refills are invisible to autograd
-        spots = group.layout().spots
-        self.buffers = [_carve(flats, spot) for spot in spots]
-        self.raw = [_carve(raws, spot) for spot in spots]
+        self.buffers = [_carve(flats, spot) for spot in lay.spots]
         self.storages = [r.untyped_storage() for r in raws.values()]
         self.nbytes = [st.nbytes() for st in self.storages]
-        self.targets = group.gather_targets(self.raw)  # views stay valid across frees and refills
+        # where copy-out writes: views stay valid across frees and refills
+        self.targets = group.gather_targets([_carve(raws, spot) for spot in lay.spots])
         self.views = [p.unsharded_view(b) for p, b in zip(group.params, self.buffers)]
         for st in self.storages:
             st.resize_(0)
@@ -79,7 +77,7 @@ class Unsharded:
         for st, n in zip(self.storages, self.nbytes):
             if st.nbytes() != n:
                 st.resize_(n)
-        self.pending = self.group.all_gather_start(self.raw, self.targets)
+        self.pending = self.group.all_gather_start(self.targets)
 
     def free(self) -> None:
         if self.pending is not None:
@@ -153,9 +151,9 @@ class ParamGroup:
             self._layout = _Layout(self)
         return self._layout
 
-    def all_gather_start(self, outs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> tuple | None:
+    def all_gather_start(self, targets: Sequence[torch.Tensor]) -> tuple | None:
         """Copy-in and the all-gather issued asynchronously; ``all_gather_finish`` completes it by
-        splitting the stack into ``targets`` (``gather_targets`` of ``outs``)."""
+        splitting the stack into ``targets`` (``gather_targets`` of a handle's buffers)."""
         lay = self.layout()
         if not lay.items:
             return None
@@ -170,7 +168,8 @@ class ParamGroup:
             flat = torch.empty(lay.total, dtype=lay.dtype, device=lay.sources[0].device)
             torch._foreach_copy_(list(flat.split(lay.sizes)), lay.sources)
         else:  # mixed dtypes travel as bytes
-            flat = torch.cat([params[i].padded.to(outs[i].dtype).reshape(-1).view(torch.uint8) for i in lay.items])
+            flat = torch.cat([params[i].padded.to(self.compute_dtype(params[i])).reshape(-1).view(torch.uint8)
+                              for i in lay.items])
         return comm.all_gather(flat, self.info.mesh, self.info.dp_dim, async_op=True), lay.sizes, targets
 
     def gather_targets(self, raw: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -267,7 +267,6 @@ def finish(call, required: dict[int, Pl] | dict[int, DTensorSpec], output: Any, 
     return Decision(tuple(inputs), output, moved, local_args, kernel)
 
 
-
 def decide(call, cands: Sequence[Candidate] | Candidate, *, kernel: Callable | None = None,
            kernel_for: Callable[[Candidate], Callable | None] | None = None, local_args: Callable | None = None,
            meta: Any = None):

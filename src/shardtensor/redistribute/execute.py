@@ -14,8 +14,8 @@ from ..async_tensor import AsyncLocalTensor
 from ..comm.base import Completed, Work
 from ..mesh import DeviceMesh
 from ..placement import NormPartial, Partial, Replicate, Shard, chunk, local_shape_and_offset
-from .exchange import blocks
 from ..spec import same_local
+from .exchange import blocks
 from .planner import plan_for
 from .steps import ExchangeStep, FlatStep, Step
 
