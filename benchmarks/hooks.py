@@ -189,8 +189,10 @@ def main() -> int:
         cmd = [sys.executable, __file__, "--child", "--worlds", str(world), "--rounds", str(rounds),
                "--steps", str(args.steps)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True, env=env,
-                                        timeout=1800).stdout.strip().splitlines()[-1])
+        run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+        if run.returncode != 0:
+            raise SystemExit(f"the world-{world} child failed (exit {run.returncode}):\n{run.stderr[-4000:]}")
+        res = json.loads(run.stdout.strip().splitlines()[-1])
         for name, t in res.items():
             plain = t["plain"]
             print(f"\nworld {world}, {name}: plain {plain * 1e3:.2f} ms")
