@@ -3,12 +3,12 @@
 The graph, its costs and the bound are described in docs/redistribution.md ("How the planner
 searches").  Read top-down: ``search`` sets up a ``_Problem`` (tables of the mesh, facts of the
 target), then pops states in order of a lower bound of their total cost; ``_Problem.decode``
-reads a state, ``_Problem.moves`` lists its edges with the bound's inputs after each, and
+reads a state, ``_Problem.expand`` queues its successors priced with the bound, and
 ``_to_steps`` turns the moves of the cheapest path into ``Step``s.
 
-The bound of a state is a function of six numbers (``_Problem.bound``): products of the mesh
-sizes per category (sharding, replicated but headed for a shard, partial still to reduce,
-free) and the weights of the moves still needed.  A move changes one mesh dim's category, so a
+The bound of a state is a function of six numbers (``_Problem.expand`` spells it out):
+products of the mesh sizes per category (sharding, replicated but headed for a shard, partial
+still to reduce, free) and the weights of the moves still needed.  A move changes one mesh dim's category, so a
 successor's numbers are its parent's with one mesh dim's share swapped: pricing a successor
 costs a dozen integer operations, not a decode.
 """
@@ -89,10 +89,10 @@ def search(mesh_shape: tuple[int, ...], links: tuple[LinkModel, ...], src: tuple
             found = st
             break
         dec = requeued.pop(st, None) or pb.decode(st)
-        if dec[-1] > 1 and st not in cycles_priced:
+        if len(dec[-1]) > 1 and st not in cycles_priced:
             # shards waiting for each other's places: priced once per state, when first popped
             cycles_priced.add(st)
-            extra = pb.cycle_extra(dec)
+            extra = _cycle_extra(dec[-1])
             if extra:
                 requeued[st] = dec
                 heapq.heappush(pq, (f + extra, ng, st))
@@ -168,6 +168,7 @@ class _Problem:
             T[d] = js
         self.T = T
         self.TL = [len(x) for x in T]
+        self.TDIMS = [d for d in range(N) if T[d]]
         self.S = S
         self._bound_tables(S)
 
@@ -209,8 +210,8 @@ class _Problem:
     def decode(self, st: int) -> tuple:
         """Per-state facts: codes per mesh dim, list heights, padded sizes, the local volume, per
         tensor dim the mesh dim that would land in its final place, whether an entry is still
-        pending; the bound's six numbers and each mesh dim's share of them; the count of
-        misplaced shards headed for another tensor dim (candidates for waiting cycles)."""
+        pending; the bound's six numbers and each mesh dim's share of them; the misplaced shards
+        headed for another tensor dim as ``(from, to, weight)`` edges (waiting-cycle candidates)."""
         m, N, ks, CD, CP, T, TL = self.m, self.N, self.ks, self.CD, self.CP, self.T, self.TL
         MASK = self.MASK
         codes = [(st >> s) & MASK for s in self.SH]
@@ -229,21 +230,22 @@ class _Problem:
         TN = [-1] * N  # the mesh dim whose push onto d lands in its final place
         FL = [0] * N  # length of d's final prefix
         PD = [0] * N  # 1 if d still waits for a target entry above its final prefix
-        for d in range(N):
-            t, h, base = T[d], H[d], d * m
+        for d in self.TDIMS:  # a dim with no target entries has FL 0, PD 0, TN -1
+            t, h, base, tl = T[d], H[d], d * m, TL[d]
             p = 0
-            while p < h and p < TL[d] and at[base + p] == t[p]:
+            while p < h and p < tl and at[base + p] == t[p]:
                 p += 1
             FL[d] = p
-            if p < TL[d]:
+            if p < tl:
                 PD[d] = self.PK[d][p]
                 if p == h:
                     TN[d] = t[h]
         # the bound's numbers: products of sizes of sharding (Kf), replicated-to-shard (KC),
         # partial-to-reduce (KP) and free (KO) mesh dims; move weights A2 and latency LT
-        tS, TD, LU, AU, AU2 = self.tS, self.TD, self.LAT1, self.AU, self.AU2
+        tS, TD, LU, AU, AU2, CYW = self.tS, self.TD, self.LAT1, self.AU, self.AU2, self.CYW
         Kf = KC = KP = KO = 1
-        A2 = LT = ncyc = 0
+        A2 = LT = 0
+        cyc = []
         own = [0] * m
         ownl = [0] * m
         for j in range(m):
@@ -269,51 +271,39 @@ class _Problem:
                             w = AU2[j]
                         else:
                             w = AU[j]
-                            ncyc += 1
+                            cyc.append((d, TD[j], CYW[j]))
                     else:
                         w = AU[j] if PD[d] else 0  # it blocks a pending target entry below it
                     A2 += w
                     own[j] = w
                     LT += LU[j]
                     ownl[j] = LU[j]
-        return codes, H, n, math.prod(n), FL, TN, PD, (Kf, KC, KP, KO, A2, LT), own, ownl, ncyc
-
-    def bound(self, Kf: int, KC: int, KP: int, KO: int, A2: int, LT: int) -> int:
-        """A lower bound of the cost to the goal from the bound's six numbers (docs/redistribution.md):
-        the change of local volume to the goal's, the entries (chunks weigh 1, reductions 2) taken
-        with the free mesh dims sharded or not, whichever is less, plus the moves and the latency."""
-        x1, x2 = self.volume_terms(Kf, KC, KP, KO)
-        v = min(x1 + KO * A2, x2 + A2)
-        return (v * self.hmul if v > 0 else 0) + LT
-
-    def volume_terms(self, Kf: int, KC: int, KP: int, KO: int) -> tuple[int, int]:
-        """The bound's two volume terms (free mesh dims sharded, or not), before the moves:
-        successors that differ only in their moves share them (``expand``)."""
-        A = self.XS // Kf
-        C2 = KC * KO
-        return (self.PHIEND + A // KC - 2 * (A // (KC * KP)),
-                self.PHIEND + A // C2 - 2 * (A // (C2 * KP)))
-
-    def cycle_extra(self, dec: tuple) -> int:
-        return _cycle_extra(dec[0], self.CD, self.TD, dec[4], self.tS, self.m, self.CYW)
+        return codes, H, n, math.prod(n), FL, TN, PD, (Kf, KC, KP, KO, A2, LT), own, ownl, cyc
 
     def expand(self, st: int, g: int, dec: tuple, best: dict, prev: dict, pq: list) -> None:
         """Queue every successor of ``st`` reached more cheaply than before, priced ``g + cost + bound``.
 
         Pushes onto an empty twin, or onto a saturated dim (padded piece <= 1 element) that is not
         the mover's target, are pruned: they cannot lead to a cheaper plan.  A successor's bound
-        numbers are ``st``'s with the moved mesh dim's share swapped, so the bound costs a call,
-        not a decode, and only for successors that are queued."""
+        numbers are ``st``'s with the moved mesh dim's share swapped, so the bound costs a dozen
+        integer operations, not a decode, and only for successors that are queued.
+
+        The bound (docs/redistribution.md), written out in place (this is the search's inner
+        loop): with ``A = XS / Kf``, the volume terms ``x1 = PHIEND + A/KC - 2 A/(KC KP)`` (free
+        mesh dims sharded meanwhile) and ``x2``, the same with ``KC KO`` for ``KC`` (not); the
+        bound is ``min(x1 + KO A2, x2 + A2)`` in bandwidth units, plus the latency ``LT``."""
         codes, H, n, phi, FL, TN, PD, (Kf, KC, KP, KO, A2, LT), own, ownl, _ = dec
         m, N, ks, CD, CP, SH, MASK = self.m, self.N, self.ks, self.CD, self.CP, self.SH, self.MASK
         AG, TD, tS, LU, AU, AU2 = self.AG, self.TD, self.tS, self.LAT1, self.AU, self.AU2
-        bound, push, get = self.bound, heapq.heappush, best.get
-        terms, hmul = self.volume_terms, self.hmul
+        push, get = heapq.heappush, best.get
+        hmul, XS, PE = self.hmul, self.XS, self.PHIEND
         skip = [x <= 1 for x in n]
         for d, e in self.twins:
             if H[d] == 0 and H[e] == 0:
                 skip[d] = True
         pn = [phi // x if x else 0 for x in n]  # the local volume over one piece of each dim
+        pc = [2 + b * m + H[b] for b in range(N)]  # the code of a push onto each dim
+        open_dims = [b for b in range(N) if not skip[b]]
         for j in range(m):
             c = codes[j]
             if c >= 2:
@@ -340,16 +330,26 @@ class _Problem:
             if g2 < get(cleared, _INF):
                 best[cleared] = g2
                 prev[cleared] = (st, j | (_AG if c >= 2 else _AR) << 8)
-                h = bound(kf, kc * k, kp, ko, a2, lt) if ts else bound(kf, kc, kp, ko * k, a2, lt)
-                push(pq, (g2 + h, -g2, cleared))
+                # the bound with j replicated (it is headed for a shard, or free)
+                A = XS // kf
+                kc1, ko1 = (kc * k, ko) if ts else (kc, ko * k)
+                C2 = kc1 * ko1
+                v = PE + A // kc1 - 2 * (A // (kc1 * kp)) + ko1 * a2
+                v2 = PE + A // C2 - 2 * (A // (C2 * kp)) + a2
+                if v2 < v:
+                    v = v2
+                push(pq, (g2 + (v * hmul if v > 0 else 0) + lt, -g2, cleared))
             # to Shard(b), appended last: all-to-all, reduce-scatter or chunk.  Every such
-            # successor has the same volume terms of the bound, so ``bound`` is inlined below
-            x1, x2 = terms(kf * k, kc, kp, ko)
-            agj, luj = AG[j], LU[j]
-            for b in range(N):
-                if b == a or (skip[b] and b != tdj):
+            # successor has the same volume terms of the bound
+            A = XS // (kf * k)
+            C2 = kc * ko
+            x1 = PE + A // kc - 2 * (A // (kc * kp))
+            x2 = PE + A // C2 - 2 * (A // (C2 * kp))
+            agj, luj, auj = AG[j], LU[j], AU[j]
+            for b in (open_dims if tdj < 0 or not skip[tdj] else open_dims + [tdj]):
+                if b == a:
                     continue
-                s2 = cleared | ((2 + b * m + H[b]) << sj)
+                s2 = cleared | (pc[b] << sj)
                 g2 = g + agj * pn[b] * -(-n[b] // k) + luj if c else g
                 if g2 < get(s2, _INF):
                     best[s2] = g2
@@ -357,8 +357,8 @@ class _Problem:
                     if TN[b] == j:  # lands in its final place
                         aa, ll = a2, lt
                     else:
-                        aa = a2 + ((AU2[j] if tdj == b else AU[j]) if ts else (AU[j] if PD[b] else 0))
-                        ll = lt + LU[j]
+                        aa = a2 + ((AU2[j] if tdj == b else auj) if ts else (auj if PD[b] else 0))
+                        ll = lt + luj
                     v = x1 + ko * aa
                     if x2 + aa < v:
                         v = x2 + aa
@@ -444,21 +444,18 @@ def _encode(pl: tuple, order: ShardOrder, m: int, N: int, SH: tuple, what: str) 
     return code
 
 
-def _cycle_extra(codes, CD, TD, FL, tS, m, weight) -> int:
+def _cycle_extra(edges: list[tuple[int, int, int]]) -> int:
     """Cheapest set of extra moves that breaks every waiting cycle among misplaced shards.
 
     A misplaced shard whose target is a shard on another tensor dim is an edge from the tensor
-    dim it sits on to its target dim: every shard sitting on its target list must leave before
-    it arrives.  In a cycle no member can make its first move its final one, so one member
-    moves twice: the extra cost is that of the cheapest edges whose removal leaves no cycle.
+    dim it sits on to its target dim (``decode`` lists them): every shard sitting on its target
+    list must leave before it arrives.  In a cycle no member can make its first move its final
+    one, so one member moves twice: the extra cost is that of the cheapest edges whose removal
+    leaves no cycle.
     """
-    edges = []
-    for j in range(m):
-        c = codes[j]
-        if c >= 2 and tS[j]:
-            d = CD[c]
-            if d != TD[j] and (c - 2) % m >= FL[d]:
-                edges.append((d, TD[j], weight[j]))
+    if len(edges) == 2:  # the common case: a cycle only if the two swap places
+        (a, b, w), (c, d, x) = edges
+        return (w if w < x else x) if a == d and b == c else 0
     return _feedback_cost(tuple(edges)) if len(edges) > 1 else 0
 
 
