@@ -171,6 +171,12 @@ class _Problem:
         self.TDIMS = [d for d in range(N) if T[d]]
         self.S = S
         self._bound_tables(S)
+        # per mesh dim, what ``expand`` reads of it: shift, size, target dim, whether the target
+        # shards, move weights (all-gather, latency, all-to-all, twice that, all-reduce, its
+        # latency), whether a source partial may stay, and the mask that clears its code
+        self.rows = [(self.SH[j], self.ks[j], self.TD[j], self.tS[j], self.AG[j], self.LAT1[j], self.AU[j],
+                      self.AU2[j], self.AR[j], self.LAT2[j], self.compat[j], ~(self.MASK << self.SH[j]))
+                     for j in range(m)]
 
     def _bound_tables(self, S: int) -> None:
         """Constants of the bound (docs/redistribution.md): the volume at the goal, the weight of
@@ -293,8 +299,7 @@ class _Problem:
         mesh dims sharded meanwhile) and ``x2``, the same with ``KC KO`` for ``KC`` (not); the
         bound is ``min(x1 + KO A2, x2 + A2)`` in bandwidth units, plus the latency ``LT``."""
         codes, H, n, phi, FL, TN, PD, (Kf, KC, KP, KO, A2, LT), own, ownl, _ = dec
-        m, N, ks, CD, CP, SH, MASK = self.m, self.N, self.ks, self.CD, self.CP, self.SH, self.MASK
-        AG, TD, tS, LU, AU, AU2 = self.AG, self.TD, self.tS, self.LAT1, self.AU, self.AU2
+        m, N, CD, CP, rows = self.m, self.N, self.CD, self.CP, self.rows
         push, get = heapq.heappush, best.get
         hmul, XS, PE = self.hmul, self.XS, self.PHIEND
         skip = [x <= 1 for x in n]
@@ -310,24 +315,24 @@ class _Problem:
                 a = CD[c]
                 if CP[c] != H[a] - 1:
                     continue  # only the mesh dim last in its list may leave it
-            sj, k, tdj, ts = SH[j], ks[j], TD[j], tS[j]
-            cleared = st & ~(MASK << sj)
+            sj, k, tdj, ts, agj, luj, auj, au2j, arj, lu2j, keep, off = rows[j]
+            cleared = st & off
             # the bound's numbers without mesh dim j
             a2, lt = A2 - own[j], LT - ownl[j]
             if c >= 2:
                 kf, kc, kp, ko = Kf // k, KC, KP, KO
             elif c == 1:
-                kf, kc, kp, ko = (Kf, KC, KP, KO // k) if self.compat[j] else (Kf, KC, KP // k, KO)
+                kf, kc, kp, ko = (Kf, KC, KP, KO // k) if keep else (Kf, KC, KP // k, KO)
             else:
                 kf, kc, kp, ko = Kf, (KC // k if ts else KC), KP, (KO if ts else KO // k)
             # to Replicate: all-gather a shard on top of its list, all-reduce a partial
             if c >= 2:
-                g2, kind = g + AG[j] * phi + LU[j], j | _A2A << 8
+                g2, kind = g + agj * phi + luj, j | _A2A << 8
             elif c == 1:
-                a, g2, kind = -1, g + self.AR[j] * phi + self.LAT2[j], j | _RS << 8
+                a, g2, kind = -1, g + arj * phi + lu2j, j | _RS << 8
             else:
                 a, g2, kind = -1, _INF, j | _CHUNK << 8
-            if g2 < get(cleared, _INF):
+            if c and g2 < get(cleared, _INF):
                 best[cleared] = g2
                 prev[cleared] = (st, j | (_AG if c >= 2 else _AR) << 8)
                 # the bound with j replicated (it is headed for a shard, or free)
@@ -345,7 +350,6 @@ class _Problem:
             C2 = kc * ko
             x1 = PE + A // kc - 2 * (A // (kc * kp))
             x2 = PE + A // C2 - 2 * (A // (C2 * kp))
-            agj, luj, auj = AG[j], LU[j], AU[j]
             for b in (open_dims if tdj < 0 or not skip[tdj] else open_dims + [tdj]):
                 if b == a:
                     continue
@@ -357,7 +361,7 @@ class _Problem:
                     if TN[b] == j:  # lands in its final place
                         aa, ll = a2, lt
                     else:
-                        aa = a2 + ((AU2[j] if tdj == b else auj) if ts else (auj if PD[b] else 0))
+                        aa = a2 + ((au2j if tdj == b else auj) if ts else (auj if PD[b] else 0))
                         ll = lt + luj
                     v = x1 + ko * aa
                     if x2 + aa < v:
