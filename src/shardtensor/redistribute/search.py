@@ -1,28 +1,31 @@
 """The cheapest per-mesh-dim plan between two specs: an A* search over (placements, shard order).
 
 The graph, its costs and the bound are described in docs/redistribution.md ("How the planner
-searches").  Read top-down: ``search`` sets up a ``_Problem`` (tables of the mesh, facts of the
-target), then pops states in order of a lower bound of their total cost; ``_Problem.decode``
-reads a state, ``_Problem.expand`` queues its successors priced with the bound, and
-``_to_steps`` turns the moves of the cheapest path into ``Step``s.
+searches"); states and moves are encoded as ``states.py`` describes.  Read top-down: ``search``
+sets up a ``_Problem`` (tables of the mesh, facts of the target), then pops states in order of a
+lower bound of their total cost; ``_Problem.decode`` reads a state, ``_Problem.expand`` queues
+its successors priced with the bound, and ``states.to_steps`` turns the moves of the cheapest
+path into ``Step``s (``states.path_moves`` maps the tensor dims of states whose two
+interchangeable scratch dims were swapped, ``_Problem._swap``, back to the real ones).
 
 The bound of a state is a function of six numbers (``_Problem.expand`` spells it out):
 products of the mesh sizes per category (sharding, replicated but headed for a shard, partial
-still to reduce, free) and the weights of the moves still needed.  A move changes one mesh dim's category, so a
-successor's numbers are its parent's with one mesh dim's share swapped: pricing a successor
-costs a dozen integer operations, not a decode.
+still to reduce, free) and the weights of the moves still needed.  A move changes one mesh
+dim's category, so a successor's numbers are its parent's with one mesh dim's share swapped:
+pricing a successor costs a dozen integer operations, not a decode.
 """
 from __future__ import annotations
 
 import heapq
 import math
-from fractions import Fraction
 from functools import lru_cache
-from typing import Callable, Sequence
+from typing import Callable
 
-from ..placement import Partial, Placement, Replicate, Shard, ShardOrder
+from ..placement import Partial, Replicate, Shard, ShardOrder
 from .baseline import baseline_plan
 from .cost import LinkModel
+from .states import A2A as _A2A, AG as _AG, AR as _AR, CHUNK as _CHUNK, RS as _RS
+from .states import encode, mesh_tables, path_moves, to_steps
 from .steps import Step
 
 __all__ = ["search", "clear_caches", "MAX_EXPANSIONS", "CEILING_AFTER"]
@@ -38,9 +41,7 @@ queue's smallest bound passes the lower one."""
 
 _REPLICATE = Replicate()
 _INF = 1 << 4000
-# a move: mesh dim | kind << 8 | tensor dim << 12; kinds: 0 all-gather, 1 all-to-all,
-# 2 all-reduce, 3 reduce-scatter, 4 chunk (kinds 0 and 2 end in Replicate)
-_AG, _A2A, _AR, _RS, _CHUNK = 0, 1, 2, 3, 4
+# a move, packed: mesh dim | kind << 8 | tensor dim << 12 (kinds: ``states.py``)
 
 
 def search(mesh_shape: tuple[int, ...], links: tuple[LinkModel, ...], src: tuple, src_order: ShardOrder,
@@ -59,12 +60,12 @@ def search(mesh_shape: tuple[int, ...], links: tuple[LinkModel, ...], src: tuple
     info = {"expanded": 0, "generated": 0, "capped": False, "cut": False}
     pb = _Problem(mesh_shape, links, src, src_order, dst, dst_order, shape)
     if pb.done(pb.start):
-        return _to_steps((), src, src_order, dst, dst_order), info
+        return to_steps((), src, src_order, dst, dst_order), info
     free = _free_plan(src, src_order, dst_order, pb.compat)
     if free is not None:
-        return _to_steps(free, src, src_order, dst, dst_order), info
+        return to_steps(free, src, src_order, dst, dst_order), info
     best = {pb.start: 0}
-    prev: dict[int, tuple[int, int]] = {}
+    prev: dict[int, tuple[int, int, tuple | None]] = {}
     cycles_priced: set[int] = set()
     requeued: dict[int, tuple] = {}  # decoded states queued again with their cycle price
     # queue items (f, -g, state): ties go to the deeper state, then to the smaller state code
@@ -110,11 +111,7 @@ def search(mesh_shape: tuple[int, ...], links: tuple[LinkModel, ...], src: tuple
     info["generated"] = len(best)
     if found is None:
         return baseline_plan(src, src_order, dst, dst_order), info
-    moves = []
-    while found != pb.start:
-        found, mv = prev[found]
-        moves.append((mv & 0xFF, mv >> 8 & 0xF, mv >> 12))
-    return _to_steps(moves[::-1], src, src_order, dst, dst_order), info
+    return to_steps(path_moves(prev, found, pb.start, pb.N), src, src_order, dst, dst_order), info
 
 
 def _free_plan(src, src_order: ShardOrder, dst_order: ShardOrder, compat: list[bool]) -> list | None:
@@ -147,11 +144,11 @@ class _Problem:
     def __init__(self, mesh_shape, links, src, src_order, dst, dst_order, shape) -> None:
         m, N = len(mesh_shape), len(shape)
         self.m, self.N, self.shape = m, N, shape
-        t = _mesh_tables(mesh_shape, N, links)
+        t = mesh_tables(mesh_shape, N, links)
         (self.ks, self.K_all, S, self.hmul, self.MASK, self.SH, self.CD, self.CP, self.AG, self.AR,
          self.LAT1, self.LAT2) = t
-        self.start = _encode(src, src_order, m, N, self.SH, "source")
-        self.goal = _encode(tuple(p if isinstance(p, Shard) else _REPLICATE for p in dst), dst_order, m, N,
+        self.start = encode(src, src_order, m, N, self.SH, "source")
+        self.goal = encode(tuple(p if isinstance(p, Shard) else _REPLICATE for p in dst), dst_order, m, N,
                             self.SH, "target")
         # target facts per mesh dim; a compatible source partial may stay (goal mask GM)
         self.tS = [isinstance(b, Shard) for b in dst]
@@ -171,6 +168,7 @@ class _Problem:
         self.TDIMS = [d for d in range(N) if T[d]]
         self.S = S
         self._bound_tables(S)
+        self._pair(src_order)
         # per mesh dim, what ``expand`` reads of it: shift, size, target dim, whether the target
         # shards, move weights (all-gather, latency, all-to-all, twice that, all-reduce, its
         # latency), whether a source partial may stay, and the mask that clears its code
@@ -205,6 +203,52 @@ class _Problem:
                     if not T[e] and (shape[e] == shape[d] or (shape[e] % K_all == 0 and shape[d] % K_all == 0)):
                         self.twins.append((d, e))
                         break
+
+    def _pair(self, src_order: ShardOrder) -> None:
+        """Two interchangeable tensor dims that both start empty, whose states the search folds.
+
+        Tensor dims with no target entries and one size class (the same length, or lengths that
+        every mesh size divides) are interchangeable: states that differ by swapping their stacks
+        cost the same to finish.  When exactly two of them start empty, they are scratch space
+        that chunks and reductions fill in either order; the search keeps such states in one
+        order (``d0`` before ``d1``: a lone stack on ``d0``, two stacks by the mesh dims at their
+        bottoms) and relabels a successor that breaks it (``_swap``).  ``(-1, -1)``: none."""
+        self.pair: tuple[int, int] = (-1, -1)
+        self.swap_perm: tuple[int, ...] = ()
+        free = [d for d in range(self.N) if not self.T[d]]
+        if len(free) < 2:
+            return
+        groups: dict[object, list[int]] = {}
+        for d in free:
+            groups.setdefault("even" if self.shape[d] % self.K_all == 0 else self.shape[d], []).append(d)
+        used = {d for d, _ in src_order}
+        for g in groups.values():
+            if len(g) == 2 and not used & set(g):
+                d0, d1 = g
+                perm = list(range(self.N))
+                perm[d0], perm[d1] = d1, d0
+                self.pair, self.swap_perm = (d0, d1), tuple(perm)
+                return
+
+    def _swap(self, cleared: int, j: int, lone: bool, at: list, H: list) -> tuple[int, tuple | None]:
+        """The successor in which mesh dim ``j`` (off ``cleared``, the parent state) is pushed onto
+        the pair's ``d1``, kept in the pair's order, and the relabelling (``None``: none).
+        ``lone``: ``j`` was alone on ``d0`` and ``d1`` holds a stack, which moves down to ``d0``
+        with ``j`` on top.  Otherwise ``d1`` is empty: ``j`` starts a stack there, or on ``d0``
+        (which moves up) when ``j`` sorts before ``d0``'s bottom mesh dim."""
+        (d0, d1), m, SH = self.pair, self.m, self.SH
+        step = (d1 - d0) * m
+        if lone:
+            h1 = H[d1]
+            for q in range(h1):
+                cleared -= step << SH[at[d1 * m + q]]
+            return cleared | ((2 + d0 * m + h1) << SH[j]), self.swap_perm
+        if j > at[d0 * m]:
+            return cleared | ((2 + d1 * m) << SH[j]), None
+        for q in range(H[d0]):
+            if at[d0 * m + q] != j:
+                cleared += step << SH[at[d0 * m + q]]
+        return cleared | ((2 + d0 * m) << SH[j]), self.swap_perm
 
     def above(self, elements: int) -> int:
         """The least cost whose bandwidth exceeds ``elements`` per rank (equal-weight links)."""
@@ -284,31 +328,37 @@ class _Problem:
                     own[j] = w
                     LT += LU[j]
                     ownl[j] = LU[j]
-        return codes, H, n, math.prod(n), FL, TN, PD, (Kf, KC, KP, KO, A2, LT), own, ownl, cyc
+        return codes, H, n, math.prod(n), FL, TN, PD, (Kf, KC, KP, KO, A2, LT), own, ownl, at, cyc
+
+    def _open(self, H: list, n: list) -> tuple[list[bool], list[int]]:
+        """Per tensor dim, whether a push onto it is pruned (a saturated dim: padded piece <= 1
+        element; the second of two interchangeable empty dims), and the dims that are not."""
+        skip = [x <= 1 for x in n]
+        for d, e in self.twins:
+            if H[d] == 0 and H[e] == 0:
+                skip[d] = True
+        return skip, [b for b in range(self.N) if not skip[b]]
 
     def expand(self, st: int, g: int, dec: tuple, best: dict, prev: dict, pq: list) -> None:
         """Queue every successor of ``st`` reached more cheaply than before, priced ``g + cost + bound``.
 
-        Pushes onto an empty twin, or onto a saturated dim (padded piece <= 1 element) that is not
-        the mover's target, are pruned: they cannot lead to a cheaper plan.  A successor's bound
-        numbers are ``st``'s with the moved mesh dim's share swapped, so the bound costs a dozen
-        integer operations, not a decode, and only for successors that are queued.
+        Pushes that ``_open`` prunes cannot lead to a cheaper plan (except onto the mover's target).
+        A successor's bound numbers are ``st``'s with the moved mesh dim's share swapped, so the
+        bound costs a dozen integer operations, not a decode, and only for queued successors.
 
         The bound (docs/redistribution.md), written out in place (this is the search's inner
         loop): with ``A = XS / Kf``, the volume terms ``x1 = PHIEND + A/KC - 2 A/(KC KP)`` (free
         mesh dims sharded meanwhile) and ``x2``, the same with ``KC KO`` for ``KC`` (not); the
         bound is ``min(x1 + KO A2, x2 + A2)`` in bandwidth units, plus the latency ``LT``."""
-        codes, H, n, phi, FL, TN, PD, (Kf, KC, KP, KO, A2, LT), own, ownl, _ = dec
+        codes, H, n, phi, FL, TN, PD, (Kf, KC, KP, KO, A2, LT), own, ownl, at, _ = dec
         m, N, CD, CP, rows = self.m, self.N, self.CD, self.CP, self.rows
         push, get = heapq.heappush, best.get
         hmul, XS, PE = self.hmul, self.XS, self.PHIEND
-        skip = [x <= 1 for x in n]
-        for d, e in self.twins:
-            if H[d] == 0 and H[e] == 0:
-                skip[d] = True
+        skip, open_dims = self._open(H, n)
         pn = [phi // x if x else 0 for x in n]  # the local volume over one piece of each dim
         pc = [2 + b * m + H[b] for b in range(N)]  # the code of a push onto each dim
-        open_dims = [b for b in range(N) if not skip[b]]
+        d0, d1 = self.pair
+        h1 = H[d1] if d1 >= 0 else 0
         for j in range(m):
             c = codes[j]
             if c >= 2:
@@ -332,9 +382,14 @@ class _Problem:
                 a, g2, kind = -1, g + arj * phi + lu2j, j | _RS << 8
             else:
                 a, g2, kind = -1, _INF, j | _CHUNK << 8
-            if c and g2 < get(cleared, _INF):
-                best[cleared] = g2
-                prev[cleared] = (st, j | (_AG if c >= 2 else _AR) << 8)
+            # j alone on d0 with a stack on d1: its leaving moves that stack down to d0
+            lone = a == d0 and c >= 2 and H[a] == 1
+            key, kperm = self._swap(cleared, j, True, at, H) if lone and h1 else (cleared, None)
+            if kperm is not None:
+                key &= self.rows[j][-1]  # (``_swap`` put j on top; it leaves instead)
+            if c and g2 < get(key, _INF):
+                best[key] = g2
+                prev[key] = (st, j | (_AG if c >= 2 else _AR) << 8, kperm)
                 # the bound with j replicated (it is headed for a shard, or free)
                 A = XS // kf
                 kc1, ko1 = (kc * k, ko) if ts else (kc, ko * k)
@@ -343,7 +398,7 @@ class _Problem:
                 v2 = PE + A // C2 - 2 * (A // (C2 * kp)) + a2
                 if v2 < v:
                     v = v2
-                push(pq, (g2 + (v * hmul if v > 0 else 0) + lt, -g2, cleared))
+                push(pq, (g2 + (v * hmul if v > 0 else 0) + lt, -g2, key))
             # to Shard(b), appended last: all-to-all, reduce-scatter or chunk.  Every such
             # successor has the same volume terms of the bound
             A = XS // (kf * k)
@@ -353,11 +408,18 @@ class _Problem:
             for b in (open_dims if tdj < 0 or not skip[tdj] else open_dims + [tdj]):
                 if b == a:
                     continue
-                s2 = cleared | (pc[b] << sj)
+                if b == d1 and (lone or not h1):
+                    if lone and not h1:
+                        continue  # a lone shard to the empty twin: the same state relabelled, dearer
+                    s2, perm = self._swap(cleared, j, lone, at, H)
+                elif kperm is None or b == d1:
+                    s2, perm = cleared | (pc[b] << sj), None
+                else:
+                    s2, perm = key | (pc[b] << sj), kperm
                 g2 = g + agj * pn[b] * -(-n[b] // k) + luj if c else g
                 if g2 < get(s2, _INF):
                     best[s2] = g2
-                    prev[s2] = (st, kind | b << 12)
+                    prev[s2] = (st, kind | b << 12, perm)
                     if TN[b] == j:  # lands in its final place
                         aa, ll = a2, lt
                     else:
@@ -372,80 +434,6 @@ class _Problem:
 def clear_caches() -> None:
     """Forget the cycle costs kept across searches."""
     _feedback_cost.cache_clear()
-
-
-def _int_weights(values: Sequence[float]) -> tuple[int, ...]:
-    """Small integers proportional to ``values`` (all equal -> all 1; zeros stay 0)."""
-    pos = [v for v in values if v > 0]
-    if not pos:
-        return (0,) * len(values)
-    lo = min(pos)
-    if all(v == lo or v == 0 for v in values):
-        return tuple(1 if v else 0 for v in values)
-    fr = [Fraction(v / lo).limit_denominator(1000) if v else Fraction(0) for v in values]
-    den = 1
-    for f in fr:
-        den = den * f.denominator // math.gcd(den, f.denominator)
-    return tuple(int(f * den) for f in fr)
-
-
-@lru_cache(maxsize=256)
-def _mesh_tables(mesh_shape: tuple[int, ...], N: int, links: tuple[LinkModel, ...]):
-    """Per (mesh shape, tensor rank, links) constants: the state encoding and the edge weights.
-
-    Costs are exact integers: elements x ``S = K_all * lcm(k)`` (so every all-reduce ``/k`` and
-    every term of the bound divides exactly), bandwidth weighted per mesh dim by ``wb`` and
-    shifted above the latency (weighted by ``wa``), which has room for 512 collectives."""
-    ks = mesh_shape
-    K_all = math.prod(ks)
-    S = K_all * math.lcm(*ks) if ks else 1
-    wb = _int_weights([lk.beta for lk in links])
-    wa = _int_weights([lk.alpha for lk in links])
-    shift = max(24, (2 * max(ks, default=1) * max(wa + (1,)) * 512).bit_length())
-    pos_wb = [w for w, k in zip(wb, ks) if k > 1 and w > 0]
-    hmul = (min(pos_wb) if pos_wb else 0) << shift  # the bound is priced on the cheapest link
-    m = len(ks)
-    W = max(2, (1 + N * m).bit_length())
-    SH = tuple(W * j for j in range(m))
-    CD = (-1, -1) + tuple(c // m for c in range(N * m))
-    CP = (-1, -1) + tuple(c % m for c in range(N * m))
-    AG = tuple(((k - 1) * S * wb[j]) << shift for j, k in enumerate(ks))
-    AR = tuple(((2 * (k - 1) * (S // k)) * wb[j]) << shift for j, k in enumerate(ks))
-    LAT1 = tuple((k - 1) * wa[j] for j, k in enumerate(ks))
-    LAT2 = tuple(2 * (k - 1) * wa[j] for j, k in enumerate(ks))
-    return ks, K_all, S, hmul, (1 << W) - 1, SH, CD, CP, AG, AR, LAT1, LAT2
-
-
-def _encode(pl: tuple, order: ShardOrder, m: int, N: int, SH: tuple, what: str) -> int:
-    """Validate a spec (placements and shard order agree) and encode it as a state int."""
-    if len(pl) != m:
-        raise ValueError(f"{what} placements {pl} do not match a mesh with {m} dims")
-    code = 0
-    nshard = 0
-    for j, p in enumerate(pl):
-        if isinstance(p, Shard):
-            nshard += 1
-        elif isinstance(p, Partial):
-            code |= 1 << SH[j]
-    seen = 0
-    dims = 0
-    for d, js in order:
-        if not js:
-            raise ValueError(f"{what} shard order {order}: tensor dim {d} has an empty mesh-dim list")
-        if not 0 <= d < N or dims >> d & 1:
-            raise ValueError(f"{what} shard order {order}: tensor dim {d} out of range for {N} dims or repeated")
-        dims |= 1 << d
-        for pos, j in enumerate(js):
-            if not 0 <= j < m or seen >> j & 1:
-                raise ValueError(f"{what} shard order {order} does not match placements {pl}")
-            p = pl[j]
-            if not isinstance(p, Shard) or p.dim != d:
-                raise ValueError(f"{what} shard order {order} does not match placements {pl}")
-            seen |= 1 << j
-            code |= (2 + d * m + pos) << SH[j]
-    if bin(seen).count("1") != nshard:
-        raise ValueError(f"{what} shard order {order} does not list every sharding mesh dim of {pl}")
-    return code
 
 
 def _cycle_extra(edges: list[tuple[int, int, int]]) -> int:
@@ -486,29 +474,3 @@ def _feedback_cost(edges: tuple[tuple[int, int, int], ...]) -> int:
         return 0
     return min(sum(edges[i][2] for i in range(n) if cut >> i & 1)
                for cut in range(1, full + 1) if acyclic(full & ~cut))
-
-
-def _to_steps(moves, src, src_order, dst, dst_order) -> tuple[Step, ...]:
-    """Turn ``(mesh dim, kind, tensor dim)`` moves into ``Step``s, then append the free tail:
-    ``R -> P`` partitions and ``sum <-> avg`` rescales, which change no size and enable nothing."""
-    cur = list(src)
-    lists = {d: js for d, js in src_order}
-    frozen = src_order
-    steps: list[Step] = []
-    for j, kind, b in moves:
-        p = cur[j]
-        to_r = kind in (_AG, _AR)
-        new: Placement = _REPLICATE if to_r else Shard(b)
-        steps.append(Step(j, p, new, tuple(cur), frozen))
-        if isinstance(p, Shard):
-            lists[p.dim] = lists[p.dim][:-1]
-        if not to_r:
-            lists[b] = lists.get(b, ()) + (j,)
-        frozen = tuple((d, lists[d]) for d in sorted(lists) if lists[d])
-        cur[j] = new
-    for j, t in enumerate(dst):
-        if isinstance(t, Partial) and cur[j] != t:
-            steps.append(Step(j, cur[j], t, tuple(cur), frozen))
-            cur[j] = t
-    assert tuple(cur) == tuple(dst) and frozen == tuple(dst_order), (src, src_order, dst, dst_order, moves)
-    return tuple(steps)
