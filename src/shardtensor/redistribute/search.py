@@ -6,7 +6,7 @@ sets up a ``_Problem`` (tables of the mesh, facts of the target), then pops stat
 lower bound of their total cost; ``_Problem.decode`` reads a state, ``_Problem.expand`` queues
 its successors priced with the bound, and ``states.to_steps`` turns the moves of the cheapest
 path into ``Step``s (``states.path_moves`` maps the tensor dims of states whose two
-interchangeable scratch dims were swapped, ``_Problem._swap``, back to the real ones).
+interchangeable scratch dims were swapped, ``_Problem._lower``, ``_start_on_d1``, back to the real ones).
 
 The bound of a state is a function of six numbers (``_Problem.expand`` spells it out):
 products of the mesh sizes per category (sharding, replicated but headed for a shard, partial
@@ -168,7 +168,7 @@ class _Problem:
         self.TDIMS = [d for d in range(N) if T[d]]
         self.S = S
         self._bound_tables(S)
-        self._pair(src_order)
+        self._interchangeable(src_order)
         # per mesh dim, what ``expand`` reads of it: shift, size, target dim, whether the target
         # shards, move weights (all-gather, latency, all-to-all, twice that, all-reduce, its
         # latency), whether a source partial may stay, and the mask that clears its code
@@ -179,7 +179,7 @@ class _Problem:
     def _bound_tables(self, S: int) -> None:
         """Constants of the bound (docs/redistribution.md): the volume at the goal, the weight of
         an all-to-all per mesh dim, and which later entries a shard left above would make dearer."""
-        ks, m, N, T = self.ks, self.m, self.N, self.T
+        ks, m, T = self.ks, self.m, self.T
         XS = math.prod(self.shape) * S
         self.XS = XS
         self.PHIEND = XS // math.prod(ks[j] for j in range(m) if self.tS[j])
@@ -193,34 +193,23 @@ class _Problem:
                 later |= ks[t[p]] > 1
                 row[p] = later
             self.PK.append(row)
-        # an empty tensor dim with no target entries and the size class of an empty smaller one
-        # is never pushed onto (its plans mirror the smaller one's)
-        shape, K_all = self.shape, self.K_all
-        self.twins: list[tuple[int, int]] = []
-        for d in range(N):
-            if not T[d]:
-                for e in range(d):
-                    if not T[e] and (shape[e] == shape[d] or (shape[e] % K_all == 0 and shape[d] % K_all == 0)):
-                        self.twins.append((d, e))
-                        break
 
-    def _pair(self, src_order: ShardOrder) -> None:
-        """Two interchangeable tensor dims that both start empty, whose states the search folds.
-
-        Tensor dims with no target entries and one size class (the same length, or lengths that
-        every mesh size divides) are interchangeable: states that differ by swapping their stacks
-        cost the same to finish.  When exactly two of them start empty, they are scratch space
-        that chunks and reductions fill in either order; the search keeps such states in one
-        order (``d0`` before ``d1``: a lone stack on ``d0``, two stacks by the mesh dims at their
-        bottoms) and relabels a successor that breaks it (``_swap``).  ``(-1, -1)``: none."""
+    def _interchangeable(self, src_order: ShardOrder) -> None:
+        """Sets of interchangeable tensor dims: no target entries and one size class (the same
+        length, or lengths that every mesh size divides), so states that differ by swapping their
+        stacks cost the same to finish.  An empty one whose set's first dim is empty too is never
+        pushed onto (``twins``: its plans mirror the first one's).  When a set is exactly two dims
+        that both start empty, they are scratch space that chunks and reductions fill in either
+        order; the search keeps such states in one order (``pair``: ``d0`` before ``d1``, a lone
+        stack on ``d0``, two stacks by the mesh dims at their bottoms) and relabels a successor
+        that breaks it (``_lower``, ``_start_on_d1``).  ``pair`` is ``(-1, -1)`` when none."""
+        groups: dict[object, list[int]] = {}
+        for d in range(self.N):
+            if not self.T[d]:
+                groups.setdefault("even" if self.shape[d] % self.K_all == 0 else self.shape[d], []).append(d)
+        self.twins = [(d, g[0]) for g in groups.values() for d in g[1:]]
         self.pair: tuple[int, int] = (-1, -1)
         self.swap_perm: tuple[int, ...] = ()
-        free = [d for d in range(self.N) if not self.T[d]]
-        if len(free) < 2:
-            return
-        groups: dict[object, list[int]] = {}
-        for d in free:
-            groups.setdefault("even" if self.shape[d] % self.K_all == 0 else self.shape[d], []).append(d)
         used = {d for d, _ in src_order}
         for g in groups.values():
             if len(g) == 2 and not used & set(g):
@@ -230,24 +219,24 @@ class _Problem:
                 self.pair, self.swap_perm = (d0, d1), tuple(perm)
                 return
 
-    def _swap(self, cleared: int, j: int, lone: bool, at: list, H: list) -> tuple[int, tuple | None]:
-        """The successor in which mesh dim ``j`` (off ``cleared``, the parent state) is pushed onto
-        the pair's ``d1``, kept in the pair's order, and the relabelling (``None``: none).
-        ``lone``: ``j`` was alone on ``d0`` and ``d1`` holds a stack, which moves down to ``d0``
-        with ``j`` on top.  Otherwise ``d1`` is empty: ``j`` starts a stack there, or on ``d0``
-        (which moves up) when ``j`` sorts before ``d0``'s bottom mesh dim."""
+    def _lower(self, cleared: int, at: list, H: list) -> int:
+        """``cleared`` (the parent state without the mesh dim that was alone on the pair's ``d0``)
+        with ``d1``'s stack moved down to ``d0``: the pair's order after ``d0`` empties."""
         (d0, d1), m, SH = self.pair, self.m, self.SH
-        step = (d1 - d0) * m
-        if lone:
-            h1 = H[d1]
-            for q in range(h1):
-                cleared -= step << SH[at[d1 * m + q]]
-            return cleared | ((2 + d0 * m + h1) << SH[j]), self.swap_perm
+        for q in range(H[d1]):
+            cleared -= ((d1 - d0) * m) << SH[at[d1 * m + q]]
+        return cleared
+
+    def _start_on_d1(self, cleared: int, j: int, at: list, H: list) -> tuple[int, tuple | None]:
+        """The successor in which mesh dim ``j`` (off ``cleared``, the parent state) starts a stack
+        on the pair's empty ``d1``, kept in the pair's order: on ``d0`` instead, with ``d0``'s
+        stack moved up, when ``j`` sorts before ``d0``'s bottom mesh dim; and the relabelling."""
+        (d0, d1), m, SH = self.pair, self.m, self.SH
         if j > at[d0 * m]:
             return cleared | ((2 + d1 * m) << SH[j]), None
         for q in range(H[d0]):
             if at[d0 * m + q] != j:
-                cleared += step << SH[at[d0 * m + q]]
+                cleared += ((d1 - d0) * m) << SH[at[d0 * m + q]]
         return cleared | ((2 + d0 * m) << SH[j]), self.swap_perm
 
     def above(self, elements: int) -> int:
@@ -384,9 +373,7 @@ class _Problem:
                 a, g2, kind = -1, _INF, j | _CHUNK << 8
             # j alone on d0 with a stack on d1: its leaving moves that stack down to d0
             lone = a == d0 and c >= 2 and H[a] == 1
-            key, kperm = self._swap(cleared, j, True, at, H) if lone and h1 else (cleared, None)
-            if kperm is not None:
-                key &= self.rows[j][-1]  # (``_swap`` put j on top; it leaves instead)
+            key, kperm = (self._lower(cleared, at, H), self.swap_perm) if lone and h1 else (cleared, None)
             if c and g2 < get(key, _INF):
                 best[key] = g2
                 prev[key] = (st, j | (_AG if c >= 2 else _AR) << 8, kperm)
@@ -408,12 +395,14 @@ class _Problem:
             for b in (open_dims if tdj < 0 or not skip[tdj] else open_dims + [tdj]):
                 if b == a:
                     continue
-                if b == d1 and (lone or not h1):
-                    if lone and not h1:
+                if b == d1 and not h1:
+                    if lone:
                         continue  # a lone shard to the empty twin: the same state relabelled, dearer
-                    s2, perm = self._swap(cleared, j, lone, at, H)
-                elif kperm is None or b == d1:
+                    s2, perm = self._start_on_d1(cleared, j, at, H)
+                elif kperm is None:
                     s2, perm = cleared | (pc[b] << sj), None
+                elif b == d1:  # j onto d1's stack, which moved down to d0
+                    s2, perm = key | ((2 + d0 * m + h1) << sj), kperm
                 else:
                     s2, perm = key | (pc[b] << sj), kperm
                 g2 = g + agj * pn[b] * -(-n[b] // k) + luj if c else g

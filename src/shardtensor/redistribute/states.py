@@ -100,7 +100,7 @@ def encode(pl: tuple, order: ShardOrder, m: int, N: int, SH: tuple, what: str) -
 
 def path_moves(prev: dict, found: int, start: int, N: int) -> list[tuple[int, int, int]]:
     """The ``(mesh dim, kind, tensor dim)`` moves from ``start`` to ``found``, with the tensor
-    dims of relabelled states (``search._Problem._swap``) mapped back to the real ones."""
+    dims of relabelled states (``search._Problem._lower``, ``_start_on_d1``) mapped back to the real ones."""
     path = []
     while found != start:
         found, mv, perm = prev[found]
