@@ -22,11 +22,11 @@ from shardtensor.placement import default_shard_order, local_shape_and_offset
 from shardtensor.redistribute import explain_redistribute
 from shardtensor.redistribute.cost import LinkModel, normalize_links, step_comm
 from shardtensor.redistribute.execute import apply_step
-from shardtensor.redistribute.flatten import direct_plan, improve
+from shardtensor.redistribute.flatten import ceiling_applies, direct_elements, direct_plan, improve
 from shardtensor.redistribute.planner import norm_order, per_dim_plan, plan_uncached
 from shardtensor.redistribute.planner import plan as best_plan
-from shardtensor.redistribute.exchange import blocks, exchange_dims, exchange_floor, exchange_loads
-from shardtensor.redistribute.search import search
+from shardtensor.redistribute.exchange import blocks, exchange_dims, exchange_floor, exchange_lack, exchange_loads
+from shardtensor.redistribute.search import LOWER, search
 from shardtensor.redistribute.steps import ExchangeStep, FlatStep, Step
 from test_redistribute import dense, expected_slice, make_source, rank_events
 
@@ -323,8 +323,9 @@ def test_exchange_spreads_replicated_blocks_over_their_holders():
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (2, 3), (2, 2, 2), (4, 2), (2, 3, 2)])
 def test_exchange_prices_what_the_executor_sends(mesh_shape):
     # exchange_loads (vectorised, for the planner) and blocks (per rank, for the executor) apply
-    # the same serving rule: the busiest rank's send and receive agree on random pairs, and the
-    # planner's cheap floor is exactly the busiest receive
+    # the same serving rule: the busiest rank's send and receive agree on random pairs, the
+    # planner's cheap floor is exactly the busiest receive, and exchange_lack is exactly what
+    # each rank receives
     rng = random.Random(17)
     seen = 0
     while seen < 40:
@@ -344,7 +345,9 @@ def test_exchange_prices_what_the_executor_sends(mesh_shape):
             most_sent = max(most_sent, sum(n for n, self_ in sizes if not self_))
             sizes = [(math.prod(b[1]) if b is not None else 0, sub == own)
                      for b, sub in zip(recv, itertools.product(*(range(mesh_shape[j]) for j in dims)))]
-            most_received = max(most_received, sum(n for n, self_ in sizes if not self_))
+            received = sum(n for n, self_ in sizes if not self_)
+            assert exchange_lack(shape, mesh_shape, src, so, dst, do, coord) == received, (coord, shape, src, dst)
+            most_received = max(most_received, received)
         assert exchange_loads(shape, mesh_shape, dims, src, so, dst, do) == (most_sent, most_received), \
             (shape, src, so, dst, do)
         assert exchange_floor(shape, mesh_shape, dims, src, so, dst, do) == most_received
@@ -423,6 +426,31 @@ def test_the_search_ceiling_never_changes_the_plan(mesh_shape):
         assert ours == full, (shape, src, so, dst, do)
         cut += stats["cut"]
     assert cut > 10
+
+
+def test_the_search_asks_for_dearer_ceiling_bounds_only_when_needed():
+    # the cheap lower bound (what coordinate 0 lacks) comes first; the busiest receiver and the
+    # exact price follow only once the queue passes the bound before; and each is a true bound
+    rng = random.Random(5)
+    mesh_shape = (2, 2, 4)
+    links = normalize_links(None, 3)
+    seen: dict[tuple[str, ...], int] = {}
+    for _ in range(150):
+        ndim = rng.randint(2, 3)
+        shape = tuple(rng.choice([7, 12, 512, 768, 1000]) for _ in range(ndim))
+        src, so, dst, do = _rand_pair(rng, 3, ndim)
+        so, do = norm_order(so), norm_order(do)
+        direct = direct_plan(mesh_shape, src, so, dst, do, shape)
+        if direct is None or not ceiling_applies(links, src, dst, mesh_shape):
+            continue
+        asked: list[str] = []
+        values = {k: direct_elements(direct, mesh_shape, shape, k) for k in ("upper", "first", "lower", "exact")}
+        assert values["first"] <= values["lower"] <= values["exact"] <= values["upper"]
+        search(mesh_shape, links, src, so, dst, do, shape, lambda k: asked.append(k) or values[k])
+        lowers = tuple(k for k in asked if k != "upper")
+        assert lowers == LOWER[:len(lowers)], asked
+        seen[lowers] = seen.get(lowers, 0) + 1
+    assert seen.get(("first",), 0) > 5 and seen.get(LOWER, 0) > 5, seen
 
 
 def _gloo_exchange(rank, world):

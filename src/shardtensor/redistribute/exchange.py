@@ -36,7 +36,7 @@ import numpy as np
 
 from ..placement import Partial, Placement, Replicate, Shard, ShardOrder, execution_order, local_shape_and_offset
 
-__all__ = ["exchange_dims", "exchange_bound", "exchange_floor", "exchange_comm", "exchange_loads", "blocks", "clear_caches",
+__all__ = ["exchange_dims", "exchange_bound", "exchange_lack", "exchange_floor", "exchange_comm", "exchange_loads", "blocks", "clear_caches",
            "MAX_RANKS"]
 
 MAX_RANKS = 64
@@ -145,6 +145,18 @@ def exchange_bound(shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims: tu
     need = math.prod(local_shape_and_offset(shape, mesh_shape, zero, dst, dst_order)[0])
     copies = math.prod(mesh_shape[j] for j in dims if isinstance(dst[j], Replicate))
     return max(need, held * copies)
+
+
+def exchange_lack(shape: tuple[int, ...], mesh_shape: tuple[int, ...], src: tuple, src_order: ShardOrder,
+                  dst: tuple, dst_order: ShardOrder, coord: tuple[int, ...] | None = None) -> int:
+    """What the rank at ``coord`` (default: coordinate 0) receives in the exchange: the part of its
+    target block it does not hold.  A lower bound of ``exchange_floor`` that costs two box
+    computations, not a pass over the ranks."""
+    coord = coord if coord is not None else (0,) * len(mesh_shape)
+    held = _box(shape, mesh_shape, coord, src, src_order)
+    need = _box(shape, mesh_shape, coord, dst, dst_order)
+    both = _overlap(held, need)
+    return math.prod(need[1]) - (math.prod(both[1]) if both is not None else 0)
 
 
 def exchange_floor(shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims: tuple[int, ...],

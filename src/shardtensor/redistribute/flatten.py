@@ -32,7 +32,7 @@ import math
 
 from ..placement import Partial, Placement, Replicate, Shard
 from .cost import link_of, step_comm, step_latency
-from .exchange import exchange_bound, exchange_comm, exchange_dims, exchange_floor
+from .exchange import exchange_bound, exchange_comm, exchange_dims, exchange_floor, exchange_lack
 from .search import search
 from .steps import ExchangeStep, FlatStep, Step
 
@@ -108,7 +108,8 @@ def direct_plan(mesh_shape, src, src_order, dst, dst_order, shape) -> tuple[Step
 
 def direct_elements(steps: tuple[Step, ...], mesh_shape, shape, kind: str) -> int:
     """Elements per rank the direct plan moves (reduce-scatters, then the exchange's busiest rank)
-    if ``kind`` is ``"exact"``, else a cheap ``"upper"`` or ``"lower"`` bound of them."""
+    if ``kind`` is ``"exact"``, else a cheap ``"upper"`` bound of them, or a lower one: what the
+    rank at coordinate 0 lacks (``"first"``, no array work) or the busiest receiver (``"lower"``)."""
     pre, ex = steps[:-1], steps[-1]
     assert isinstance(ex, ExchangeStep)
     total = 0
@@ -121,6 +122,8 @@ def direct_elements(steps: tuple[Step, ...], mesh_shape, shape, kind: str) -> in
         return total + exchange_comm(shape, mesh_shape, ex.dims, *a)[0]
     if kind == "upper":
         return total + exchange_bound(shape, mesh_shape, ex.dims, *a)
+    if kind == "first":
+        return total + exchange_lack(shape, mesh_shape, *a)
     return total + exchange_floor(shape, mesh_shape, ex.dims, *a)
 
 
@@ -138,8 +141,9 @@ def ceiling_applies(links, src, dst, mesh_shape) -> bool:
 
 def _direct_score(score: "_Scorer", best_score: tuple, mesh_shape, steps: tuple[Step, ...], shape) -> tuple:
     """The direct plan's score.  The exchange is priced first on a cheap upper bound; when that
-    does not win, and what the busiest receiver must receive could, on the exact busiest rank
-    (a pass over the pairs that may exchange, so only then)."""
+    does not win, and neither what the first rank lacks nor what the busiest receiver lacks (two
+    lower bounds, the second a pass over the ranks) rules it out, on the exact busiest rank (a
+    pass over the pairs that may exchange, so only then)."""
     pre, ex = steps[:-1], steps[-1]
     assert isinstance(ex, ExchangeStep)
     pre_bw, pre_t = score.plan(pre)
@@ -151,7 +155,8 @@ def _direct_score(score: "_Scorer", best_score: tuple, mesh_shape, steps: tuple[
         return pre_bw + bw, pre_t + t
 
     ub = total(exchange_bound(shape, mesh_shape, ex.dims, *a[2:]))
-    if ub < best_score or total(exchange_floor(shape, mesh_shape, ex.dims, *a[2:])) >= best_score:
+    if ub < best_score or total(exchange_lack(shape, mesh_shape, *a[2:])) >= best_score or \
+            total(exchange_floor(shape, mesh_shape, ex.dims, *a[2:])) >= best_score:
         return ub
     return total(exchange_comm(shape, mesh_shape, ex.dims, *a[2:])[0])
 

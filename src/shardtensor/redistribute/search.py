@@ -28,7 +28,7 @@ from .states import A2A as _A2A, AG as _AG, AR as _AR, CHUNK as _CHUNK, RS as _R
 from .states import encode, mesh_tables, path_moves, to_steps
 from .steps import Step
 
-__all__ = ["search", "clear_caches", "MAX_EXPANSIONS", "CEILING_AFTER"]
+__all__ = ["search", "clear_caches", "MAX_EXPANSIONS", "CEILING_AFTER", "LOWER"]
 
 MAX_EXPANSIONS = 1024
 """Expanded states before the search gives up and returns the baseline plan (correct, never
@@ -36,8 +36,11 @@ more bytes than itself; not reached on the planner benchmark's pairs)."""
 
 CEILING_AFTER = (2, 4)
 """Expanded states before the search asks for cheap bounds of its ``ceiling``: an upper bound,
-then a lower one (easy plans never pay for either).  The exact value is asked only once the
-queue's smallest bound passes the lower one."""
+then the cheapest lower one (easy plans never pay for either).  Each dearer value (``LOWER``,
+then the exact one) is asked only once the queue's smallest bound passes the last lower one."""
+
+LOWER = ("first", "lower", "exact")
+"""The ``ceiling`` kinds a search asks for in turn, cheapest first: lower bounds, then the value."""
 
 _REPLICATE = Replicate()
 _INF = 1 << 4000
@@ -51,12 +54,13 @@ def search(mesh_shape: tuple[int, ...], links: tuple[LinkModel, ...], src: tuple
     (``expanded``, ``generated``, ``capped``, ``cut``).  Arguments are normalised (``planner.py``).
 
     ``ceiling(kind)``, if given, gives the elements per rank that another plan moves (the
-    direct plan): ``"exact"``, or an ``"upper"`` or ``"lower"`` bound of them (asked after
-    ``CEILING_AFTER`` expanded states).  Once every per-dim plan is known to move more, the
+    direct plan): ``"exact"``, or an ``"upper"`` bound of them, or a ``"first"`` or ``"lower"``
+    one (the second tighter and dearer).  Once every per-dim plan is known to move more, the
     search stops and returns ``None`` (``info["cut"]``): the caller takes the other plan.  The
-    exact value is asked only when the queue's smallest bound passes the lower one, so a search
-    that ends below it never pays for it.  Only for links of one bandwidth (the units are plain
-    elements)."""
+    upper and the first lower bound are asked after ``CEILING_AFTER`` expanded states; each next
+    kind of ``LOWER`` only when the queue's smallest bound passes the last lower one, so a search
+    that ends below a bound never pays for the next.  Only for links of one bandwidth (the units
+    are plain elements)."""
     info = {"expanded": 0, "generated": 0, "capped": False, "cut": False}
     pb = _Problem(mesh_shape, links, src, src_order, dst, dst_order, shape)
     if pb.done(pb.start):
@@ -72,17 +76,23 @@ def search(mesh_shape: tuple[int, ...], links: tuple[LinkModel, ...], src: tuple
     # (a total order: nothing depends on hashing, so every rank finds the same plan)
     pq = [(0, 0, pb.start)]
     found = None
-    # f at or above ``low`` may pass the ceiling, at or above ``above`` it does; ``exact``: above is exact
+    # f at or above ``low`` may pass the ceiling, at or above ``above`` it does; ``asked``: how
+    # many kinds of ``LOWER`` were asked (all of them: ``above`` is exact)
     low = above = _INF
-    exact = False
+    asked = 0
     while pq:
         f, ng, st = heapq.heappop(pq)
         g = -ng
         if g != best[st]:
             continue  # reached more cheaply since this entry was queued
-        if f >= low and not exact:
+        while f >= low and asked < len(LOWER):
             assert ceiling is not None
-            above, exact = pb.above(ceiling("exact")), True
+            kind = LOWER[asked]
+            asked += 1
+            if kind == "exact":
+                above, low = pb.above(ceiling(kind)), _INF
+            else:
+                low = pb.above(ceiling(kind))
         if f >= above:
             info["cut"] = True
             return None, info
@@ -103,7 +113,7 @@ def search(mesh_shape: tuple[int, ...], links: tuple[LinkModel, ...], src: tuple
             if info["expanded"] == CEILING_AFTER[0]:
                 above = pb.above(ceiling("upper"))
             else:
-                low = pb.above(ceiling("lower"))
+                low, asked = pb.above(ceiling(LOWER[0])), 1
         if info["expanded"] > MAX_EXPANSIONS:
             info["capped"] = True
             break
