@@ -183,11 +183,13 @@ def exchange_loads(shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims: tu
 
     Vectorised (numpy) over each receiver and the holders that may serve it: ranks of its group
     (the same coordinates off ``dims``) whose coordinates on the group's mesh dims that
-    replicate the source are the ones ``_serving`` names.
+    replicate the source are the ones ``_serving`` names.  A pair's overlap is a product over
+    tensor dims, taken one tensor dim at a time (a dim no rank splits is one number).
     """
     coords, ho, he, no, ne, both, recv = _rank_blocks(shape, mesh_shape, dims, src, src_order, dst, dst_order)
+    ranks = coords.shape[1]
     G = math.prod(mesh_shape[j] for j in dims)
-    O = len(coords) // G
+    O = ranks // G
     # a rank's index in its group is row-major over ``dims``; holders of one serving class
     # differ only on the group's other mesh dims
     stride, step = {}, 1
@@ -195,16 +197,16 @@ def exchange_loads(shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims: tu
         stride[j] = step
         step *= mesh_shape[j]
     rdims = [j for j in dims if isinstance(src[j], Replicate)]
-    base = np.zeros(len(coords), np.int64)
+    base = np.zeros(ranks, np.int64)
     if rdims:  # _serving, for every rank at once
         radix = [mesh_shape[j] for j in rdims]
-        shift = np.zeros(len(coords), np.int64)
+        shift = np.zeros(ranks, np.int64)
         for j in dims:
             if isinstance(dst[j], Replicate):
-                shift = shift * mesh_shape[j] + coords[:, j]
-        value = np.zeros(len(coords), np.int64)
+                shift = shift * mesh_shape[j] + coords[j]
+        value = np.zeros(ranks, np.int64)
         for j in rdims:
-            value = value * mesh_shape[j] + coords[:, j]
+            value = value * mesh_shape[j] + coords[j]
         value = np.where(both > 0, value, (value + shift) % math.prod(radix))
         for j in reversed(rdims):
             value, digit = np.divmod(value, mesh_shape[j])
@@ -216,25 +218,42 @@ def exchange_loads(shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims: tu
     # holder of pair (receiver s, i): global row; its box against s's target box
     first = np.repeat(np.arange(O) * G, G)
     holder = first[:, None] + base[:, None] + offsets[None, :]
-    lo = np.maximum(ho[holder], no[:, None, :])
-    hi = np.minimum(he[holder], ne[:, None, :])
-    inter = np.clip(hi - lo, 0, None).prod(axis=2)
-    inter[holder == np.arange(len(coords))[:, None]] = 0  # a rank keeps what it holds
-    send = np.bincount(holder.reshape(-1), inter.reshape(-1), minlength=len(coords))
+    inter = np.ones(holder.shape, np.int64)
+    for d in range(len(shape)):
+        ov = np.minimum(_per_pair(he[d], holder), _per_receiver(ne[d])) - \
+            np.maximum(_per_pair(ho[d], holder), _per_receiver(no[d]))
+        inter *= np.maximum(ov, 0)
+    inter[holder == np.arange(ranks)[:, None]] = 0  # a rank keeps what it holds
+    send = np.bincount(holder.reshape(-1), inter.reshape(-1), minlength=ranks)
     return int(round(send.max(initial=0))), recv
+
+
+def _per_pair(x, holder: np.ndarray):
+    """A per-rank value (array, or one int for all ranks) at each pair's holder."""
+    return x.take(holder) if isinstance(x, np.ndarray) else x
+
+
+def _per_receiver(x):
+    """A per-rank value (array, or one int for all ranks) broadcast over each receiver's row."""
+    return x[:, None] if isinstance(x, np.ndarray) else x
 
 
 @lru_cache(maxsize=64)
 def _rank_blocks(shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims: tuple[int, ...],
                  src: tuple, src_order: ShardOrder, dst: tuple, dst_order: ShardOrder) -> tuple:
-    """Every rank's held and needed boxes (``_group_coords`` order; starts and ends), how much
-    of its need it holds, and the most any rank must receive (what it needs and lacks)."""
+    """Every rank's coordinates (``_group_coords``), held and needed boxes per tensor dim (starts
+    and ends, ``_boxes``), how much of its need it holds, and the most any rank must receive
+    (what it needs and lacks)."""
     coords = _group_coords(mesh_shape, dims)
     ho, hs = _boxes(shape, mesh_shape, coords, src, src_order)
     no, ns = _boxes(shape, mesh_shape, coords, dst, dst_order)
-    he, ne = ho + hs, no + ns
-    both = np.clip(np.minimum(he, ne) - np.maximum(ho, no), 0, None).prod(axis=1)
-    return coords, ho, he, no, ne, both, int((ns.prod(axis=1) - both).max(initial=0))
+    he = [o + n for o, n in zip(ho, hs)]
+    ne = [o + n for o, n in zip(no, ns)]
+    both = need = np.ones(coords.shape[1], np.int64)
+    for d in range(len(shape)):
+        both = both * np.maximum(np.minimum(he[d], ne[d]) - np.maximum(ho[d], no[d]), 0)
+        need = need * ns[d]
+    return coords, ho, he, no, ne, both, int((need - both).max(initial=0))
 
 
 def clear_caches() -> None:
@@ -245,26 +264,26 @@ def clear_caches() -> None:
 
 @lru_cache(maxsize=256)
 def _group_coords(mesh_shape: tuple[int, ...], dims: tuple[int, ...]) -> np.ndarray:
-    """Every rank's coordinate ``(ranks, mesh ndim)``, ordered so that each run of
-    ``prod(mesh_shape[dims])`` rows shares its coordinates off ``dims``."""
+    """Every rank's coordinates ``(mesh ndim, ranks)`` (row ``j``: the coordinate on mesh dim
+    ``j``), ranks ordered so that each run of ``prod(mesh_shape[dims])`` shares its coordinates
+    off ``dims``."""
     perm = [j for j in range(len(mesh_shape)) if j not in dims] + list(dims)
-    idx = np.indices([mesh_shape[j] for j in perm]).reshape(len(perm), -1).T
+    idx = np.indices([mesh_shape[j] for j in perm]).reshape(len(perm), -1)
     coords = np.empty_like(idx)
-    coords[:, perm] = idx
+    coords[perm] = idx
     return coords
 
 
-def _boxes(shape, mesh_shape, coords, pl, order):
-    """Offsets and sizes ``(ranks, ndim)`` of every rank's block (``local_shape_and_offset``, vectorised)."""
-    size = np.empty((len(coords), len(shape)), dtype=np.int64)
-    size[:] = shape
-    off = np.zeros_like(size)
+def _boxes(shape, mesh_shape, coords: np.ndarray, pl, order) -> tuple[list, list]:
+    """Per tensor dim, every rank's block start and length (``local_shape_and_offset``,
+    vectorised): an array over the ranks, or one int where no mesh dim splits the dim."""
+    off: list = [0] * len(shape)
+    size: list = list(shape)
     for j in execution_order(pl, order):
         d = pl[j].dim
-        k = mesh_shape[j]
-        length = size[:, d]
-        c = -(-length // k)
-        o = np.minimum(c * coords[:, j], length)
-        size[:, d] = np.minimum(c, length - o)
-        off[:, d] += o
+        length = size[d]
+        c = -(-length // mesh_shape[j])
+        o = np.minimum(c * coords[j], length)
+        size[d] = np.minimum(c, length - o)
+        off[d] = off[d] + o
     return off, size
