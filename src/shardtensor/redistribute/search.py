@@ -329,19 +329,10 @@ class _Problem:
                     ownl[j] = LU[j]
         return codes, H, n, math.prod(n), FL, TN, PD, (Kf, KC, KP, KO, A2, LT), own, ownl, at, cyc
 
-    def _open(self, H: list, n: list) -> tuple[list[bool], list[int]]:
-        """Per tensor dim, whether a push onto it is pruned (a saturated dim: padded piece <= 1
-        element; the second of two interchangeable empty dims), and the dims that are not."""
-        skip = [x <= 1 for x in n]
-        for d, e in self.twins:
-            if H[d] == 0 and H[e] == 0:
-                skip[d] = True
-        return skip, [b for b in range(self.N) if not skip[b]]
-
     def expand(self, st: int, g: int, dec: tuple, best: dict, prev: dict, pq: list) -> None:
         """Queue every successor of ``st`` reached more cheaply than before, priced ``g + cost + bound``.
 
-        Pushes that ``_open`` prunes cannot lead to a cheaper plan (except onto the mover's target).
+        Pruned pushes (``skip``) cannot lead to a cheaper plan (except onto the mover's target).
         A successor's bound numbers are ``st``'s with the moved mesh dim's share swapped, so the
         bound costs a dozen integer operations, not a decode, and only for queued successors.
 
@@ -353,7 +344,13 @@ class _Problem:
         m, N, CD, CP, rows = self.m, self.N, self.CD, self.CP, self.rows
         push, get = heapq.heappush, best.get
         hmul, XS, PE = self.hmul, self.XS, self.PHIEND
-        skip, open_dims = self._open(H, n)
+        # pushes that cannot help: onto a saturated dim (padded piece <= 1 element), onto the
+        # second of two interchangeable empty dims
+        skip = [x <= 1 for x in n]
+        for d, e in self.twins:
+            if H[d] == 0 and H[e] == 0:
+                skip[d] = True
+        open_dims = [b for b in range(N) if not skip[b]]
         pn = [phi // x if x else 0 for x in n]  # the local volume over one piece of each dim
         pc = [2 + b * m + H[b] for b in range(N)]  # the code of a push onto each dim
         d0, d1 = self.pair
