@@ -84,7 +84,8 @@ def _plan(mesh_shape, links, src, src_order, dst, dst_order, shape, itemsize, st
 
     The search is capped at the direct plan's bytes where that is sound (``flatten.ceiling_applies``):
     once it proves that every per-dim plan moves more, it stops, and the direct plan is the plan,
-    as ``improve`` would have chosen (fewer bytes first)."""
+    as ``improve`` would have chosen (fewer bytes first).  When instead its plan moves less than a
+    lower bound of the direct plan it asked for, ``improve`` is not offered the direct plan."""
     t0 = time.perf_counter() if LISTENERS else 0.0
     direct = direct_plan(mesh_shape, src, src_order, dst, dst_order, shape)
     ceiling = None
@@ -97,6 +98,8 @@ def _plan(mesh_shape, links, src, src_order, dst, dst_order, shape, itemsize, st
         assert direct is not None
         steps = direct
     else:
+        if info.get("other_loses"):
+            direct = None  # the search proved it moves more: improve need not price it
         steps = improve(base, mesh_shape, links, src, src_order, dst, dst_order, shape, itemsize, direct)
     if LISTENERS:
         note("plan", None, time.perf_counter() - t0)

@@ -51,7 +51,8 @@ def search(mesh_shape: tuple[int, ...], links: tuple[LinkModel, ...], src: tuple
            dst: tuple, dst_order: ShardOrder, shape: tuple[int, ...],
            ceiling: Callable[[str], int] | None = None) -> tuple[tuple[Step, ...] | None, dict]:
     """``(steps, info)``: the cheapest per-mesh-dim plan and the search's counters
-    (``expanded``, ``generated``, ``capped``, ``cut``).  Arguments are normalised (``planner.py``).
+    (``expanded``, ``generated``, ``capped``, ``cut``, and ``other_loses``: the plan moves less
+    than a lower bound of the ``ceiling`` asked for).  Arguments are normalised (``planner.py``).
 
     ``ceiling(kind)``, if given, gives the elements per rank that another plan moves (the
     direct plan): ``"exact"``, or an ``"upper"`` bound of them, or a ``"first"`` or ``"lower"``
@@ -79,7 +80,7 @@ def search(mesh_shape: tuple[int, ...], links: tuple[LinkModel, ...], src: tuple
     # f at or above ``low`` may pass the ceiling, at or above ``above`` it does; ``asked``: how
     # many kinds of ``LOWER`` were asked (all of them: ``above`` is exact)
     low = above = _INF
-    asked = 0
+    asked = floor = 0  # floor: the last lower bound (or exact value) asked, in elements
     while pq:
         f, ng, st = heapq.heappop(pq)
         g = -ng
@@ -89,10 +90,11 @@ def search(mesh_shape: tuple[int, ...], links: tuple[LinkModel, ...], src: tuple
             assert ceiling is not None
             kind = LOWER[asked]
             asked += 1
+            floor = ceiling(kind)
             if kind == "exact":
-                above, low = pb.above(ceiling(kind)), _INF
+                above, low = pb.above(floor), _INF
             else:
-                low = pb.above(ceiling(kind))
+                low = pb.above(floor)
         if f >= above:
             info["cut"] = True
             return None, info
@@ -113,7 +115,8 @@ def search(mesh_shape: tuple[int, ...], links: tuple[LinkModel, ...], src: tuple
             if info["expanded"] == CEILING_AFTER[0]:
                 above = pb.above(ceiling("upper"))
             else:
-                low, asked = pb.above(ceiling(LOWER[0])), 1
+                floor, asked = ceiling(LOWER[0]), 1
+                low = pb.above(floor)
         if info["expanded"] > MAX_EXPANSIONS:
             info["capped"] = True
             break
@@ -121,6 +124,8 @@ def search(mesh_shape: tuple[int, ...], links: tuple[LinkModel, ...], src: tuple
     info["generated"] = len(best)
     if found is None:
         return baseline_plan(src, src_order, dst, dst_order), info
+    # the other plan moves at least ``floor`` elements: strictly more bandwidth loses outright
+    info["other_loses"] = asked > 0 and pb.hmul > 0 and best[found] // pb.hmul < floor * pb.S
     return to_steps(path_moves(prev, found, pb.start, pb.N), src, src_order, dst, dst_order), info
 
 
