@@ -81,8 +81,11 @@ def search(mesh_shape: tuple[int, ...], links: tuple[LinkModel, ...], src: tuple
     # many kinds of ``LOWER`` were asked (all of them: ``above`` is exact)
     low = above = _INF
     asked = floor = 0  # floor: the last lower bound (or exact value) asked, in elements
+    expanded = 0
+    pop, push, decode, expand = heapq.heappop, heapq.heappush, pb.decode, pb.expand
+    GM, goal = pb.GM, pb.goal
     while pq:
-        f, ng, st = heapq.heappop(pq)
+        f, ng, st = pop(pq)
         g = -ng
         if g != best[st]:
             continue  # reached more cheaply since this entry was queued
@@ -96,32 +99,32 @@ def search(mesh_shape: tuple[int, ...], links: tuple[LinkModel, ...], src: tuple
             else:
                 low = pb.above(floor)
         if f >= above:
-            info["cut"] = True
+            info["cut"], info["expanded"] = True, expanded
             return None, info
-        if pb.done(st):
+        if st & GM == goal:  # pb.done
             found = st
             break
-        dec = requeued.pop(st, None) or pb.decode(st)
+        dec = requeued.pop(st, None) or decode(st)
         if len(dec[-1]) > 1 and st not in cycles_priced:
             # shards waiting for each other's places: priced once per state, when first popped
             cycles_priced.add(st)
             extra = _cycle_extra(dec[-1])
             if extra:
                 requeued[st] = dec
-                heapq.heappush(pq, (f + extra, ng, st))
+                push(pq, (f + extra, ng, st))
                 continue
-        info["expanded"] += 1
-        if ceiling is not None and info["expanded"] in CEILING_AFTER:
-            if info["expanded"] == CEILING_AFTER[0]:
+        expanded += 1
+        if expanded <= CEILING_AFTER[-1] and ceiling is not None and expanded in CEILING_AFTER:
+            if expanded == CEILING_AFTER[0]:
                 above = pb.above(ceiling("upper"))
             else:
                 floor, asked = ceiling(LOWER[0]), 1
                 low = pb.above(floor)
-        if info["expanded"] > MAX_EXPANSIONS:
+        if expanded > MAX_EXPANSIONS:
             info["capped"] = True
             break
-        pb.expand(st, g, dec, best, prev, pq)
-    info["generated"] = len(best)
+        expand(st, g, dec, best, prev, pq)
+    info["generated"], info["expanded"] = len(best), expanded
     if found is None:
         return baseline_plan(src, src_order, dst, dst_order), info
     # the other plan moves at least ``floor`` elements: strictly more bandwidth loses outright
@@ -272,14 +275,35 @@ class _Problem:
         Kd = [1] * N
         H = [0] * N
         at = [-1] * (N * m)
+        # the bound's numbers: products of sizes of sharding (Kf), replicated-to-shard (KC),
+        # partial-to-reduce (KP) and free (KO) mesh dims; move weights A2 and latency LT
+        tS, TD, LU, AU, AU2, CYW = self.tS, self.TD, self.LAT1, self.AU, self.AU2, self.CYW
+        Kf = KC = KP = KO = 1
+        A2 = LT = 0
+        own = [0] * m
+        ownl = [0] * m
+        shards = []
         for j in range(m):
-            c = codes[j]
+            c, k = codes[j], ks[j]
             if c >= 2:
                 d, p = CD[c], CP[c]
-                Kd[d] *= ks[j]
+                Kd[d] *= k
+                Kf *= k
                 at[d * m + p] = j
                 if p >= H[d]:
                     H[d] = p + 1
+                shards.append(j)
+            elif c == 1:
+                if self.compat[j]:
+                    KO *= k
+                else:
+                    KP *= k
+                    LT += LU[j]
+                    ownl[j] = LU[j]
+            elif tS[j]:
+                KC *= k
+            else:
+                KO *= k
         n = [-(-x // y) for x, y in zip(self.shape, Kd)]
         TN = [-1] * N  # the mesh dim whose push onto d lands in its final place
         FL = [0] * N  # length of d's final prefix
@@ -294,44 +318,23 @@ class _Problem:
                 PD[d] = self.PK[d][p]
                 if p == h:
                     TN[d] = t[h]
-        # the bound's numbers: products of sizes of sharding (Kf), replicated-to-shard (KC),
-        # partial-to-reduce (KP) and free (KO) mesh dims; move weights A2 and latency LT
-        tS, TD, LU, AU, AU2, CYW = self.tS, self.TD, self.LAT1, self.AU, self.AU2, self.CYW
-        Kf = KC = KP = KO = 1
-        A2 = LT = 0
         cyc = []
-        own = [0] * m
-        ownl = [0] * m
-        for j in range(m):
-            c, k = codes[j], ks[j]
-            if c == 1:
-                if self.compat[j]:
-                    KO *= k
-                else:
-                    KP *= k
-                    LT += LU[j]
-                    ownl[j] = LU[j]
-            elif c == 0:
+        for j in shards:
+            c = codes[j]
+            d = CD[c]
+            if CP[c] >= FL[d]:  # misplaced: it must leave its place
                 if tS[j]:
-                    KC *= k
-                else:
-                    KO *= k
-            else:
-                Kf *= k
-                d = CD[c]
-                if CP[c] >= FL[d]:  # misplaced: it must leave its place
-                    if tS[j]:
-                        if TD[j] == d:
-                            w = AU2[j]
-                        else:
-                            w = AU[j]
-                            cyc.append((d, TD[j], CYW[j]))
+                    if TD[j] == d:
+                        w = AU2[j]
                     else:
-                        w = AU[j] if PD[d] else 0  # it blocks a pending target entry below it
-                    A2 += w
-                    own[j] = w
-                    LT += LU[j]
-                    ownl[j] = LU[j]
+                        w = AU[j]
+                        cyc.append((d, TD[j], CYW[j]))
+                else:
+                    w = AU[j] if PD[d] else 0  # it blocks a pending target entry below it
+                A2 += w
+                own[j] = w
+                LT += LU[j]
+                ownl[j] = LU[j]
         return codes, H, n, math.prod(n), FL, TN, PD, (Kf, KC, KP, KO, A2, LT), own, ownl, at, cyc
 
     def expand(self, st: int, g: int, dec: tuple, best: dict, prev: dict, pq: list) -> None:
