@@ -91,13 +91,7 @@ def search(mesh_shape: tuple[int, ...], links: tuple[LinkModel, ...], src: tuple
             continue  # reached more cheaply since this entry was queued
         while f >= low and asked < len(LOWER):
             assert ceiling is not None
-            kind = LOWER[asked]
-            asked += 1
-            floor = ceiling(kind)
-            if kind == "exact":
-                above, low = pb.above(floor), _INF
-            else:
-                low = pb.above(floor)
+            low, above, asked, floor = _next_bound(pb, ceiling, asked, above)
         if f >= above:
             info["cut"], info["expanded"] = True, expanded
             return None, info
@@ -118,8 +112,7 @@ def search(mesh_shape: tuple[int, ...], links: tuple[LinkModel, ...], src: tuple
             if expanded == CEILING_AFTER[0]:
                 above = pb.above(ceiling("upper"))
             else:
-                floor, asked = ceiling(LOWER[0]), 1
-                low = pb.above(floor)
+                low, above, asked, floor = _next_bound(pb, ceiling, 0, above)
         if expanded > MAX_EXPANSIONS:
             info["capped"] = True
             break
@@ -130,6 +123,17 @@ def search(mesh_shape: tuple[int, ...], links: tuple[LinkModel, ...], src: tuple
     # the other plan moves at least ``floor`` elements: strictly more bandwidth loses outright
     info["other_loses"] = asked > 0 and pb.hmul > 0 and best[found] // pb.hmul < floor * pb.S
     return to_steps(path_moves(prev, found, pb.start, pb.N), src, src_order, dst, dst_order), info
+
+
+def _next_bound(pb: "_Problem", ceiling: Callable[[str], int], asked: int, above: int) -> tuple[int, int, int, int]:
+    """Asks ``ceiling`` for the next kind of ``LOWER``: ``(low, above, asked, elements)``, the
+    cost at which the search asks again (none after the exact value) and the one at which it
+    stops."""
+    kind = LOWER[asked]
+    elements = ceiling(kind)
+    if kind == "exact":
+        return _INF, pb.above(elements), asked + 1, elements
+    return pb.above(elements), above, asked + 1, elements
 
 
 def _free_plan(src, src_order: ShardOrder, dst_order: ShardOrder, compat: list[bool]) -> list | None:
@@ -267,8 +271,9 @@ class _Problem:
     def decode(self, st: int) -> tuple:
         """Per-state facts: codes per mesh dim, list heights, padded sizes, the local volume, per
         tensor dim the mesh dim that would land in its final place, whether an entry is still
-        pending; the bound's six numbers and each mesh dim's share of them; the misplaced shards
-        headed for another tensor dim as ``(from, to, weight)`` edges (waiting-cycle candidates)."""
+        pending; the bound's six numbers and each mesh dim's share of them; which pushes are
+        pruned and the open tensor dims; the misplaced shards headed for another tensor dim as
+        ``(from, to, weight)`` edges (waiting-cycle candidates)."""
         m, N, ks, CD, CP, T, TL = self.m, self.N, self.ks, self.CD, self.CP, self.T, self.TL
         MASK = self.MASK
         codes = [(st >> s) & MASK for s in self.SH]
@@ -335,23 +340,6 @@ class _Problem:
                 own[j] = w
                 LT += LU[j]
                 ownl[j] = LU[j]
-        return codes, H, n, math.prod(n), FL, TN, PD, (Kf, KC, KP, KO, A2, LT), own, ownl, at, cyc
-
-    def expand(self, st: int, g: int, dec: tuple, best: dict, prev: dict, pq: list) -> None:
-        """Queue every successor of ``st`` reached more cheaply than before, priced ``g + cost + bound``.
-
-        Pruned pushes (``skip``) cannot lead to a cheaper plan (except onto the mover's target).
-        A successor's bound numbers are ``st``'s with the moved mesh dim's share swapped, so the
-        bound costs a dozen integer operations, not a decode, and only for queued successors.
-
-        The bound (docs/redistribution.md), written out in place (this is the search's inner
-        loop): with ``A = XS / Kf``, the volume terms ``x1 = PHIEND + A/KC - 2 A/(KC KP)`` (free
-        mesh dims sharded meanwhile) and ``x2``, the same with ``KC KO`` for ``KC`` (not); the
-        bound is ``min(x1 + KO A2, x2 + A2)`` in bandwidth units, plus the latency ``LT``."""
-        codes, H, n, phi, FL, TN, PD, (Kf, KC, KP, KO, A2, LT), own, ownl, at, _ = dec
-        m, N, CD, CP, rows = self.m, self.N, self.CD, self.CP, self.rows
-        push, get = heapq.heappush, best.get
-        hmul, XS, PE = self.hmul, self.XS, self.PHIEND
         # pushes that cannot help: onto a saturated dim (padded piece <= 1 element), onto the
         # second of two interchangeable empty dims
         skip = [x <= 1 for x in n]
@@ -359,6 +347,23 @@ class _Problem:
             if H[d] == 0 and H[e] == 0:
                 skip[d] = True
         open_dims = [b for b in range(N) if not skip[b]]
+        return codes, H, n, math.prod(n), FL, TN, PD, (Kf, KC, KP, KO, A2, LT), own, ownl, at, skip, open_dims, cyc
+
+    def expand(self, st: int, g: int, dec: tuple, best: dict, prev: dict, pq: list) -> None:
+        """Queue every successor of ``st`` reached more cheaply than before, priced ``g + cost + bound``.
+
+        Pushes ``decode`` prunes (``skip``) cannot lead to a cheaper plan (except onto the mover's target).
+        A successor's bound numbers are ``st``'s with the moved mesh dim's share swapped, so the
+        bound costs a dozen integer operations, not a decode, and only for queued successors.
+
+        The bound (docs/redistribution.md), written out in place (this is the search's inner
+        loop): with ``A = XS / Kf``, the volume terms ``x1 = PHIEND + A/KC - 2 A/(KC KP)`` (free
+        mesh dims sharded meanwhile) and ``x2``, the same with ``KC KO`` for ``KC`` (not); the
+        bound is ``min(x1 + KO A2, x2 + A2)`` in bandwidth units, plus the latency ``LT``."""
+        codes, H, n, phi, FL, TN, PD, (Kf, KC, KP, KO, A2, LT), own, ownl, at, skip, open_dims, _ = dec
+        m, N, CD, CP, rows = self.m, self.N, self.CD, self.CP, self.rows
+        push, get = heapq.heappush, best.get
+        hmul, XS, PE = self.hmul, self.XS, self.PHIEND
         pn = [phi // x if x else 0 for x in n]  # the local volume over one piece of each dim
         pc = [2 + b * m + H[b] for b in range(N)]  # the code of a push onto each dim
         d0, d1 = self.pair
