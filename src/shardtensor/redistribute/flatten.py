@@ -33,7 +33,7 @@ import math
 from ..placement import Partial, Placement, Replicate, Shard
 from .cost import link_of, step_comm, step_latency
 from .exchange import exchange_bound, exchange_comm, exchange_dims, exchange_floor, exchange_lack
-from .search import search
+from .search import LOWER, search
 from .steps import ExchangeStep, FlatStep, Step
 
 __all__ = ["improve", "merge_steps", "direct_plan", "ceiling_applies"]
@@ -107,9 +107,8 @@ def direct_plan(mesh_shape, src, src_order, dst, dst_order, shape) -> tuple[Step
 
 
 def direct_elements(steps: tuple[Step, ...], mesh_shape, shape, kind: str) -> int:
-    """Elements per rank the direct plan moves (reduce-scatters, then the exchange's busiest rank)
-    if ``kind`` is ``"exact"``, else a cheap ``"upper"`` bound of them, or a lower one: what the
-    rank at coordinate 0 lacks (``"first"``, no array work) or the busiest receiver (``"lower"``)."""
+    """Elements per rank the direct plan moves: its reduce-scatters, then ``_exchange_elements``
+    of its exchange (exact, or a bound of it, by ``kind``)."""
     pre, ex = steps[:-1], steps[-1]
     assert isinstance(ex, ExchangeStep)
     total = 0
@@ -117,14 +116,21 @@ def direct_elements(steps: tuple[Step, ...], mesh_shape, shape, kind: str) -> in
         _, num, den, _ = step_comm(st, shape, mesh_shape)
         assert den == 1, st
         total += num
+    return total + _exchange_elements(ex, mesh_shape, shape, kind)
+
+
+def _exchange_elements(ex: ExchangeStep, mesh_shape, shape, kind: str) -> int:
+    """Elements per rank the exchange moves (its busiest rank) if ``kind`` is ``"exact"``, else a
+    cheap ``"upper"`` bound of them, or a lower one: what the rank at coordinate 0 lacks
+    (``"first"``, no array work) or the busiest receiver (``"lower"``, a pass over the ranks)."""
     a = (ex.placements, ex.order, ex.target, ex.target_order)
     if kind == "exact":
-        return total + exchange_comm(shape, mesh_shape, ex.dims, *a)[0]
+        return exchange_comm(shape, mesh_shape, ex.dims, *a)[0]
     if kind == "upper":
-        return total + exchange_bound(shape, mesh_shape, ex.dims, *a)
+        return exchange_bound(shape, mesh_shape, ex.dims, *a)
     if kind == "first":
-        return total + exchange_lack(shape, mesh_shape, *a)
-    return total + exchange_floor(shape, mesh_shape, ex.dims, *a)
+        return exchange_lack(shape, mesh_shape, *a)
+    return exchange_floor(shape, mesh_shape, ex.dims, *a)
 
 
 def ceiling_applies(links, src, dst, mesh_shape) -> bool:
@@ -141,24 +147,25 @@ def ceiling_applies(links, src, dst, mesh_shape) -> bool:
 
 def _direct_score(score: "_Scorer", best_score: tuple, mesh_shape, steps: tuple[Step, ...], shape) -> tuple:
     """The direct plan's score.  The exchange is priced first on a cheap upper bound; when that
-    does not win, and neither what the first rank lacks nor what the busiest receiver lacks (two
-    lower bounds, the second a pass over the ranks) rules it out, on the exact busiest rank (a
-    pass over the pairs that may exchange, so only then)."""
+    does not win, on the search's lower bounds in turn (``search.LOWER``), cheapest first, until
+    one rules it out or the last, the exact busiest rank (a pass over the pairs that may
+    exchange), prices it."""
     pre, ex = steps[:-1], steps[-1]
     assert isinstance(ex, ExchangeStep)
     pre_bw, pre_t = score.plan(pre)
     lat = math.prod(mesh_shape[j] for j in ex.dims) - 1
-    a = (shape, mesh_shape, ex.placements, ex.order, ex.target, ex.target_order)
 
-    def total(num: int) -> tuple:
-        bw, t = score.raw(ex.dims, num, 1, lat)
+    def total(kind: str) -> tuple:
+        bw, t = score.raw(ex.dims, _exchange_elements(ex, mesh_shape, shape, kind), 1, lat)
         return pre_bw + bw, pre_t + t
 
-    ub = total(exchange_bound(shape, mesh_shape, ex.dims, *a[2:]))
-    if ub < best_score or total(exchange_lack(shape, mesh_shape, *a[2:])) >= best_score or \
-            total(exchange_floor(shape, mesh_shape, ex.dims, *a[2:])) >= best_score:
+    ub = total("upper")
+    if ub < best_score:
         return ub
-    return total(exchange_comm(shape, mesh_shape, ex.dims, *a[2:])[0])
+    for kind in LOWER[:-1]:
+        if total(kind) >= best_score:
+            return ub  # a lower bound already loses
+    return total(LOWER[-1])
 
 
 class _Scorer:

@@ -108,7 +108,7 @@ def search(mesh_shape: tuple[int, ...], links: tuple[LinkModel, ...], src: tuple
                 push(pq, (f + extra, ng, st))
                 continue
         expanded += 1
-        if expanded <= CEILING_AFTER[-1] and ceiling is not None and expanded in CEILING_AFTER:
+        if ceiling is not None and expanded in CEILING_AFTER:
             if expanded == CEILING_AFTER[0]:
                 above = pb.above(ceiling("upper"))
             else:
