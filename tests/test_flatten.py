@@ -452,6 +452,8 @@ def test_the_search_asks_for_dearer_ceiling_bounds_only_when_needed():
         lowers = tuple(k for k in asked if k != "upper")
         assert lowers == LOWER[:len(lowers)], asked
         seen[lowers] = seen.get(lowers, 0) + 1
+        with pytest.raises(ValueError, match="kind must be"):  # never a silent bound of the wrong kind
+            direct_elements(direct, mesh_shape, shape, "floor")
     assert seen.get(("first",), 0) > 5 and seen.get(LOWER, 0) > 5, seen
 
 

@@ -130,7 +130,9 @@ def _exchange_elements(ex: ExchangeStep, mesh_shape, shape, kind: str) -> int:
         return exchange_bound(shape, mesh_shape, ex.dims, *a)
     if kind == "first":
         return exchange_lack(shape, mesh_shape, *a)
-    return exchange_floor(shape, mesh_shape, ex.dims, *a)
+    if kind == "lower":
+        return exchange_floor(shape, mesh_shape, ex.dims, *a)
+    raise ValueError(f"kind must be 'exact', 'upper', 'first' or 'lower', got {kind!r}")
 
 
 def ceiling_applies(links, src, dst, mesh_shape) -> bool:
