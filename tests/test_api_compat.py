@@ -127,6 +127,41 @@ def test_from_local_stride_with_uneven_pieces():
     assert run_recorded((4,), body)[0] == [((3, 7), (1, 3))] * 4
 
 
+def test_repeated_from_local_reuses_its_spec_and_still_checks():
+    """TP styles wrap every module input each step: a repeated ``from_local`` that needs no collective
+    takes its spec from a cache (the same object), with the same values, strides and gradients; a
+    piece the given global shape does not explain still raises on its rank after the good pieces were
+    cached; a call that gathers the pieces' shapes gathers on every call."""
+    def body(mesh):
+        r = mesh.get_rank()
+        specs, grads = [], []
+        for step in range(3):
+            a = torch.arange(10.0).reshape(2, 5).add(r).requires_grad_()
+            x = DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+            y = DTensor.from_local(a.t(), mesh, [Shard(0)], shape=(20, 2))  # a column-major piece
+            z = DTensor.from_local(a.t().contiguous(), mesh, [Shard(0)], shape=(20, 2))
+            (x.to_local() * 2).sum().backward()
+            specs.append((x._spec, y._spec, z._spec, y.stride(), z.stride()))
+            grads.append(a.grad)
+            DTensor.from_local(torch.ones(2, 5), mesh, [Shard(0)])  # no shape: the shapes are gathered
+        rows = [2, 2, 2, 1][r] + (1 if r == 3 else 0)  # rank 3's piece is one row too long
+        bad = None
+        try:
+            DTensor.from_local(torch.ones(rows, 5), mesh, [Shard(0)], shape=(7, 5))
+        except ValueError as e:
+            bad = str(e)
+        return specs, grads, bad
+
+    out, events = run_recorded((4,), body)
+    for specs, grads, bad in out:
+        assert all(s[0] is specs[0][0] and s[1] is specs[0][1] and s[2] is specs[0][2] for s in specs)
+        assert specs[0][3] == (1, 20) and specs[0][4] == (2, 1)
+        assert all(torch.equal(g, torch.full((2, 5), 2.0)) for g in grads)
+    assert [bad is None for _, _, bad in out] == [True, True, True, False]
+    assert "rank 3" in out[3][2] and "(2, 5)" in out[3][2]
+    assert sum(e.kind == "all_gather" for e in events) == 3 * 4  # one gather per call and rank
+
+
 @pytest.mark.parametrize("field", ["dtype", "requires_grad", "memory layout"])
 def test_run_check_names_the_field_and_the_ranks(field):
     def body(mesh):

@@ -83,6 +83,10 @@ class DTensor(torch.Tensor):
         if not isinstance(local_tensor, torch.Tensor) or isinstance(local_tensor, DTensor):
             raise TypeError(f"from_local needs a local torch.Tensor, got {type(local_tensor).__name__}")
         device_mesh = resolve_mesh(device_mesh, "from_local")
+        key = _wrap_key(local_tensor, device_mesh, placements, run_check, shape, stride)
+        spec = _WRAPPED.get(key) if key is not None else None
+        if spec is not None:  # the same call on this rank before: the same spec, no checks to repeat
+            return _FromLocal.apply(local_tensor, spec, False)
         if placements is None:
             placements = [Replicate()] * device_mesh.ndim
         pl = normalize_placements(placements, local_tensor.ndim, device_mesh.ndim)
@@ -91,7 +95,8 @@ class DTensor(torch.Tensor):
         if shape is not None:
             shape = check_shape(shape, local_tensor)
         member = device_mesh.get_coordinate() is not None  # ranks outside the mesh take no part
-        if member and (run_check or (run_check is None and shape is None and sharded)):
+        gathered = member and (run_check or (run_check is None and shape is None and sharded))
+        if gathered:
             shape, order = check_pieces(local_tensor, device_mesh, pl, shape)
         elif shape is None:
             g = list(local_tensor.shape)
@@ -111,6 +116,10 @@ class DTensor(torch.Tensor):
                     f"from_local: rank {device_mesh.get_rank()} holds local shape {tuple(local_tensor.shape)} but global "
                     f"shape {tuple(spec.shape)} with {display(pl)} gives it {expect}"
                 )
+            if key is not None and not gathered:  # no collective ran: the call may be cached
+                if len(_WRAPPED) >= 1024:
+                    _WRAPPED.clear()
+                _WRAPPED[key] = spec
         return _FromLocal.apply(local_tensor, spec, bool(run_check) and member)
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
@@ -183,7 +192,8 @@ class DTensor(torch.Tensor):
                 return NotImplemented
             return torch_function(func, types, args, kwargs)
         out = below(func, types, args, kwargs) if kwargs else below(func, types, args)
-        return out if type(out) is DTensor else finish(func, out, args, kwargs)
+        t = type(out)  # (a DTensor or a plain value, e.g. a property read: no repair to look for)
+        return out if t is DTensor or t in PLAIN_VALUES else finish(func, out, args, kwargs)
 
     # -- torch.compile (see compile.py): the metadata is the spec and the calling rank ----
     def __tensor_flatten__(self):
@@ -236,6 +246,29 @@ def _shard_order_arg(shard_order: Any) -> tuple[tuple[int, tuple[int, ...]], ...
     return out
 
 
+_WRAPPED: dict[tuple, DTensorSpec] = {}
+"""``from_local`` calls that ran no collective -> their spec.  Such a spec follows from the key
+alone: the mesh (by id: the spec holds it), this rank's coordinate, the arguments, and the local
+tensor's shape, strides and dtype.  TP styles wrap every module input each step."""
+
+
+def _wrap_key(local: torch.Tensor, mesh: DeviceMesh, placements: Any, run_check: Any, shape: Any,
+              stride: Any) -> tuple | None:
+    """``_WRAPPED``'s key of a ``from_local`` call, or ``None`` where an argument is not hashable
+    or the rank is outside the mesh."""
+    coord = mesh._coord
+    if coord is None:
+        return None
+    try:
+        key = (id(mesh), coord, None if placements is None else tuple(placements), local.shape, local.stride(),
+               local.dtype, run_check, None if shape is None else tuple(shape),
+               None if stride is None else tuple(stride))
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 class _FromLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local: torch.Tensor, spec: DTensorSpec, run_check: bool) -> DTensor:
@@ -255,8 +288,10 @@ class _FromLocal(torch.autograd.Function):
         kinds = {p.reduce_op for p in spec.placements if isinstance(p, Partial)}
         if kinds - {"sum", "avg"}:
             raise NotImplementedError(f"backward of from_local with {display(spec.placements)} (Partial {sorted(kinds)})")
-        target = DTensorSpec.build(spec.mesh, unpartial(spec.placements), grad.shape, grad.stride(), grad.dtype, spec.shard_order)
-        local = redistribute_local(grad._local_tensor, grad._spec, target)
+        gspec = grad._spec  # (not grad.shape and the like: each would be a torch-function call)
+        target = DTensorSpec.build(spec.mesh, unpartial(spec.placements), gspec.shape, gspec.stride, gspec.dtype,
+                                   spec.shard_order)
+        local = redistribute_local(grad._local_tensor, gspec, target)
         for j, p in enumerate(spec.placements):
             if p == Partial("avg"):
                 local = local / spec.mesh.size(j)
@@ -383,4 +418,4 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
 
 
 from .dispatch import dispatch  # noqa: E402  (the dispatch layer wraps its results in DTensor)
-from .dispatch.functions import REPAIRED, below, finish, torch_function  # noqa: E402
+from .dispatch.functions import PLAIN_VALUES, REPAIRED, below, finish, torch_function  # noqa: E402

@@ -66,15 +66,21 @@ def hit(func: Any, args: tuple, kwargs: dict, view: bool, writes: int, written: 
                 return MISSING
             if first is None:
                 first = a[0]
-        elif t is list or t is tuple:  # sizes, dims, empty lists: keyed and run in flat form
-            return _run_flat(func, args, kwargs, view, writes, written, freeze)
+        elif t is list or t is tuple:  # sizes and dims keyed by value; anything else runs in flat form
+            for v in a:
+                if type(v) is not int:
+                    return _run_flat(func, args, kwargs, view, writes, written, freeze)
+            key.append((t, *a))
+            local.append(a)
         else:
             return MISSING
     decision = _decision(func, args, kwargs, tuple(key), writes, written, first)
     if decision is None or first is None:
         return MISSING
     if decision.local_args is not None:  # it rewrites the flat arguments: run in flat form
-        return _run_flat(func, args, kwargs, view, writes, written, freeze)
+        flat, treedef = flatten_call(args, kwargs)
+        return _run_decided(func, decision, flat, treedef, [a._local_tensor if type(a) is DTensor else a for a in flat],
+                            first, view, writes)
     return _finish(func, (decision.kernel or func)(*local), decision, first, args[0], view, writes, local[0])
 
 
@@ -98,6 +104,12 @@ def _run_flat(func: Any, args: tuple, kwargs: dict, view: bool, writes: int, wri
     decision = _decision(func, args, kwargs, tuple(key), writes, written, first)
     if decision is None or first is None:
         return MISSING
+    return _run_decided(func, decision, flat, treedef, local, first, view, writes)
+
+
+def _run_decided(func: Any, decision: Any, flat: list, treedef: Any, local: list, first: DTensor, view: bool,
+                 writes: int) -> Any:
+    """The kernel on the flat local arguments (rewritten by the decision's ``local_args``), wrapped."""
     if decision.local_args is not None:
         local = decision.local_args(local)
     largs, lkwargs = unflatten_call(local, treedef)

@@ -10,6 +10,7 @@ layouts differ), and a plain tensor input wrapped as sharded gets its true globa
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from functools import lru_cache
 from typing import Any, Sequence
 
 import torch
@@ -35,19 +36,19 @@ def local_to_dtensor(t: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Pla
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor or DTensor module input/output, got {type(t).__name__}")
-    pl = normalize_placements(tuple(placements), t.ndim, mesh.ndim)
-    shards: dict[int, list[int]] = {}
-    for j, p in enumerate(pl):
-        if isinstance(p, Shard):
-            shards.setdefault(p.dim, []).append(j)
+    try:
+        pl, shards = _layout(tuple(placements), t.ndim, mesh.ndim)
+    except TypeError:  # an unhashable placement: the uncached check says what is wrong
+        normalize_placements(tuple(placements), t.ndim, mesh.ndim)
+        raise
     if not shards:
         return DTensor.from_local(t, mesh, pl)
-    if any(len(js) > 1 for js in shards.values()):
+    if any(len(js) > 1 for _, js in shards):
         return DTensor.from_local(t, mesh, pl, run_check=True)
     shape = list(t.shape)
     given = {(d + t.ndim if d < 0 else d): n for d, n in (known or {}).items()}
     by_mesh_dim: dict[int, list[int]] = {}
-    for d, (j,) in shards.items():
+    for d, (j,) in shards:
         if d in given:
             shape[d] = int(given[d])
         else:
@@ -60,6 +61,18 @@ def local_to_dtensor(t: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Pla
     return DTensor.from_local(t, mesh, pl, shape=shape)
 
 
+@lru_cache(maxsize=256)
+def _layout(placements: tuple, ndim: int, mesh_ndim: int) -> tuple[tuple[Placement, ...], tuple]:
+    """Placements checked for a tensor of ``ndim`` dims, and the mesh dims sharding each tensor dim
+    (``(dim, mesh dims)`` pairs): worked out once per layout, not per wrapped input."""
+    pl = normalize_placements(placements, ndim, mesh_ndim)
+    shards: dict[int, list[int]] = {}
+    for j, p in enumerate(pl):
+        if isinstance(p, Shard):
+            shards.setdefault(p.dim, []).append(j)
+    return pl, tuple((d, tuple(js)) for d, js in shards.items())
+
+
 def _to_dtensor(x: Any, mesh: DeviceMesh, layout: Placement, known: dict[int, int] | None = None) -> DTensor:
     if isinstance(x, DTensor):
         return x
@@ -67,10 +80,16 @@ def _to_dtensor(x: Any, mesh: DeviceMesh, layout: Placement, known: dict[int, in
 
 
 def _redistribute_to(x: DTensor, layout: Placement) -> DTensor:
-    if x.device_mesh.ndim != 1:
-        raise ValueError(f"tensor parallel styles need DTensors on a 1-D mesh, got one on {x.device_mesh}")
-    want = normalize_placements((layout,), x.ndim, 1)
-    return x if x.placements == want else x.redistribute(x.device_mesh, want)
+    spec = x._spec  # (not x.ndim and the like: each would be a torch-function call)
+    if spec.mesh.ndim != 1:
+        raise ValueError(f"tensor parallel styles need DTensors on a 1-D mesh, got one on {spec.mesh}")
+    want = _one_placement(layout, len(spec.shape))
+    return x if spec.placements == want else x.redistribute(spec.mesh, want)
+
+
+@lru_cache(maxsize=256)
+def _one_placement(layout: Placement, ndim: int) -> tuple[Placement, ...]:
+    return normalize_placements((layout,), ndim, 1)
 
 
 def _first_input(inputs: tuple, mod: nn.Module) -> Any:
