@@ -180,6 +180,13 @@ def test_training_matches_single_device(kind, opt):
     assert_matches(results, reference(kind, opt))
 
 
+@pytest.mark.parametrize("kind", ["mlp", "tiny"])
+def test_one_rank_trains_as_the_plain_model(kind):
+    """A dp group of one rank (a single-device run) takes its packed buffers as the gathered and
+    reduced ones, with no collective and no copy; it trains exactly as the plain model."""
+    assert_matches(run_spmd(rank_train, 1, kind, "adam", 3, (1,)), reference(kind, "adam", 3))
+
+
 @pytest.mark.parametrize("opt", ["sgd_foreach", "adam_foreach", "adam_fused", "adamw_foreach"])
 def test_foreach_and_fused_optimizers(opt):
     results = run_spmd(rank_train, WORLD, "mlp", opt, 3)

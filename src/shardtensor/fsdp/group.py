@@ -170,6 +170,8 @@ class ParamGroup:
         else:  # mixed dtypes travel as bytes
             flat = torch.cat([params[i].padded.to(self.compute_dtype(params[i])).reshape(-1).view(torch.uint8)
                               for i in lay.items])
+        if self.info.world == 1:  # one rank: the stack is its packed shards (no collective, no copy)
+            return comm.Completed(flat.unsqueeze(0)), lay.sizes, targets
         return comm.all_gather(flat, self.info.mesh, self.info.dp_dim, async_op=True), lay.sizes, targets
 
     def gather_targets(self, raw: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -250,6 +252,8 @@ class ParamGroup:
         HSDP, over the replicas (all-reduce); integer and low-precision sums are divided in two
         steps to keep them in range."""
         info = self.info
+        if info.world == 1 and info.rep_dim is None:  # one rank: its block is the average (no copy)
+            return flat[0]
         if flat.dtype in (torch.float32, torch.bfloat16, torch.float64):
             red = comm.reduce_scatter(flat, "avg", info.mesh, info.dp_dim)
             return red if info.rep_dim is None else comm.all_reduce(red, "avg", info.mesh, info.rep_dim)
