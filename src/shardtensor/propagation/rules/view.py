@@ -208,9 +208,11 @@ def view_rule(call: Call) -> Decision:
     required = s.with_placements(need, tuple((d, js) for d, (_, js) in sorted(keep.items())))
     out_spec = spec_of(call, out, out_pl, tuple(sorted(keep.values())))
     copy = call.op is aten.view_copy.default
-    size_arg = "shape" if call.op is aten.reshape.default else "size"
-    return finish(call, {0: required}, out_spec, local_args=local_sizes(call, size_arg, out_spec),
-                  kernel=_reshape_copy if copy else _reshape)
+    if any(isinstance(p, Shard) for p in out_spec.placements):
+        kernel = _local_reshape(out_spec, copy)
+    else:
+        kernel = _reshape_copy if copy else _reshape
+    return finish(call, {0: required}, out_spec, kernel=kernel)
 
 
 def _reshape(x: torch.Tensor, size: Sequence[int], *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -221,6 +223,16 @@ def _reshape(x: torch.Tensor, size: Sequence[int], *args: Any, **kwargs: Any) ->
 
 def _reshape_copy(x: torch.Tensor, size: Sequence[int], *args: Any, **kwargs: Any) -> torch.Tensor:
     return x.reshape(size).clone()
+
+
+def _local_reshape(out_spec: DTensorSpec, copy: bool) -> Callable[..., torch.Tensor]:
+    """The kernel of a reshape with a sharded result: this rank's piece takes its local shape (the
+    size argument names the global one).  A kernel, not a rewrite of the flat arguments, so the
+    dispatcher's hit path calls it on the arguments as they come."""
+    def kernel(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = x.reshape(out_spec.local_shape)
+        return out.clone() if copy else out
+    return kernel
 
 
 # -- expand, permutations, (un)squeeze ---------------------------------------------------------
