@@ -127,6 +127,47 @@ def test_from_local_stride_with_uneven_pieces():
     assert run_recorded((4,), body)[0] == [((3, 7), (1, 3))] * 4
 
 
+def test_autograd_attributes_skip_torch_function_but_not_modes(monkeypatch):
+    """``grad``, ``requires_grad``, ``is_leaf`` and ``is_sparse`` of a DTensor (read per parameter by
+    optimizers, ``zero_grad`` and ``clip_grad_norm_``) behave as a plain tensor's: set, read and
+    deleted through torch's own descriptors, without a call of ``DTensor.__torch_function__``, and
+    seen by an active torch-function mode."""
+    from torch.overrides import TorchFunctionMode
+
+    def body(mesh):
+        p = torch.nn.Parameter(distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)]))
+        g = distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)])
+        calls = []
+        orig = DTensor.__torch_function__.__func__
+        monkeypatch.setattr(DTensor, "__torch_function__",
+                            classmethod(lambda cls, f, t, a=(), k=None: calls.append(f) or orig(cls, f, t, a, k)))
+        p.grad = g
+        read = (p.grad is g, p.requires_grad, p.is_leaf, p.is_sparse)
+        p.requires_grad = False
+        off = p.requires_grad
+        del p.grad
+        gone = p.grad is None
+        with pytest.raises(AttributeError):
+            p.is_leaf = False
+        monkeypatch.undo()
+        seen = []
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                seen.append(getattr(func, "__self__", func).__name__)
+                return func(*args, **(kwargs or {}))
+
+        with Mode():
+            p.requires_grad_(True).grad = g
+        return read, off, gone, calls, seen
+
+    out, _ = run_recorded((1,), body)
+    read, off, gone, calls, seen = out[0]
+    assert read == (True, True, True, False) and off is False and gone
+    assert calls == []
+    assert "grad" in seen
+
+
 def test_repeated_from_local_reuses_its_spec_and_still_checks():
     """TP styles wrap every module input each step: a repeated ``from_local`` that needs no collective
     takes its spec from a cache (the same object), with the same values, strides and gradients; a

@@ -25,6 +25,30 @@ from .submesh import empty_local
 __all__ = ["DTensor", "distribute_tensor"]
 
 
+def _tensor_attribute(name: str, writable: bool = True) -> Any:
+    """``torch.Tensor``'s attribute ``name`` on a DTensor, read (and written) by torch's own getter
+    with subclass torch-function handling off.  Through ``DTensor.__torch_function__`` a read
+    costs about 1.3 us, this way 0.35 us; torch-function modes still see it."""
+    desc = getattr(torch._C.TensorBase, name)
+
+    def get(self: Any) -> Any:
+        with _NO_SUBCLASS_FUNCTIONS():
+            return desc.__get__(self)
+
+    def put(self: Any, value: Any) -> None:
+        with _NO_SUBCLASS_FUNCTIONS():
+            desc.__set__(self, value)
+
+    def drop(self: Any) -> None:
+        with _NO_SUBCLASS_FUNCTIONS():
+            desc.__delete__(self)
+
+    return property(get, put if writable else None, drop if writable else None, doc=getattr(desc, "__doc__", None))
+
+
+_NO_SUBCLASS_FUNCTIONS = torch._C.DisableTorchFunctionSubclass
+
+
 class DTensor(torch.Tensor):
     """A global tensor stored as local shards over a DeviceMesh."""
 
@@ -47,6 +71,13 @@ class DTensor(torch.Tensor):
     def __repr__(self) -> str:  # type: ignore[override]  # noqa: D105
         return (f"DTensor(local_tensor={self._local_tensor}, device_mesh={self._spec.mesh}, "
                 f"placements={self.placements!r})")
+
+    # autograd's attributes that optimizers, zero_grad and clip_grad_norm_ read per parameter:
+    # torch's own getters and setters without a torch-function call (nothing to repair there)
+    grad = _tensor_attribute("grad")
+    requires_grad = _tensor_attribute("requires_grad")
+    is_leaf = _tensor_attribute("is_leaf", writable=False)
+    is_sparse = _tensor_attribute("is_sparse", writable=False)
 
     # -- public surface -----------------------------------------------------------------
     @property
