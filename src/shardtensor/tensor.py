@@ -115,7 +115,10 @@ class DTensor(torch.Tensor):
             raise TypeError(f"from_local needs a local torch.Tensor, got {type(local_tensor).__name__}")
         device_mesh = resolve_mesh(device_mesh, "from_local")
         key = _wrap_key(local_tensor, device_mesh, placements, run_check, shape, stride)
-        spec = _WRAPPED.get(key) if key is not None else None
+        try:
+            spec = _WRAPPED.get(key) if key is not None else None
+        except TypeError:  # an unhashable argument: not cached (the checks below say what is wrong)
+            key = spec = None
         if spec is not None:  # the same call on this rank before: the same spec, no checks to repeat
             return _FromLocal.apply(local_tensor, spec, False)
         if placements is None:
@@ -223,8 +226,7 @@ class DTensor(torch.Tensor):
                 return NotImplemented
             return torch_function(func, types, args, kwargs)
         out = below(func, types, args, kwargs) if kwargs else below(func, types, args)
-        t = type(out)  # (a DTensor or a plain value, e.g. a property read: no repair to look for)
-        return out if t is DTensor or t in PLAIN_VALUES else finish(func, out, args, kwargs)
+        return out if type(out) is DTensor else finish(func, out, args, kwargs)
 
     # -- torch.compile (see compile.py): the metadata is the spec and the calling rank ----
     def __tensor_flatten__(self):
@@ -285,19 +287,17 @@ tensor's shape, strides and dtype.  TP styles wrap every module input each step.
 
 def _wrap_key(local: torch.Tensor, mesh: DeviceMesh, placements: Any, run_check: Any, shape: Any,
               stride: Any) -> tuple | None:
-    """``_WRAPPED``'s key of a ``from_local`` call, or ``None`` where an argument is not hashable
-    or the rank is outside the mesh."""
+    """``_WRAPPED``'s key of a ``from_local`` call, or ``None`` where the rank is outside the mesh
+    or an argument is not a sequence."""
     coord = mesh._coord
     if coord is None:
         return None
     try:
-        key = (id(mesh), coord, None if placements is None else tuple(placements), local.shape, local.stride(),
-               local.dtype, run_check, None if shape is None else tuple(shape),
-               None if stride is None else tuple(stride))
-        hash(key)
+        return (id(mesh), coord, None if placements is None else tuple(placements), local.shape, local.stride(),
+                local.dtype, run_check, None if shape is None else tuple(shape),
+                None if stride is None else tuple(stride))
     except TypeError:
         return None
-    return key
 
 
 class _FromLocal(torch.autograd.Function):
@@ -449,4 +449,4 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
 
 
 from .dispatch import dispatch  # noqa: E402  (the dispatch layer wraps its results in DTensor)
-from .dispatch.functions import PLAIN_VALUES, REPAIRED, below, finish, torch_function  # noqa: E402
+from .dispatch.functions import REPAIRED, below, finish, torch_function  # noqa: E402

@@ -23,7 +23,7 @@ from ..implicit import implicit_replication
 from ..tensor import DTensor
 from .fallback import replicate_plain
 
-__all__ = ["torch_function", "REPAIRED", "PLAIN_VALUES", "below", "finish"]
+__all__ = ["torch_function", "REPAIRED", "below", "finish"]
 
 _NOWRAP = torch.overrides.get_default_nowrap_functions()
 _TENSOR_SPLIT = torch.Tensor.tensor_split
@@ -57,16 +57,15 @@ def finish(func: Any, out: Any, args: tuple, kwargs: dict | None) -> Any:
     """``func``'s result with any plain tensor torch's C++ built from shapes alone made a
     ``Replicate`` DTensor (the same on every rank)."""
     t = type(out)
-    if t is DTensor or t in PLAIN_VALUES or func in _NOWRAP:
+    if t is DTensor or t in _PLAIN_VALUES or func in _NOWRAP:
         return out
     if (t is list or t is tuple) and all(type(o) is DTensor for o in out):  # foreach results
         return out
     return replicate_plain(out, args, kwargs or {})
 
 
-PLAIN_VALUES = frozenset({type(None), bool, int, float, complex, str, torch.Size, torch.dtype, torch.device,
-                          torch.layout})
-"""Result types ``finish`` passes through as they are."""
+_PLAIN_VALUES = frozenset({type(None), bool, int, float, complex, str, torch.Size, torch.dtype, torch.device,
+                           torch.layout})
 
 
 def _whole_split_points(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

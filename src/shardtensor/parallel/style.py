@@ -83,13 +83,8 @@ def _redistribute_to(x: DTensor, layout: Placement) -> DTensor:
     spec = x._spec  # (not x.ndim and the like: each would be a torch-function call)
     if spec.mesh.ndim != 1:
         raise ValueError(f"tensor parallel styles need DTensors on a 1-D mesh, got one on {spec.mesh}")
-    want = _one_placement(layout, len(spec.shape))
+    want = _layout((layout,), len(spec.shape), 1)[0]
     return x if spec.placements == want else x.redistribute(spec.mesh, want)
-
-
-@lru_cache(maxsize=256)
-def _one_placement(layout: Placement, ndim: int) -> tuple[Placement, ...]:
-    return normalize_placements((layout,), ndim, 1)
 
 
 def _first_input(inputs: tuple, mod: nn.Module) -> Any:
