@@ -5,10 +5,11 @@
 arguments, never on the rank, so every rank runs the same collectives.
 
 The cache is keyed so that a training run rarely plans: the plan depends on a tensor dim's length
-only through its padded pieces, so every length that every product of mesh sizes divides
-(evenly split however the dim is sharded) plans the same way and shares one key; so do all
-itemsizes.  Exact lengths stay in the key for the other dims, and everything stays in it when the
-mesh dims' links differ in bandwidth (floating-point prices could then tie differently).
+only through its padded pieces and the order of the lengths, so lengths that every product of
+mesh sizes divides (evenly split however the dim is sharded) plan the same way as the least such
+lengths in the same order, and share their key; so do all itemsizes.  Exact lengths stay in the
+key for the other dims, and everything stays in it when the mesh dims' links differ in bandwidth
+(floating-point prices could then tie differently).
 """
 from __future__ import annotations
 
@@ -57,10 +58,14 @@ def plan_for(src_spec, dst_spec) -> tuple[Step, ...]:
 
 
 def plan_uncached(src, src_order, dst, dst_order, global_shape, mesh_shape, itemsize: int = 4, links=None,
-                  stats: dict | None = None) -> tuple[Step, ...]:
-    """``plan`` without the cache (benchmarks, tests); ``stats`` receives the search's counters."""
-    args = _normalized(src, src_order, dst, dst_order, global_shape, mesh_shape, links)
-    return _plan(*args, int(itemsize), stats)
+                  stats: dict | None = None, shape_class: bool = True) -> tuple[Step, ...]:
+    """``plan`` without the cache: what a miss of ``plan`` computes (benchmarks, tests); ``stats``
+    receives the search's counters.  ``shape_class=False`` plans on the exact shape (tests)."""
+    ms, lk, a, a_order, b, b_order, shape = _normalized(src, src_order, dst, dst_order, global_shape, mesh_shape,
+                                                        links)
+    if shape_class and len({x.beta for x in lk}) <= 1:
+        shape, itemsize = _shape_class(shape, ms), 1
+    return _plan(ms, lk, a, a_order, b, b_order, shape, int(itemsize), stats)
 
 
 def per_dim_plan(src: Sequence[Placement], src_order: ShardOrder, dst: Sequence[Placement], dst_order: ShardOrder,
@@ -122,11 +127,20 @@ def cache_info():
 
 
 def _shape_class(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
-    """``shape`` with every length that the whole mesh divides, at least twice, replaced by twice
-    the mesh size: such a dim is split evenly by every set of mesh dims and never down to one
-    element, so every cost the planner compares scales with its length by the same factor."""
+    """``shape`` with every length that the whole mesh divides, at least twice, replaced by the
+    least such length that keeps the order of all the lengths (ties included): such a dim is
+    split evenly by every set of mesh dims and never down to one element, so every cost the
+    planner compares scales by the same factor, and choices made by comparing lengths (the
+    direct plan reduce-scatters onto the longest dim) come out the same."""
     K = math.prod(mesh_shape)
-    return tuple(2 * K if n > K and n % K == 0 else n for n in shape)
+    short: dict[int, int] = {}
+    prev = 0
+    for n in sorted(set(shape)):
+        if n > K and n % K == 0:
+            short[n] = prev = max(2 * K, (prev // K + 1) * K)
+        else:
+            prev = n
+    return tuple(short.get(n, n) for n in shape)
 
 
 def norm_order(order) -> ShardOrder:
