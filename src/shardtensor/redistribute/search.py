@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 import math
 from functools import lru_cache
+from itertools import permutations
 from typing import Callable
 
 from ..placement import Partial, Replicate, Shard, ShardOrder
@@ -463,23 +464,24 @@ def _cycle_extra(edges: list[tuple[int, int, int]]) -> int:
 @lru_cache(maxsize=4096)
 def _feedback_cost(edges: tuple[tuple[int, int, int], ...]) -> int:
     """The least total weight of ``(tail, head, weight)`` edges whose removal leaves no directed
-    cycle (every subset tried: a search has at most one edge per mesh dim)."""
-    n = len(edges)
-    succ = [sum(1 << x for x in range(n) if x != i and edges[x][0] == edges[i][1]) for i in range(n)]
-
-    def acyclic(alive: int) -> bool:
-        while alive:  # drop edges with no successor left alive; a stall means a cycle
-            drop = 0
-            for i in range(n):
-                if alive >> i & 1 and not succ[i] & alive:
-                    drop |= 1 << i
-            if not drop:
-                return False
-            alive &= ~drop
-        return True
-
-    full = (1 << n) - 1
-    if acyclic(full):
+    cycle.  A graph is acyclic exactly when some order of its nodes sends every edge forwards, so
+    this is the least weight sent backwards over the orders of the nodes that can lie on a cycle
+    (those left after repeatedly dropping nodes with no incoming or no outgoing edge; a search
+    has at most one edge per mesh dim, so a handful)."""
+    live = edges
+    while True:
+        tails, heads = {e[0] for e in live}, {e[1] for e in live}
+        core = tuple(e for e in live if e[0] in heads and e[1] in tails)
+        if len(core) == len(live):
+            break
+        live = core
+    if not live:
         return 0
-    return min(sum(edges[i][2] for i in range(n) if cut >> i & 1)
-               for cut in range(1, full + 1) if acyclic(full & ~cut))
+    weight: dict[tuple[int, int], int] = {}
+    for a, b, w in live:
+        weight[a, b] = weight.get((a, b), 0) + w
+    if len(tails) == 2:  # two nodes: one direction goes
+        return min(weight.values())
+    pairs = list(weight.items())
+    return min(sum(w for (a, b), w in pairs if rank[a] > rank[b])
+               for rank in ({d: i for i, d in enumerate(order)} for order in permutations(sorted(tails))))
