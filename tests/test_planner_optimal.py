@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import random
 from math import gcd
 
@@ -590,7 +591,7 @@ def _brute_feedback(edges):
 def test_cycle_price_is_the_least_feedback_arc_set():
     # the search prices shards waiting for each other's places with a minimum-weight feedback arc
     # set; checked against trying every subset, on random small multigraphs (parallel edges too)
-    from shardtensor.redistribute.search import _feedback_cost
+    from shardtensor.redistribute.search import _feedback_cost as feedback_cost
     rng = random.Random(0)
     for _ in range(400):
         nodes = rng.randint(2, 5)
@@ -599,7 +600,82 @@ def test_cycle_price_is_the_least_feedback_arc_set():
             a = rng.randrange(nodes)
             b = rng.choice([x for x in range(nodes) if x != a])
             edges.append((a, b, rng.choice([1, 2, 3, 5, 8, 1 << 40])))
-        assert _feedback_cost.__wrapped__(tuple(edges)) == _brute_feedback(edges), edges
+        assert feedback_cost.__wrapped__(tuple(edges)) == _brute_feedback(edges), edges
     # a 3-cycle with a chord, a 2-cycle inside a 4-cycle
-    assert _feedback_cost.__wrapped__(((0, 1, 5), (1, 2, 3), (2, 0, 4), (0, 2, 1))) == 4  # 2 -> 0 is on both
-    assert _feedback_cost.__wrapped__(((0, 1, 2), (1, 0, 7), (1, 2, 4), (2, 3, 4), (3, 0, 9))) == 2
+    assert feedback_cost.__wrapped__(((0, 1, 5), (1, 2, 3), (2, 0, 4), (0, 2, 1))) == 4  # 2 -> 0 is on both
+    assert feedback_cost.__wrapped__(((0, 1, 2), (1, 0, 7), (1, 2, 4), (2, 3, 4), (3, 0, 9))) == 2
+
+
+def _cost_to(end, start, shape, mesh, scale, kinds) -> dict:
+    """Exhaustive cheapest scaled cost from every state reachable from ``start`` to ``end``
+    (Dijkstra over the reversed graph of the test's own model)."""
+    back: dict = {}
+    seen, todo = {start}, [start]
+    while todo:
+        s = todo.pop()
+        for t, w in _edges(s, shape, mesh, scale, kinds):
+            back.setdefault(t, []).append((s, w))
+            if t not in seen:
+                seen.add(t)
+                todo.append(t)
+    dist = {end: 0}
+    pq = [(0, repr(end), end)]
+    while pq:
+        c, _, t = heapq.heappop(pq)
+        if c > dist[t]:
+            continue
+        for s, w in back.get(t, ()):
+            if c + w < dist.get(s, float("inf")):
+                dist[s] = c + w
+                heapq.heappush(pq, (c + w, repr(s), s))
+    return dist
+
+
+@pytest.mark.parametrize("mesh,shape", [((2, 2, 2, 2), (8, 12)), ((2, 2, 2, 2), (7, 4)), ((2, 2, 4), (8, 16, 12)),
+                                        ((2, 2, 4), (5, 8, 3))], ids=str)
+def test_the_bound_never_exceeds_the_true_cost(mesh, shape, monkeypatch):
+    # A* returns the cheapest plan only if no queued bound (with the waiting-cycle extra added
+    # when a state is first taken) exceeds the true cost from that state: every
+    # entry the search queues is checked against an exhaustive search of the test's own model,
+    # on 4-D and mixed-size meshes, even and padded lengths
+    import types
+
+    from shardtensor.redistribute import search as S
+
+    queued = []
+
+    def push(q, item):
+        queued.append(item)
+        heapq.heappush(q, item)
+
+    monkeypatch.setattr(S, "heapq", types.SimpleNamespace(heappop=heapq.heappop, heappush=push))
+    rng = random.Random(hash((mesh, shape)) & 0xFFFF)
+    m, N = len(mesh), len(shape)
+    pairs = 0
+    for _ in range(6):
+        src, so = rng.choice(specs(m, N, [R, PSUM, PMAX]))
+        dist_by_target = {}
+        for dst, do in rng.sample(specs(m, N, [R, PSUM]), 4):
+            queued.clear()
+            steps, _ = S.search(mesh, planner.normalize_links(None, m), src, so, dst, do, shape)
+            assert steps is not None
+            pb = S._Problem(mesh, planner.normalize_links(None, m), src, so, dst, do, shape)
+            shift, scale = pb.hmul.bit_length() - 1, math.lcm(*mesh)
+            kinds = sorted({p.reduce_op for p in dst if isinstance(p, Partial)})
+            end = (tuple(_tok(p) for p in dst), do)
+            key = (end, tuple(kinds))
+            if key not in dist_by_target:
+                dist_by_target[key] = _cost_to(end, (tuple(_tok(p) for p in src), so), shape, mesh, scale, kinds)
+            dist = dist_by_target[key]
+            for f, ng, st in queued:
+                codes = [(st >> s) & pb.MASK for s in pb.SH]
+                toks, lists = [], {}
+                for j, c in enumerate(codes):
+                    toks.append("R" if c == 0 else _tok(src[j]) if c == 1 else ("S", pb.CD[c]))
+                    if c >= 2:
+                        lists.setdefault(pb.CD[c], []).append((pb.CP[c], j))
+                state = (tuple(toks), tuple((d, tuple(j for _, j in sorted(v))) for d, v in sorted(lists.items())))
+                assert state in dist, state
+                assert ((f + ng) >> shift) * scale <= dist[state] * pb.S, (src, so, dst, do, state)
+            pairs += 1
+    assert pairs == 24
