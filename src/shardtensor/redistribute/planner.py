@@ -126,6 +126,7 @@ def cache_info():
     return _cached.cache_info()
 
 
+@lru_cache(maxsize=1024)
 def _shape_class(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
     """``shape`` with every length that the whole mesh divides, at least twice, replaced by the
     least such length that keeps the order of all the lengths (ties included): such a dim is
