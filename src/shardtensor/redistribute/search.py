@@ -191,6 +191,7 @@ class _Problem:
         self.TDIMS = [d for d in range(N) if T[d]]
         self.S = S
         self._bound_tables(S)
+        self.volumes: dict[tuple[int, ...], tuple] = {}  # _volume's facts per split
         self._interchangeable(src_order)
         # per mesh dim, what ``expand`` reads of it: shift, size, target dim, whether the target
         # shards, move weights (all-gather, latency, all-to-all, twice that, all-reduce, its
@@ -270,11 +271,12 @@ class _Problem:
         return st & self.GM == self.goal
 
     def decode(self, st: int) -> tuple:
-        """Per-state facts: codes per mesh dim, list heights, padded sizes, the local volume, per
-        tensor dim the mesh dim that would land in its final place, whether an entry is still
-        pending; the bound's six numbers and each mesh dim's share of them; which pushes are
-        pruned and the open tensor dims; the misplaced shards headed for another tensor dim as
-        ``(from, to, weight)`` edges (waiting-cycle candidates)."""
+        """Per-state facts: codes per mesh dim, list heights, padded sizes, the local volume and
+        that over one piece of each dim (``_volume``'s, kept per split), per tensor dim the mesh
+        dim that would land in its final place, whether an entry is still pending; the bound's
+        six numbers and each mesh dim's share of them; which pushes are pruned and the open
+        tensor dims; the misplaced shards headed for another tensor dim as ``(from, to,
+        weight)`` edges (waiting-cycle candidates)."""
         m, N, ks, CD, CP, T, TL = self.m, self.N, self.ks, self.CD, self.CP, self.T, self.TL
         MASK = self.MASK
         codes = [(st >> s) & MASK for s in self.SH]
@@ -283,7 +285,7 @@ class _Problem:
         at = [-1] * (N * m)
         # the bound's numbers: products of sizes of sharding (Kf), replicated-to-shard (KC),
         # partial-to-reduce (KP) and free (KO) mesh dims; move weights A2 and latency LT
-        tS, TD, LU, AU, AU2, CYW = self.tS, self.TD, self.LAT1, self.AU, self.AU2, self.CYW
+        tS, TD, LU, AU, AU2, CYW, compat = self.tS, self.TD, self.LAT1, self.AU, self.AU2, self.CYW, self.compat
         Kf = KC = KP = KO = 1
         A2 = LT = 0
         own = [0] * m
@@ -300,7 +302,7 @@ class _Problem:
                     H[d] = p + 1
                 shards.append(j)
             elif c == 1:
-                if self.compat[j]:
+                if compat[j]:
                     KO *= k
                 else:
                     KP *= k
@@ -310,7 +312,11 @@ class _Problem:
                 KC *= k
             else:
                 KO *= k
-        n = [-(-x // y) for x, y in zip(self.shape, Kd)]
+        split = tuple(Kd)
+        vol = self.volumes.get(split)
+        if vol is None:
+            vol = self.volumes[split] = self._volume(split)
+        n, phi, pn, skip, open_dims = vol
         TN = [-1] * N  # the mesh dim whose push onto d lands in its final place
         FL = [0] * N  # length of d's final prefix
         PD = [0] * N  # 1 if d still waits for a target entry above its final prefix
@@ -341,14 +347,21 @@ class _Problem:
                 own[j] = w
                 LT += LU[j]
                 ownl[j] = LU[j]
-        # pushes that cannot help: onto a saturated dim (padded piece <= 1 element), onto the
-        # second of two interchangeable empty dims
-        skip = [x <= 1 for x in n]
-        for d, e in self.twins:
-            if H[d] == 0 and H[e] == 0:
+        for d, e in self.twins:  # no push onto the second of two interchangeable empty dims
+            if H[d] == 0 and H[e] == 0 and not skip[d]:
+                skip = skip[:]
                 skip[d] = True
-        open_dims = [b for b in range(N) if not skip[b]]
-        return codes, H, n, math.prod(n), FL, TN, PD, (Kf, KC, KP, KO, A2, LT), own, ownl, at, skip, open_dims, cyc
+                open_dims = [b for b in open_dims if b != d]
+        return codes, H, n, phi, pn, FL, TN, PD, (Kf, KC, KP, KO, A2, LT), own, ownl, at, skip, open_dims, cyc
+
+    def _volume(self, split: tuple[int, ...]) -> tuple:
+        """Facts of the local volume when tensor dim ``d`` is split ``split[d]`` ways: padded
+        sizes, the volume, the volume over one piece of each dim, the dims a push cannot help (a
+        padded piece of at most one element), and the others."""
+        n = [-(-x // k) for x, k in zip(self.shape, split)]
+        phi = math.prod(n)
+        skip = [x <= 1 for x in n]
+        return n, phi, [phi // x if x else 0 for x in n], skip, [b for b in range(self.N) if not skip[b]]
 
     def expand(self, st: int, g: int, dec: tuple, best: dict, prev: dict, pq: list) -> None:
         """Queue every successor of ``st`` reached more cheaply than before, priced ``g + cost + bound``.
@@ -361,11 +374,10 @@ class _Problem:
         loop): with ``A = XS / Kf``, the volume terms ``x1 = PHIEND + A/KC - 2 A/(KC KP)`` (free
         mesh dims sharded meanwhile) and ``x2``, the same with ``KC KO`` for ``KC`` (not); the
         bound is ``min(x1 + KO A2, x2 + A2)`` in bandwidth units, plus the latency ``LT``."""
-        codes, H, n, phi, FL, TN, PD, (Kf, KC, KP, KO, A2, LT), own, ownl, at, skip, open_dims, _ = dec
+        codes, H, n, phi, pn, FL, TN, PD, (Kf, KC, KP, KO, A2, LT), own, ownl, at, skip, open_dims, _ = dec
         m, N, CD, CP, rows = self.m, self.N, self.CD, self.CP, self.rows
         push, get = heapq.heappush, best.get
         hmul, XS, PE = self.hmul, self.XS, self.PHIEND
-        pn = [phi // x if x else 0 for x in n]  # the local volume over one piece of each dim
         pc = [2 + b * m + H[b] for b in range(N)]  # the code of a push onto each dim
         d0, d1 = self.pair
         h1 = H[d1] if d1 >= 0 else 0
