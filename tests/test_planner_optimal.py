@@ -591,7 +591,7 @@ def _brute_feedback(edges):
 def test_cycle_price_is_the_least_feedback_arc_set():
     # the search prices shards waiting for each other's places with a minimum-weight feedback arc
     # set; checked against trying every subset, on random small multigraphs (parallel edges too)
-    from shardtensor.redistribute.search import _feedback_cost as feedback_cost
+    from shardtensor.redistribute.cycles import feedback_cost
     rng = random.Random(0)
     for _ in range(400):
         nodes = rng.randint(2, 5)

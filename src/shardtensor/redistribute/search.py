@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import heapq
 import math
-from functools import lru_cache
-from itertools import permutations
 from typing import Callable
 
 from ..placement import Partial, Replicate, Shard, ShardOrder
 from .baseline import baseline_plan
+from .cycles import clear_caches as clear_cycle_caches
+from .cycles import cycle_extra
 from .cost import LinkModel
 from .states import A2A as _A2A, AG as _AG, AR as _AR, CHUNK as _CHUNK, RS as _RS
 from .states import encode, mesh_tables, path_moves, to_steps
@@ -103,7 +103,7 @@ def search(mesh_shape: tuple[int, ...], links: tuple[LinkModel, ...], src: tuple
         if len(dec[-1]) > 1 and st not in cycles_priced:
             # shards waiting for each other's places: priced once per state, when first popped
             cycles_priced.add(st)
-            extra = _cycle_extra(dec[-1])
+            extra = cycle_extra(dec[-1])
             if extra:
                 requeued[st] = dec
                 push(pq, (f + extra, ng, st))
@@ -420,11 +420,9 @@ class _Problem:
                     v = v2
                 push(pq, (g2 + (v * hmul if v > 0 else 0) + lt, -g2, key))
             # to Shard(b), appended last: all-to-all, reduce-scatter or chunk.  Every such
-            # successor has the same volume terms of the bound
-            A = XS // (kf * k)
-            C2 = kc * ko
-            x1 = PE + A // kc - 2 * (A // (kc * kp))
-            x2 = PE + A // C2 - 2 * (A // (C2 * kp))
+            # successor has the same volume terms of the bound (computed at the first push)
+            x1 = x2 = 0
+            volume_terms = False
             for b in (open_dims if tdj < 0 or not skip[tdj] else open_dims + [tdj]):
                 if b == a:
                     continue
@@ -447,6 +445,12 @@ class _Problem:
                     else:
                         aa = a2 + ((au2j if tdj == b else auj) if ts else (auj if PD[b] else 0))
                         ll = lt + luj
+                    if not volume_terms:
+                        volume_terms = True
+                        A = XS // (kf * k)
+                        C2 = kc * ko
+                        x1 = PE + A // kc - 2 * (A // (kc * kp))
+                        x2 = PE + A // C2 - 2 * (A // (C2 * kp))
                     v = x1 + ko * aa
                     if x2 + aa < v:
                         v = x2 + aa
@@ -455,45 +459,4 @@ class _Problem:
 
 def clear_caches() -> None:
     """Forget the cycle costs kept across searches."""
-    _feedback_cost.cache_clear()
-
-
-def _cycle_extra(edges: list[tuple[int, int, int]]) -> int:
-    """Cheapest set of extra moves that breaks every waiting cycle among misplaced shards.
-
-    A misplaced shard whose target is a shard on another tensor dim is an edge from the tensor
-    dim it sits on to its target dim (``decode`` lists them): every shard sitting on its target
-    list must leave before it arrives.  In a cycle no member can make its first move its final
-    one, so one member moves twice: the extra cost is that of the cheapest edges whose removal
-    leaves no cycle.
-    """
-    if len(edges) == 2:  # the common case: a cycle only if the two swap places
-        (a, b, w), (c, d, x) = edges
-        return (w if w < x else x) if a == d and b == c else 0
-    return _feedback_cost(tuple(edges)) if len(edges) > 1 else 0
-
-
-@lru_cache(maxsize=4096)
-def _feedback_cost(edges: tuple[tuple[int, int, int], ...]) -> int:
-    """The least total weight of ``(tail, head, weight)`` edges whose removal leaves no directed
-    cycle.  A graph is acyclic exactly when some order of its nodes sends every edge forwards, so
-    this is the least weight sent backwards over the orders of the nodes that can lie on a cycle
-    (those left after repeatedly dropping nodes with no incoming or no outgoing edge; a search
-    has at most one edge per mesh dim, so a handful)."""
-    live = edges
-    while True:
-        tails, heads = {e[0] for e in live}, {e[1] for e in live}
-        core = tuple(e for e in live if e[0] in heads and e[1] in tails)
-        if len(core) == len(live):
-            break
-        live = core
-    if not live:
-        return 0
-    weight: dict[tuple[int, int], int] = {}
-    for a, b, w in live:
-        weight[a, b] = weight.get((a, b), 0) + w
-    if len(tails) == 2:  # two nodes: one direction goes
-        return min(weight.values())
-    pairs = list(weight.items())
-    return min(sum(w for (a, b), w in pairs if rank[a] > rank[b])
-               for rank in ({d: i for i, d in enumerate(order)} for order in permutations(sorted(tails))))
+    clear_cycle_caches()
