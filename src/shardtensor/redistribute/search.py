@@ -360,8 +360,8 @@ class _Problem:
         padded piece of at most one element), and the others."""
         n = [-(-x // k) for x, k in zip(self.shape, split)]
         phi = math.prod(n)
-        skip = [x <= 1 for x in n]
-        return n, phi, [phi // x if x else 0 for x in n], skip, [b for b in range(self.N) if not skip[b]]
+        pieces = [phi // x if x else 0 for x in n]
+        return n, phi, pieces, [x <= 1 for x in n], [b for b, x in enumerate(n) if x > 1]
 
     def expand(self, st: int, g: int, dec: tuple, best: dict, prev: dict, pq: list) -> None:
         """Queue every successor of ``st`` reached more cheaply than before, priced ``g + cost + bound``.
@@ -378,7 +378,6 @@ class _Problem:
         m, N, CD, CP, rows = self.m, self.N, self.CD, self.CP, self.rows
         push, get = heapq.heappush, best.get
         hmul, XS, PE = self.hmul, self.XS, self.PHIEND
-        pc = [2 + b * m + H[b] for b in range(N)]  # the code of a push onto each dim
         d0, d1 = self.pair
         h1 = H[d1] if d1 >= 0 else 0
         for j in range(m):
@@ -431,11 +430,11 @@ class _Problem:
                         continue  # a lone shard to the empty twin: the same state relabelled, dearer
                     s2, perm = self._start_on_d1(cleared, j, at, H)
                 elif kperm is None:
-                    s2, perm = cleared | (pc[b] << sj), None
+                    s2, perm = cleared | ((2 + b * m + H[b]) << sj), None  # the code of a push onto b
                 elif b == d1:  # j onto d1's stack, which moved down to d0
                     s2, perm = key | ((2 + d0 * m + h1) << sj), kperm
                 else:
-                    s2, perm = key | (pc[b] << sj), kperm
+                    s2, perm = key | ((2 + b * m + H[b]) << sj), kperm
                 g2 = g + agj * pn[b] * -(-n[b] // k) + luj if c else g
                 if g2 < get(s2, _INF):
                     best[s2] = g2
