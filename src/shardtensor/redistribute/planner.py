@@ -33,6 +33,8 @@ CACHE_SIZE = 8192
 
 # (mesh shape, links, src, src order, dst, dst order, global shape), normalised
 _Args = tuple[tuple[int, ...], tuple[LinkModel, ...], tuple, ShardOrder, tuple, ShardOrder, tuple[int, ...]]
+# the same, then the itemsize: the plan cache's key
+_Key = tuple[tuple[int, ...], tuple[LinkModel, ...], tuple, ShardOrder, tuple, ShardOrder, tuple[int, ...], int]
 
 
 def plan(src: Sequence[Placement], src_order: ShardOrder, dst: Sequence[Placement], dst_order: ShardOrder,
@@ -44,11 +46,7 @@ def plan(src: Sequence[Placement], src_order: ShardOrder, dst: Sequence[Placemen
     prices bandwidth first, then latency and launches.  Raises ``ValueError`` on specs whose
     placements and shard order disagree.
     """
-    ms, lk, a, a_order, b, b_order, shape = _normalized(src, src_order, dst, dst_order, global_shape, mesh_shape,
-                                                        links)
-    if len({x.beta for x in lk}) <= 1:
-        shape, itemsize = _shape_class(shape, ms), 1
-    return _cached(ms, lk, a, a_order, b, b_order, shape, int(itemsize))
+    return _cached(*_key(src, src_order, dst, dst_order, global_shape, mesh_shape, itemsize, links))
 
 
 def plan_for(src_spec, dst_spec) -> tuple[Step, ...]:
@@ -61,11 +59,9 @@ def plan_uncached(src, src_order, dst, dst_order, global_shape, mesh_shape, item
                   stats: dict | None = None, shape_class: bool = True) -> tuple[Step, ...]:
     """``plan`` without the cache: what a miss of ``plan`` computes (benchmarks, tests); ``stats``
     receives the search's counters.  ``shape_class=False`` plans on the exact shape (tests)."""
-    ms, lk, a, a_order, b, b_order, shape = _normalized(src, src_order, dst, dst_order, global_shape, mesh_shape,
-                                                        links)
-    if shape_class and len({x.beta for x in lk}) <= 1:
-        shape, itemsize = _shape_class(shape, ms), 1
-    return _plan(ms, lk, a, a_order, b, b_order, shape, int(itemsize), stats)
+    if shape_class:
+        return _plan(*_key(src, src_order, dst, dst_order, global_shape, mesh_shape, itemsize, links), stats)
+    return _plan(*_normalized(src, src_order, dst, dst_order, global_shape, mesh_shape, links), int(itemsize), stats)
 
 
 def per_dim_plan(src: Sequence[Placement], src_order: ShardOrder, dst: Sequence[Placement], dst_order: ShardOrder,
@@ -75,6 +71,16 @@ def per_dim_plan(src: Sequence[Placement], src_order: ShardOrder, dst: Sequence[
     steps, _ = search(*_normalized(src, src_order, dst, dst_order, global_shape, mesh_shape, links))
     assert steps is not None  # no ceiling: the search always answers
     return steps
+
+
+def _key(src, src_order, dst, dst_order, global_shape, mesh_shape, itemsize, links) -> _Key:
+    """``_plan``'s arguments as ``plan`` caches them: normalised, and on the shape class with
+    itemsize 1 when every mesh dim's link has one bandwidth (else the exact shape and itemsize)."""
+    ms, lk, a, a_order, b, b_order, shape = _normalized(src, src_order, dst, dst_order, global_shape, mesh_shape,
+                                                        links)
+    if len({x.beta for x in lk}) <= 1:
+        return ms, lk, a, a_order, b, b_order, _shape_class(shape, ms), 1
+    return ms, lk, a, a_order, b, b_order, shape, int(itemsize)
 
 
 def _normalized(src, src_order, dst, dst_order, global_shape, mesh_shape, links) -> _Args:
