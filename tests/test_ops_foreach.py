@@ -292,6 +292,63 @@ def test_optimizer_single_tensor_partial_grads():
         fcheck(functools.partial(optimizer_steps, name, "single"), _opt_values(), (2, 2), grad=False, combos=combos)
 
 
+@pytest.mark.parametrize("mode", ["foreach", "fused", "single"])
+@pytest.mark.parametrize("name", ["sgd", "adam"])  # (amsgrad's single-tensor step calls maximum(out=): decomposed)
+def test_warm_optimizer_steps_take_only_the_hit_path(name, mode, monkeypatch):
+    """From the third step on, every op of a step is a cached decision run as unwrap, kernel, wrap
+    on its arguments as given: neither the full dispatch path (``run.propagate``), nor a
+    decomposition, nor the hit path's flattened form is entered, whatever the op's keyword
+    arguments, scalar lists (bias corrections that change every step) or lists of 0-d step
+    counters.  The params still equal the dense steps'."""
+    import threading
+
+    import shardtensor.dispatch.hit as hit
+    import shardtensor.dispatch.run as run
+
+    armed, full = threading.local(), []
+
+    def spy(mod, fname):
+        real = getattr(mod, fname)
+
+        def counted(func, *a):
+            if getattr(armed, "on", False):
+                full.append(f"{fname}: {func}")
+            return real(func, *a)
+
+        monkeypatch.setattr(mod, fname, counted)
+
+    spy(run, "propagate"), spy(run, "_decompose"), spy(hit, "_run_flat")
+    grads = [[data("any", s, gen(("g", step, s))) for s in OPT_SHAPES] for step in range(4)]
+    start = [data("any", s, gen(("p", s))) for s in OPT_SHAPES]
+
+    def body():
+        mesh = init_device_mesh("cpu", (2, 2))
+        pl = [Shard(0), Replicate()]
+        ps = [distribute_tensor(t, mesh, pl).requires_grad_() for t in start]
+        cls, kw = CONFIGS[name]
+        opt = getattr(torch.optim, cls)(ps, **kw, **MODES[mode])
+        for step, gs in enumerate(grads):
+            for p, g in zip(ps, gs):
+                p.grad = distribute_tensor(g, mesh, pl)
+            armed.on = step >= 2
+            opt.step()
+        armed.on = False
+        return [p.full_tensor() for p in ps]
+
+    results = run_spmd(body, 4)
+    assert full == [], f"warm steps entered the full dispatch path: {sorted(set(full))}"
+    ps = [t.clone().requires_grad_() for t in start]
+    cls, kw = CONFIGS[name]
+    opt = getattr(torch.optim, cls)(ps, **kw, **MODES[mode])
+    for gs in grads:
+        for p, g in zip(ps, gs):
+            p.grad = g.clone()
+        opt.step()
+    for got in results:
+        for g, d in zip(got, ps):
+            torch.testing.assert_close(g, d.detach(), rtol=1e-5, atol=1e-6)
+
+
 def test_optimizer_adam_fused_gloo():
     combos = [((Shard(0),), (Replicate(),), (Shard(1),), (Partial("sum"),), (Shard(0),), (Partial("sum"),))]
     fcheck(functools.partial(optimizer_steps, "adamw", "fused"), _opt_values(), (4,), grad=False, combos=combos,

@@ -25,8 +25,7 @@ from ..aliasing import check_placement_change
 from ..errors import PropagationError
 from ..placement import Replicate, Shard
 from ..propagation.registry import unsupported
-from ..propagation.rules.foreach import contiguous_fused, overloads
-from ..redistribute import redistribute_local
+from ..propagation.rules.foreach import overloads
 from ..spec import DTensorSpec
 from .fallback import whole_local, wrap_replicated
 
@@ -341,8 +340,8 @@ def _replicated(op: Any, t: Any, ref: Any) -> Any:
 # -- fused SGD ------------------------------------------------------------------------------
 
 def _fused_sgd(op) -> Callable[..., None]:
-    """``_fused_sgd_``: the fused kernel on local shards when every momentum buffer has its
-    param's placements (grads move to them); otherwise the same update in foreach ops.
+    """``_fused_sgd_`` whose momentum buffers are placed unlike their params (its rule runs the
+    fused kernel otherwise): the same update in foreach ops.
 
     Torch creates the first momentum buffers with ``empty_like(grad)``, so a ``Partial`` grad
     gives a ``Partial`` buffer that the fused kernel cannot update in place; the foreach form
@@ -353,34 +352,6 @@ def _fused_sgd(op) -> Callable[..., None]:
             grad_scale=None, found_inf=None) -> None:
         from ..tensor import DTensor
 
-        kw = dict(weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov,
-                  maximize=maximize, is_first_step=is_first_step, grad_scale=grad_scale, found_inf=found_inf)
-        same = all(isinstance(b, DTensor) and isinstance(p, DTensor) and b._spec.placements == p._spec.placements
-                   and b._spec.shard_order == p._spec.shard_order for p, b in zip(params, bufs))
-        if same:
-            flat = [*params, *grads, *bufs]
-            specs = [t._spec if isinstance(t, DTensor) else None for t in flat]
-            n = len(params)
-            for i, (p, g) in enumerate(zip(params, grads)):
-                if not isinstance(p, DTensor) or not isinstance(g, DTensor):
-                    raise unsupported(op, specs, "with plain tensors mixed with DTensors")
-                if any(q.is_partial() for q in p.placements):
-                    raise PropagationError(f"shardtensor: {op}: param {i} is Partial {p.placements}; optimizer params "
-                                       "must be Replicate or Shard")
-            local_g = []
-            for p, g in zip(params, grads):
-                if g._spec.placements == p._spec.placements and g._spec.shard_order == p._spec.shard_order:
-                    local_g.append(g._local_tensor)  # the common case: nothing to move
-                    continue
-                want = g._spec.with_placements(p._spec.placements, p._spec.shard_order)
-                if want != g._spec and grad_scale is not None:
-                    raise unsupported(op, specs, "with grad_scale and grads placed unlike their params (the kernel "
-                                      "unscales grads in place)")
-                local_g.append(g._local_tensor if want == g._spec else redistribute_local(g._local_tensor, g._spec, want))
-            extra = {k: (whole_local(v) if isinstance(v, DTensor) else v) for k, v in kw.items()}
-            contiguous_fused(op, [p._local_tensor for p in params], local_g,
-                             [b._local_tensor for b in bufs][:n] if bufs else [], **extra)
-            return None
         if grad_scale is not None or found_inf is not None:
             raise unsupported(op, [t._spec for t in [*params, *grads, *bufs] if isinstance(t, DTensor)],
                               "with grad_scale/found_inf and momentum buffers placed unlike their params")

@@ -15,6 +15,7 @@ dtype its local data has (``retyped``).
 """
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -42,12 +43,16 @@ its first argument, a list (``_foreach_mul_``)."""
 def hit(func: Any, args: tuple, kwargs: dict, view: bool, writes: int, written: tuple, freeze: Any) -> Any:
     """``func`` on a cached decision that moves nothing, or ``MISSING`` (``writes``: the kind of
     in-place op, ``written``: the positions of the arguments it writes)."""
-    if kwargs:
-        return _run_flat(func, args, kwargs, view, writes, written, freeze)
-    key: list = [id(func)]
+    if kwargs:  # keyword arguments are keyed after the positional ones, behind their names
+        names = tuple(kwargs)
+        key: list = [id(func), _KWARGS, names]
+        items = (*args, *kwargs.values())
+    else:
+        key = [id(func)]
+        items = args
     local: list = []
     first = None
-    for a in args:
+    for a in items:
         t = type(a)
         if t is DTensor:
             key.append(id(a._spec))
@@ -60,17 +65,29 @@ def hit(func: Any, args: tuple, kwargs: dict, view: bool, writes: int, written: 
         elif (t is list or t is tuple) and a and type(a[0]) is DTensor:  # a tensor list (foreach ops)
             try:
                 key.append((t, len(a)))
-                key.extend([id(x._spec) for x in a])
-                local.append(t(x._local_tensor for x in a))
+                key.extend(map(id, map(_SPEC, a)))
+                local.append(t(map(_LOCAL, a)))
             except AttributeError:  # a plain tensor or a number among DTensors
                 return MISSING
             if first is None:
                 first = a[0]
-        elif t is list or t is tuple:  # sizes and dims keyed by value; anything else runs in flat form
+        elif (t is list or t is tuple) and a and type(a[0]) is torch.Tensor:  # 0-d counters (fused steps)
+            a0 = a[0]
+            dtype, device = a0.dtype, a0.device
+            if not all(type(x) is torch.Tensor and x.ndim == 0 and x.dtype is dtype and x.device == device
+                       for x in a):
+                return MISSING
+            key.append((t, len(a), dtype, device))
+            local.append(a)
+        elif t is list or t is tuple:  # sizes and dims keyed by value, scalar lists as scalars
             for v in a:
                 if type(v) is not int:
-                    return _run_flat(func, args, kwargs, view, writes, written, freeze)
-            key.append((t, *a))
+                    if not all(type(v) in _SCALARS for v in a):  # anything else runs in flat form
+                        return _run_flat(func, args, kwargs, view, writes, written, freeze)
+                    key.append((t, *map(freeze, a)))
+                    break
+            else:
+                key.append((t, *a))
             local.append(a)
         else:
             return MISSING
@@ -81,7 +98,19 @@ def hit(func: Any, args: tuple, kwargs: dict, view: bool, writes: int, written: 
         flat, treedef = flatten_call(args, kwargs)
         return _run_decided(func, decision, flat, treedef, [a._local_tensor if type(a) is DTensor else a for a in flat],
                             first, view, writes)
-    return _finish(func, (decision.kernel or func)(*local), decision, first, args[0], view, writes, local[0])
+    kernel = decision.kernel or func
+    if kwargs:
+        n = len(args)
+        out = kernel(*local[:n], **dict(zip(names, local[n:])))
+    else:
+        out = kernel(*local)
+    return _finish(func, out, decision, first, items[0], view, writes, local[0])
+
+
+_SCALARS = frozenset({int, float, bool})
+_KWARGS = object()
+"""Marks where a key's keyword arguments begin (their names follow)."""
+_SPEC, _LOCAL, _COPIED = attrgetter("_spec"), attrgetter("_local_tensor"), attrgetter("_copied_view")
 
 
 def _run_flat(func: Any, args: tuple, kwargs: dict, view: bool, writes: int, written: tuple, freeze: Any) -> Any:
@@ -155,8 +184,12 @@ def _writable(args: tuple, writes: int, written: tuple, first: DTensor) -> bool:
         return bool(args) and args[0] is first and first._copied_view is None
     for i in written:
         a = args[i] if i < len(args) else None
-        if (type(a) is not list and type(a) is not tuple) or not all(
-                type(t) is DTensor and t._copied_view is None for t in a):
+        if (type(a) is not list and type(a) is not tuple) or (a and type(a[0]) is not DTensor):
+            return False
+        try:
+            if any(map(_COPIED, a)):
+                return False
+        except AttributeError:  # a plain tensor or a number among DTensors
             return False
     return True
 

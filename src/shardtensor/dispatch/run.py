@@ -2,7 +2,9 @@
 
 ``dispatch`` routes the op (:func:`route`: its sharding rule, else a decomposition into ops that
 have rules), asks propagation for the decision, redistributes the inputs it requires, runs the
-local kernel and wraps the result.  An op with no rule for its inputs runs on replicated inputs
+local kernel and wraps the result.  An op whose rule declines its inputs' placements takes our own
+decomposition when it has one (``_fused_sgd_`` with misplaced momentum buffers); an op with no
+rule for its inputs runs on replicated inputs
 (``fallback.py``: visible, exact, off under ``strict_sharding``).  Plain tensors met on the way are replicated values where
 ``implicit_replication`` allows them, and an error naming the argument elsewhere.
 """
@@ -24,7 +26,7 @@ from ..redistribute import redistribute_local
 from ..spec import DTensorSpec, placements_text
 from ..submesh import off_mesh_result
 from ..tensor import DTensor
-from .decompose import find_decomposition
+from .decompose import DECOMPOSITIONS, find_decomposition
 from .fallback import (check_plain, fallback_allowed, replicate_plain, run_replicated, whole_local, wrap_replicated,
                        write_into)
 from .hit import MISSING, NO_WRITES, WRITES_LIST, WRITES_SELF, hit, keeps_placements, wrap
@@ -45,6 +47,24 @@ def route(op) -> Any:
     return ("decompose", fn) if fn is not None else None
 
 
+def _decompose(func, fn, args: tuple, kwargs: dict, view: bool, writes: tuple) -> Any:
+    """``func`` computed by its decomposition ``fn``; where that fails before writing anything, on
+    replicated inputs (``fallback.py``), else an error naming the op and the placements."""
+    check_plain(func, tree_flatten((args, kwargs))[0])
+    try:
+        with implicit_replication():  # plain tensors the decomposition builds are the same on every rank
+            out = replicate_plain(fn(*args, **kwargs), args, kwargs)
+        return out if view else forget_copies(out)  # a non-view op's results are its own memory
+    except NotImplementedError as e:
+        if isinstance(e, UnsupportedOpError) and e.op == func:
+            raise
+        if not writes and fallback_allowed(func):  # nothing was written: safe to run it whole
+            return run_replicated(func, args, kwargs, False)
+        pls = placements_text([a._spec for a in tree_flatten((args, kwargs))[0] if isinstance(a, DTensor)])
+        raise UnsupportedOpError(f"shardtensor: {func} has no sharding rule for these placements and its "
+                                 f"decomposition failed (input placements: {pls}): {e}", func) from e
+
+
 def dispatch(func, args: tuple, kwargs: dict) -> Any:
     """propagation -> redistribute -> local kernel -> wrap (or a decomposition into ops that have rules)."""
     if func is _DETACH and type(args[0]) is DTensor:  # autograd detaches every gradient it accumulates
@@ -61,19 +81,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         check_writes(func, writes, args, kwargs)
     r = route(func)
     if isinstance(r, tuple):
-        check_plain(func, tree_flatten((args, kwargs))[0])
-        try:
-            with implicit_replication():  # plain tensors the decomposition builds are the same on every rank
-                out = replicate_plain(r[1](*args, **kwargs), args, kwargs)
-            return out if view else forget_copies(out)  # a non-view op's results are its own memory
-        except NotImplementedError as e:
-            if isinstance(e, UnsupportedOpError) and e.op == func:
-                raise
-            if not writes and fallback_allowed(func):  # nothing was written: safe to run it whole
-                return run_replicated(func, args, kwargs, False)
-            pls = placements_text([a._spec for a in tree_flatten((args, kwargs))[0] if isinstance(a, DTensor)])
-            raise UnsupportedOpError(f"shardtensor: {func} has no sharding rule and its decomposition failed "
-                                      f"(input placements: {pls}): {e}", func) from e
+        return _decompose(func, r[1], args, kwargs, view, writes)
     flat, treedef = flatten_call(args, kwargs)
     specs: list[DTensorSpec | None] = []
     plain: list[int] | None = None
@@ -96,7 +104,12 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
             raise
         return run_per_mesh(func, args, kwargs, dispatch, DTensor)
     except UnsupportedOpError as e:
-        if e.op is not func or not fallback_allowed(func):
+        if e.op is not func:
+            raise
+        fn = DECOMPOSITIONS.get(func)  # a rule that declines these placements: our decomposition, if any
+        if fn is not None:
+            return _decompose(func, fn, args, kwargs, view, writes)
+        if not fallback_allowed(func):
             raise
         return run_replicated(func, args, kwargs, _returns_self(func))
     # a rank outside the mesh holds an empty (or 0-d placeholder) local tensor and runs nothing; the

@@ -13,14 +13,15 @@ element op's own rule (the pointwise rule, ``copy_``, ``zero_``), one element at
 | ``_foreach_pow .List/.Scalar/.ScalarList/.ScalarAndTensor`` | ``pow.*`` | pointwise, partials reduced (exponents follow the base) |
 | ``_foreach_lerp .List/.Scalar/.ScalarList`` | ``lerp.*`` | pointwise, partials reduced |
 | ``_foreach_copy_`` / ``_foreach_zero_`` | ``copy_`` / ``zero_`` | src moves to self's placements / any placement |
-| ``_fused_adam(w)``, ``_fused_adam(w)_``, ``_fused_sgd_`` | -- | every list moves to the params' placements; ``state_steps``, ``grad_scale``, ``found_inf``, a tensor ``lr`` must be R; params never Partial; an empty ``max_exp_avg_sqs`` / momentum list gives an empty output list |
+| ``_fused_adam(w)``, ``_fused_adam(w)_``, ``_fused_sgd(_)`` | -- | every list moves to the params' placements; ``state_steps``, ``grad_scale``, ``found_inf``, a tensor ``lr`` must be R; params never Partial; an empty ``max_exp_avg_sqs`` / momentum list gives an empty output list |
 
 A tensor argument shared by all elements (``other`` of ``.Tensor``) must get one placement:
 elements that disagree raise.  In-place forms never move ``self`` (its local tensors are
 written): the other operands are first aligned to ``self`` (same shards, Replicate where they
 broadcast; a matching Partial kept only for add/sub), and if ``self`` would still have to
 change (e.g. ``sqrt_`` of a ``P(sum)`` list) the op raises naming the element.  For
-``_fused_adam(w)_`` the mutated state lists must already match the params; the grads may move
+``_fused_adam(w)_`` and ``_fused_sgd_`` the mutated state lists must already match the params (momentum
+buffers that do not make ``_fused_sgd_`` decompose into foreach ops); the grads may move
 (they are read-only for the kernel unless ``grad_scale`` is given -- that combination raises,
 since the in-place unscale of a redistributed grad would be lost).
 
@@ -287,7 +288,12 @@ def _compose(fns: list[tuple[list[int], Callable]]) -> Callable[[list], list]:
 FUSED_LISTS = {
     "_fused_adam": ("self", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"),
     "_fused_adamw": ("self", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"),
+    "_fused_sgd": ("self", "grads", "momentum_buffer_list"),
 }
+MOVABLE_STATE = frozenset({"_fused_sgd"})
+"""Fused ops whose in-place state placed unlike its params decomposes into foreach ops (a first
+momentum buffer is ``empty_like(grad)``, so a ``Partial`` grad gives a ``Partial`` buffer);
+the others' state cannot move and raises."""
 REPLICATED_ARGS = ("state_steps", "grad_scale", "found_inf", "lr")
 
 
@@ -319,6 +325,9 @@ def fused_optimizer_rule(call: Call) -> Decision:
             want = s.with_placements(ps.placements, ps.shard_order)
             if want == s:
                 continue
+            if inplace and lname != "grads" and name.rstrip("_") in MOVABLE_STATE:
+                raise unsupported(call.op, call.specs, f"with {lname}[{i}] placed {s.placements} unlike its param "
+                                  f"{ps.placements} in the fused kernel")
             if inplace and lname != "grads":
                 raise PropagationError(f"shardtensor: {call.op}: {lname}[{i}] has placements {s.placements} but its param "
                                    f"{ps.placements}; the optimizer state is updated in place and cannot move")
@@ -349,6 +358,9 @@ def fused_optimizer_rule(call: Call) -> Decision:
     return finish(call, moves, tuple(outs), kernel=kernel)
 
 
+_IS_CONTIGUOUS = torch.Tensor.is_contiguous
+
+
 def contiguous_fused(op, *args: Any, **kwargs: Any) -> Any:
     """Run a fused optimizer kernel on contiguous tensors (the CPU kernels index raw memory).
 
@@ -359,8 +371,11 @@ def contiguous_fused(op, *args: Any, **kwargs: Any) -> Any:
 
     def fix(v: Any) -> Any:
         if isinstance(v, (list, tuple)):
-            if all(not isinstance(t, torch.Tensor) or t.is_contiguous() for t in v):
-                return v  # the common case: nothing to copy
+            try:
+                if all(map(_IS_CONTIGUOUS, v)):
+                    return v  # the common case: nothing to copy
+            except TypeError:  # not all tensors: looked at one by one
+                pass
             return type(v)(fix(t) for t in v)
         if isinstance(v, torch.Tensor) and not v.is_contiguous():
             c = v.contiguous()
@@ -395,7 +410,8 @@ for _n in [*UNARY, *ARITH, *CLAMPS, "addcmul", "addcdiv", "pow", "lerp"]:
         if _element_op(_op) is not None:
             FOREACH_OPS.append(_op)
 FOREACH_OPS += [aten._foreach_copy_.default, aten._foreach_zero_.default]
-FUSED_OPS: list[Any] = [op for n in ("_fused_adam", "_fused_adam_", "_fused_adamw", "_fused_adamw_")
+FUSED_OPS: list[Any] = [op for n in ("_fused_adam", "_fused_adam_", "_fused_adamw", "_fused_adamw_", "_fused_sgd",
+                                      "_fused_sgd_")
                         for op in overloads(n)]
 
 
