@@ -26,6 +26,7 @@ from ..propagation import flatten_call, propagate, unflatten_call
 from ..propagation.engine import HOT, HOT_HITS, remember
 from ..spec import DTensorSpec
 from ..tensor import DTensor
+from .bindings import local_kernel
 from .fallback import write_into
 
 __all__ = ["MISSING", "hit", "wrap", "keeps_placements"]
@@ -91,19 +92,17 @@ def hit(func: Any, args: tuple, kwargs: dict, view: bool, writes: int, written: 
             local.append(a)
         else:
             return MISSING
-    decision = _decision(func, args, kwargs, tuple(key), writes, written, first)
-    if decision is None or first is None:
+    n = len(args)
+    lkwargs = dict(zip(names, local[n:])) if kwargs else None
+    entry = _decision(func, args, kwargs, tuple(key), writes, written, first, local[:n] if kwargs else local, lkwargs)
+    if entry is None or first is None:
         return MISSING
+    decision, _, kernel = entry
     if decision.local_args is not None:  # it rewrites the flat arguments: run in flat form
         flat, treedef = flatten_call(args, kwargs)
         return _run_decided(func, decision, flat, treedef, [a._local_tensor if type(a) is DTensor else a for a in flat],
                             first, view, writes)
-    kernel = decision.kernel or func
-    if kwargs:
-        n = len(args)
-        out = kernel(*local[:n], **dict(zip(names, local[n:])))
-    else:
-        out = kernel(*local)
+    out = kernel(*local[:n], **lkwargs) if kwargs else kernel(*local)
     return _finish(func, out, decision, first, items[0], view, writes, local[0])
 
 
@@ -130,10 +129,10 @@ def _run_flat(func: Any, args: tuple, kwargs: dict, view: bool, writes: int, wri
             local.append(a)
         else:
             return MISSING
-    decision = _decision(func, args, kwargs, tuple(key), writes, written, first)
-    if decision is None or first is None:
+    entry = _decision(func, args, kwargs, tuple(key), writes, written, first, None, None)
+    if entry is None or first is None:
         return MISSING
-    return _run_decided(func, decision, flat, treedef, local, first, view, writes)
+    return _run_decided(func, entry[0], flat, treedef, local, first, view, writes)
 
 
 def _run_decided(func: Any, decision: Any, flat: list, treedef: Any, local: list, first: DTensor, view: bool,
@@ -147,19 +146,19 @@ def _run_decided(func: Any, decision: Any, flat: list, treedef: Any, local: list
 
 
 def _decision(func: Any, args: tuple, kwargs: dict, key: tuple, writes: int, written: tuple,
-              first: DTensor | None) -> Any:
-    """The cached decision under ``key`` (made on first sight), or ``None`` for a call the hit
-    path does not take: no DTensor, a write it may not make, a rank outside the mesh."""
+              first: DTensor | None, largs: list | None, lkwargs: dict | None) -> tuple | None:
+    """The cache entry ``(decision, specs, kernel)`` under ``key`` (made on first sight, the kernel
+    chosen on the local arguments ``largs``, ``lkwargs`` where given), or ``None`` for a call the
+    hit path does not take: no DTensor, a write it may not make, a rank outside the mesh."""
     if first is None or (writes and not _writable(args, writes, written, first)):
         return None
     if first._local_tensor.numel() <= 1 and first._spec.mesh._coord is None:
         return None  # a rank outside the mesh runs nothing (the full path knows what to return)
     entry = HOT.get(key)
     if entry is None:
-        entry = _decide(func, args, kwargs, key, writes)
-    else:
-        HOT_HITS.n += 1
-    return None if entry is None else entry[0]
+        return _decide(func, args, kwargs, key, writes, largs, lkwargs)
+    HOT_HITS.n += 1
+    return entry
 
 
 def _finish(func: Any, out: Any, decision: Any, first: DTensor, base: Any, view: bool, writes: int,
@@ -169,6 +168,8 @@ def _finish(func: Any, out: Any, decision: Any, first: DTensor, base: Any, view:
         if local0 is not first._local_tensor:
             write_into(first, local0, decision.output)
         return first
+    if writes == WRITES_LIST:  # the op returns nothing (a binding of ``_foreach_add_`` returns its list)
+        return None
     spec = decision.output
     out = DTensor(out, spec) if type(spec) is DTensorSpec and out.dtype is spec.dtype else wrap(out, spec)
     if view:
@@ -194,10 +195,13 @@ def _writable(args: tuple, writes: int, written: tuple, first: DTensor) -> bool:
     return True
 
 
-def _decide(func: Any, args: tuple, kwargs: dict, key: tuple, writes: int) -> tuple | None:
+def _decide(func: Any, args: tuple, kwargs: dict, key: tuple, writes: int, largs: list | None,
+            lkwargs: dict | None) -> tuple | None:
     """The cache entry for a call the hit path has not seen, kept under ``key`` when its decision
     moves nothing (and, for ``WRITES_SELF``, keeps self's placements); ``None`` otherwise or when
-    propagation raises (the full path then raises it again, or handles it)."""
+    propagation raises (the full path then raises it again, or handles it).  Its kernel is the
+    decision's, else torch's binding of ``func`` where that calls ``func`` on ``largs``
+    (``bindings.py``), else ``func``."""
     flat, treedef = flatten_call(args, kwargs)
     specs = [a._spec if type(a) is DTensor else None for a in flat]
     try:
@@ -206,7 +210,20 @@ def _decide(func: Any, args: tuple, kwargs: dict, key: tuple, writes: int) -> tu
         return None
     if decision.redistribute or (writes == WRITES_SELF and not keeps_placements(args[0]._spec, decision.output)):
         return None  # (``_writable`` made sure a WRITES_SELF call's first argument is its DTensor self)
-    return remember(key, decision, tuple(s for s in specs if s is not None))
+    kernel = decision.kernel or func
+    if kernel is func and largs is not None and decision.local_args is None:
+        # the choice depends on the arguments' types and structure, not on the specs: kept per
+        # key with the spec ids (the only ints after the op's id) blanked, across cache clears
+        sig = (key[0], *[None if type(k) is int else k for k in key[1:]])
+        kernel = _KERNELS.get(sig)
+        if kernel is None:
+            if len(_KERNELS) > 4096:
+                _KERNELS.clear()
+            kernel = _KERNELS[sig] = local_kernel(func, largs, lkwargs or {})
+    return remember(key, decision, tuple(s for s in specs if s is not None), kernel)
+
+
+_KERNELS: dict[tuple, Any] = {}
 
 
 def keeps_placements(spec: DTensorSpec, out: Any) -> bool:

@@ -73,11 +73,12 @@ def clear_cache(maxsize: int | None = None) -> None:
     HOT_HITS.n = 0
 
 
-def remember(key: tuple, decision: Decision, specs: tuple) -> tuple:
-    """Keep ``decision`` for the hit path under ``key`` (``specs``: the specs whose ids it holds)."""
+def remember(key: tuple, decision: Decision, specs: tuple, kernel: Any) -> tuple:
+    """Keep ``decision`` for the hit path under ``key`` (``specs``: the specs whose ids it holds;
+    ``kernel``: what runs it on local tensors)."""
     if len(HOT) >= _cache.maxsize:
         HOT.clear()
-    entry = HOT[key] = (decision, specs)
+    entry = HOT[key] = (decision, specs, kernel)
     return entry
 
 
