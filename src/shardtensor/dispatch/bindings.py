@@ -20,8 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["local_kernel"]
 
-_HOMES = (torch._C._VariableFunctions, torch._C.TensorBase, torch._C._nn, torch._C._linalg, torch._C._special,
-          torch._C._fft)
+_HOMES = tuple(getattr(torch._C, name) for name in ("_VariableFunctions", "TensorBase", "_nn", "_linalg", "_special",
+                                                     "_fft") if hasattr(torch._C, name))
 """Where torch's generated bindings live: ``torch.*`` functions, tensor methods, ``torch._C._nn``..."""
 
 

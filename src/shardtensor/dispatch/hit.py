@@ -102,7 +102,7 @@ def hit(func: Any, args: tuple, kwargs: dict, view: bool, writes: int, written: 
         flat, treedef = flatten_call(args, kwargs)
         return _run_decided(func, decision, flat, treedef, [a._local_tensor if type(a) is DTensor else a for a in flat],
                             first, view, writes)
-    out = kernel(*local[:n], **lkwargs) if kwargs else kernel(*local)
+    out = kernel(*local[:n], **lkwargs) if lkwargs is not None else kernel(*local)
     return _finish(func, out, decision, first, items[0], view, writes, local[0])
 
 
