@@ -6,11 +6,12 @@
 
 Both libraries run on torch's ``fake`` process-group backend (world 4, this process is rank 0;
 collectives return at once without moving data), one intra-op thread, 64x64 fp32 inputs.
-Per op and mesh it reports the median time per call of:
+Per op and mesh it reports the median time per call (hits: the four variants timed in turns, 7
+rounds, so that a machine slowing down slows them alike) of:
 
 * ``local``: the plain torch op on the local shards rank 0 holds (what the local kernel costs);
 * ``floor``: the op on a minimal ``__torch_dispatch__`` wrapper subclass around those local
-  shards (``_Floor``: unwrap the arguments, call the op, wrap the result with
+  shards (``_floor.Floor``: unwrap the arguments, call the op, wrap each tensor result with
   ``_make_wrapper_subclass``, nothing else; torch-function handling disabled) -- the least any
   tensor subclass pays per op;
 * ``ours hit`` / ``dt hit``: the op on sharded tensors with the sharding decision cached;
@@ -34,6 +35,8 @@ import torch
 import torch.distributed as dist
 import warnings
 import torch.nn.functional as F
+
+from _floor import Floor
 
 
 def _timeit(fn: Callable[[], object], iters: int, repeats: int = 5, before: Callable[[], None] | None = None,
@@ -62,23 +65,23 @@ def _timeit(fn: Callable[[], object], iters: int, repeats: int = 5, before: Call
     return statistics.median(samples)
 
 
-class _Floor(torch.Tensor):
-    """The least a tensor subclass can do per op: unwrap, call, wrap (no specs, no caches)."""
-
-    __slots__ = ("_inner",)
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @staticmethod
-    def __new__(cls, inner: torch.Tensor) -> "_Floor":
-        r = torch.Tensor._make_wrapper_subclass(cls, inner.shape, strides=inner.stride(), dtype=inner.dtype,
-                                                device=inner.device)
-        r._inner = inner
-        return r
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        out = func(*[a._inner if type(a) is _Floor else a for a in args], **(kwargs or {}))
-        return _Floor(out) if isinstance(out, torch.Tensor) else out
+def _interleaved(fns: list[Callable[[], object]], iters: int, repeats: int = 7,
+                 after: Callable[[], None] = lambda: None) -> list[float]:
+    """Median host time per call of each of ``fns``, timed in turns (``iters`` calls of one, then
+    the next, ``repeats`` rounds), so a machine that slows down slows all of them alike."""
+    for fn in fns:
+        for _ in range(max(3, iters // 10)):
+            fn()
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, out in zip(fns, samples):
+            after()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            after()
+            out.append((time.perf_counter() - t0) / iters)
+    return [statistics.median(x) for x in samples]
 
 
 def _cases(two_d: bool, device: str = "cpu"):
@@ -171,7 +174,7 @@ def main() -> int:
             ours_in = [st.distribute_tensor(t, ours_mesh, _placements(st, pl)) for t, pl in inputs]
             dt_in = [tdt.distribute_tensor(t, dt_mesh, _placements(tdt, pl)) for t, pl in inputs]
             local_in = [x.to_local() for x in ours_in]
-            floor_in = [_Floor(x) for x in local_in]
+            floor_in = [Floor(x) for x in local_in]
             try:
                 r_ours = fn(*ours_in)
             except Exception as e:  # noqa: BLE001
@@ -181,10 +184,9 @@ def main() -> int:
             r_dt = fn(*dt_in)
             if [str(p) for p in r_ours.placements] != [str(p) for p in _norm(r_dt.placements)]:
                 print(f"   note: placements differ: ours {r_ours.placements}, DTensor {tuple(r_dt.placements)}")
-            t_local = _timeit(lambda: fn(*local_in), iters, after=sync)
-            t_floor = _timeit(lambda: fn(*floor_in), iters, after=sync)
-            t_ours = _timeit(lambda: fn(*ours_in), iters, after=sync)
-            t_dt = _timeit(lambda: fn(*dt_in), iters, after=sync)
+            t_local, t_floor, t_ours, t_dt = _interleaved(
+                [lambda: fn(*local_in), lambda: fn(*floor_in), lambda: fn(*ours_in), lambda: fn(*dt_in)], iters,
+                after=sync)
             t_ours_miss = _timeit(lambda: fn(*ours_in), miss_iters, before=clear_cache, after=sync)
             t_dt_miss = _timeit(lambda: fn(*dt_in), miss_iters, before=dt_clear, after=sync)
             r = (t_ours / t_floor, t_ours / t_dt, t_ours / t_local, t_ours_miss / t_dt_miss)

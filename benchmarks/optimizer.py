@@ -11,6 +11,9 @@ For AdamW, Adam and SGD (momentum 0.9) with each implementation torch offers -- 
 parameter) -- it times ``optimizer.step()`` on:
 
 * ``local``: plain tensors shaped like rank 0's shards (what the step costs without sharding);
+* ``floor``: those local tensors in a minimal ``__torch_dispatch__`` wrapper subclass
+  (``_floor.Floor``: unwrap, call, wrap, nothing else) -- what any tensor subclass pays, so
+  ``floor/local`` bounds what a sharded tensor can reach with torch's optimizers;
 * ``ours``: shardtensor DTensor parameters;
 * ``dt``: PyTorch DTensor parameters;
 
@@ -30,6 +33,8 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from _floor import Floor
 
 SHAPES = ((256, 64), (64,))
 WORLD = 4
@@ -52,6 +57,9 @@ def _make(lib: str, full: list[tuple[torch.Tensor, torch.Tensor]], mesh) -> list
         if lib == "local":
             p = torch.nn.Parameter(value.chunk(WORLD)[0].clone())
             p.grad = grad.chunk(WORLD)[0].clone()
+        elif lib == "floor":
+            p = torch.nn.Parameter(Floor(value.chunk(WORLD)[0].clone()))
+            p.grad = Floor(grad.chunk(WORLD)[0].clone())
         else:
             mod = _lib(lib)
             p = torch.nn.Parameter(mod.distribute_tensor(value, mesh, [mod.Shard(0)]))
@@ -77,19 +85,31 @@ def _optimizer(name: str, impl: str, params: list) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=1e-2, momentum=0.9, **kw)
 
 
-def _median_time(fn: Callable[[], object], steps: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    samples = []
+def _median_times(fns: dict[str, Callable[[], object]], steps: int, warmup: int) -> dict[str, float]:
+    """Median host time of one call of each of ``fns``, the calls taken in turns (one step of each,
+    ``steps`` rounds), so a machine that slows down slows all of them alike.  A variant that
+    raises is reported once and timed as NaN."""
+    live = dict(fns)
+    for lib, fn in fns.items():
+        try:
+            for _ in range(warmup):
+                fn()
+        except Exception as e:  # noqa: BLE001  (reported, not hidden)
+            print(f"   {lib} failed: {type(e).__name__}: {str(e)[:120]}")
+            del live[lib]
+    samples: dict[str, list[float]] = {lib: [] for lib in live}
     for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+        for lib, fn in live.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[lib].append(time.perf_counter() - t0)
+    return {lib: statistics.median(samples[lib]) if lib in samples else float("nan") for lib in fns}
 
 
 def _local_of(p) -> torch.Tensor:
     t = p.data
+    if isinstance(t, Floor):
+        return t._inner
     return t.to_local() if hasattr(t, "to_local") else t
 
 
@@ -107,11 +127,12 @@ def main() -> int:
     import shardtensor as st
     from torch.distributed.device_mesh import init_device_mesh as t_init
 
-    meshes = {"ours": st.init_device_mesh("cpu", (WORLD,)), "dt": t_init("cpu", (WORLD,)), "local": None}
+    meshes = {"ours": st.init_device_mesh("cpu", (WORLD,)), "dt": t_init("cpu", (WORLD,)), "local": None,
+              "floor": None}
     print(f"torch {torch.__version__}, cpu, fake process group (world {WORLD}, rank 0), 1 thread; params half "
-          f"256x64, half 64, Shard(0); {steps} timed steps after {warmup}, median ms per step")
-    head = (f"{'params':>6} {'optimizer':9} {'impl':8} {'local':>9} {'ours':>9} {'dt':>9} "
-            f"{'ours/local':>10} {'dt/local':>9} {'ours/dt':>8}")
+          f"256x64, half 64, Shard(0); {steps} timed steps after {warmup}, the variants in turns, median ms per step")
+    head = (f"{'params':>6} {'optimizer':9} {'impl':8} {'local':>9} {'floor':>9} {'ours':>9} {'dt':>9} "
+            f"{'floor/local':>11} {'ours/local':>10} {'dt/local':>9} {'ours/dt':>8} {'ours/floor':>10}")
     print(head)
     print("-" * len(head))
     bad = 0
@@ -119,31 +140,26 @@ def main() -> int:
         full = _params(n)
         rows = [(o, i) for o in ("AdamW", "Adam", "SGD") for i in ("foreach", "fused", "single")]
         for name, impl in rows + [("clip_grad", "foreach")]:
-            times, finals = {}, {}
-            for lib in ("local", "ours", "dt"):
-                params = _make(lib, full, meshes[lib])
+            fns, made = {}, {}
+            for lib in ("local", "floor", "ours", "dt"):
+                params = made[lib] = _make(lib, full, meshes[lib])
                 if name == "clip_grad":
                     def fn(params=params):
                         return torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
                 else:
-                    opt = _optimizer(name, impl, params)
-                    fn = opt.step
-                try:
-                    times[lib] = _median_time(fn, steps, warmup)
-                except Exception as e:  # noqa: BLE001  (reported, not hidden)
-                    print(f"{n:>6} {name:9} {impl:8} {lib} failed: {type(e).__name__}: {str(e)[:120]}")
-                    times[lib] = float("nan")
-                    bad += lib == "ours"
-                    continue
-                finals[lib] = [_local_of(p) for p in params]
-            for lib in ("ours", "dt"):
+                    fn = _optimizer(name, impl, params).step
+                fns[lib] = fn
+            times = _median_times(fns, steps, warmup)
+            bad += times["ours"] != times["ours"]  # NaN: ours failed
+            finals = {lib: [_local_of(p) for p in made[lib]] for lib in made if times[lib] == times[lib]}
+            for lib in ("floor", "ours", "dt"):
                 if lib in finals and not all(torch.allclose(a, b, rtol=1e-4, atol=1e-5)
                                              for a, b in zip(finals[lib], finals["local"])):
                     print(f"   mismatch: {lib} differs from the local step ({name}, {impl}, {n} params)")
                     bad += lib == "ours"
-            t_l, t_o, t_d = times["local"], times["ours"], times["dt"]
-            print(f"{n:>6} {name:9} {impl:8} {t_l * 1e3:8.2f}m {t_o * 1e3:8.2f}m {t_d * 1e3:8.2f}m "
-                  f"{t_o / t_l:10.2f} {t_d / t_l:9.2f} {t_o / t_d:8.2f}")
+            t_l, t_f, t_o, t_d = times["local"], times["floor"], times["ours"], times["dt"]
+            print(f"{n:>6} {name:9} {impl:8} {t_l * 1e3:8.2f}m {t_f * 1e3:8.2f}m {t_o * 1e3:8.2f}m {t_d * 1e3:8.2f}m "
+                  f"{t_f / t_l:11.2f} {t_o / t_l:10.2f} {t_d / t_l:9.2f} {t_o / t_d:8.2f} {t_o / t_f:10.2f}")
     dist.destroy_process_group()
     return 1 if bad else 0
 

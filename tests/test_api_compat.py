@@ -168,6 +168,39 @@ def test_autograd_attributes_skip_torch_function_but_not_modes(monkeypatch):
     assert "grad" in seen
 
 
+def test_to_own_device_returns_self_without_torch_function_but_not_under_modes(monkeypatch):
+    """``x.to(x.device)`` (``clip_grad_norm_`` calls it per parameter) returns ``x`` itself, as for a
+    plain tensor, without a call of ``DTensor.__torch_function__``; other moves and casts are
+    torch's, and a torch-function mode still sees the call.  (One process, no simulated world:
+    its ranks run under a torch-function mode of their own.)"""
+    from torch.overrides import TorchFunctionMode
+
+    mesh = init_device_mesh("cpu", (1,))
+    x = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
+    calls = []
+    orig = DTensor.__torch_function__.__func__
+    monkeypatch.setattr(DTensor, "__torch_function__",
+                        classmethod(lambda cls, f, t, a=(), k=None: calls.append(f) or orig(cls, f, t, a, k)))
+    assert x.to(torch.device("cpu")) is x
+    assert calls == []
+    y = x.to(torch.float64)
+    assert x.to("cpu") is x
+    assert len(calls) >= 2
+    monkeypatch.undo()
+    assert y.dtype == torch.float64 and y.placements == (Shard(0),)
+    torch.testing.assert_close(y.full_tensor(), torch.arange(8.0, dtype=torch.float64).reshape(4, 2))
+    seen = []
+
+    class Mode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    with Mode():
+        assert x.to(torch.device("cpu")) is x
+    assert "to" in seen
+
+
 def test_repeated_from_local_reuses_its_spec_and_still_checks():
     """TP styles wrap every module input each step: a repeated ``from_local`` that needs no collective
     takes its spec from a cache (the same object), with the same values, strides and gradients; a

@@ -47,6 +47,7 @@ def _tensor_attribute(name: str, writable: bool = True) -> Any:
 
 
 _NO_SUBCLASS_FUNCTIONS = torch._C.DisableTorchFunctionSubclass
+_function_modes = torch._C._is_torch_function_mode_enabled
 
 
 class DTensor(torch.Tensor):
@@ -78,6 +79,16 @@ class DTensor(torch.Tensor):
     requires_grad = _tensor_attribute("requires_grad")
     is_leaf = _tensor_attribute("is_leaf", writable=False)
     is_sparse = _tensor_attribute("is_sparse", writable=False)
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """``Tensor.to``.  A move to the device the tensor is already on returns the tensor itself,
+        as torch does, without a torch-function call (``clip_grad_norm_`` makes one per parameter);
+        every other call, and every call under a torch-function mode or ``torch.compile``, is
+        torch's."""
+        if (len(args) == 1 and not kwargs and type(args[0]) is torch.device and args[0] == self._local_tensor.device
+                and not _function_modes() and not torch.compiler.is_compiling()):
+            return self
+        return super().to(*args, **kwargs)
 
     # -- public surface -----------------------------------------------------------------
     @property
