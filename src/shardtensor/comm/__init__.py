@@ -154,6 +154,8 @@ def current_transport() -> Transport:
         return t
     import torch.distributed as dist
 
+    if _dist is not None and _dist[0] is dist.group.WORLD:  # the common case first: the same world as before
+        return _dist[1]
     if dist.is_available() and dist.is_initialized():
         if _dist is None or _dist[0] is not dist.group.WORLD:
             from .torchdist import TorchDistTransport
