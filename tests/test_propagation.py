@@ -5,6 +5,7 @@ defined with ``torch.library`` give full control over the candidates a rule offe
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -14,6 +15,7 @@ from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_ten
 from shardtensor.propagation import (Candidate, Decision, MeshMismatchError, _freeze, cache_info, clear_cache, decide,
                                      register)
 import shardtensor.propagation.call as call_module
+from shardtensor.propagation.call import flatten_call
 from shardtensor import strict_sharding
 
 TIMEOUT = 30.0
@@ -411,3 +413,62 @@ def test_size_one_mesh_dims_move_nothing_and_hit():
 
     close, hits, same = spmd(body, 1)[0]
     assert all(close) and hits[1:] == [1, 1] and all(same), (close, hits, same)
+
+
+# -- pointwise output metadata without torch's Python meta references -----------------------
+
+_PW_OPS = [
+    (torch.ops.aten.add.Tensor, 2, {}), (torch.ops.aten.mul.Tensor, 2, {}), (torch.ops.aten.div.Tensor, 2, {}),
+    (torch.ops.aten.div.Tensor_mode, 2, {"rounding_mode": "floor"}), (torch.ops.aten.eq.Tensor, 2, {}),
+    (torch.ops.aten.sigmoid.default, 1, {}), (torch.ops.aten.abs.default, 1, {}), (torch.ops.aten.pow.Tensor_Tensor, 2, {}),
+    (torch.ops.aten.bitwise_and.Tensor, 2, {}), (torch.ops.aten.where.self, 3, {}), (torch.ops.aten.add_.Tensor, 2, {}),
+    (torch.ops.aten.clamp.Tensor, 3, {}), (torch.ops.aten.angle.default, 1, {}),
+]
+_PW_DTYPES = [torch.float32, torch.int64, torch.bool, torch.bfloat16, torch.complex64, torch.int8]
+
+
+@pytest.mark.parametrize("op,n,kw", _PW_OPS, ids=[str(o[0]) for o in _PW_OPS])
+def test_pointwise_output_metadata_matches_the_meta_kernels(op, n, kw):
+    """``Call.out_meta`` of a pointwise op on inputs of one contiguous shape (computed from
+    one-element CPU tensors) has the shape, strides and dtype torch's meta kernels give, for every
+    dtype combination, with 0-d tensors and Python scalars mixed in; where the op rejects the
+    dtypes, both raise."""
+    mesh = init_device_mesh("cpu", (1,))
+    shape = (4, 3)
+    checked = 0
+    for i, dts in enumerate(itertools.product(_PW_DTYPES, repeat=n)):
+        if i % 3 and n == 3:  # a third of the 216 triples is plenty
+            continue
+        metas = [torch.empty(shape, dtype=d, device="meta") for d in dts]
+        if n == 2 and i % 4 == 1:  # a dim-ful tensor with a 0-d one / a Python scalar
+            metas[1] = torch.empty((), dtype=dts[1], device="meta")
+        flat = list(metas)
+        specs = [distribute_tensor(torch.zeros(m.shape, dtype=m.dtype), mesh, [Replicate()])._spec for m in metas]
+        if n == 2 and i % 4 == 3:
+            flat[1], specs[1] = (2.5 if dts[1].is_floating_point else 3), None
+        specs = specs + [None] * len(kw)
+        fl, treedef = flatten_call(tuple(flat), kw)
+        try:
+            want = op(*flat, **kw)  # torch's meta kernels
+        except Exception:  # noqa: BLE001
+            want = None
+        got = call_module._pointwise_meta(op, fl, specs, treedef)
+        if want is None:
+            assert got is None, (op, dts)
+            continue
+        if got is None:  # (the fast path declined: nothing to compare)
+            continue
+        checked += 1
+        assert (tuple(got.shape), got.stride(), got.dtype) == (tuple(want.shape), want.stride(), want.dtype), (op, dts)
+    assert checked > 0
+
+
+def test_pointwise_output_metadata_declines_layouts_and_random_ops():
+    mesh = init_device_mesh("cpu", (1,))
+    x = distribute_tensor(torch.zeros(4, 3), mesh, [Replicate()])
+    t = distribute_tensor(torch.zeros(3, 4), mesh, [Replicate()]).t()  # not contiguous
+    for op, args in [(torch.ops.aten.clone.default, (x,)), (torch.ops.aten.add.Tensor, (x, t)),
+                     (torch.ops.aten.bernoulli.p, (x, 0.5)), (torch.ops.aten.frexp.Tensor, (x,))]:
+        fl, treedef = flatten_call(args, {})
+        specs = [a._spec if isinstance(a, DTensor) else None for a in fl]
+        assert call_module._pointwise_meta(op, fl, specs, treedef) is None, op
