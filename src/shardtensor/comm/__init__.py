@@ -156,11 +156,10 @@ def current_transport() -> Transport:
 
     if _dist is not None and _dist[0] is dist.group.WORLD:  # the common case first: the same world as before
         return _dist[1]
-    if dist.is_available() and dist.is_initialized():
-        if _dist is None or _dist[0] is not dist.group.WORLD:
-            from .torchdist import TorchDistTransport
+    if dist.is_available() and dist.is_initialized():  # a world not seen before
+        from .torchdist import TorchDistTransport
 
-            _dist = (dist.group.WORLD, TorchDistTransport())
+        _dist = (dist.group.WORLD, TorchDistTransport())
         return _dist[1]
     t = getattr(_single, "t", None)
     if t is None:

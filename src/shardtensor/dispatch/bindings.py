@@ -8,8 +8,9 @@ dispatch.  A binding is taken for one cache entry only after it has been seen, o
 local arguments, to dispatch exactly ``func`` first: the call runs under a dispatch mode that
 records the first op to reach it and stops the call there (before any kernel runs or writes).
 Bindings that decompose, pick another overload, reject the arguments or do not dispatch at all
-keep the op, and so do ops that return a list of tensors (a binding returns a tuple there).  Later calls under the same entry have the same argument types and structure (the
-cache key holds them), so they parse to the same overload.
+keep the op, and so do ops that return a list of tensors (a binding returns a tuple there).
+Later calls under the same entry have the same argument types and structure (the cache key
+holds them), so they parse to the same overload.
 """
 from __future__ import annotations
 

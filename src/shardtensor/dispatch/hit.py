@@ -92,9 +92,12 @@ def hit(func: Any, args: tuple, kwargs: dict, view: bool, writes: int, written: 
             local.append(a)
         else:
             return MISSING
-    n = len(args)
-    lkwargs = dict(zip(names, local[n:])) if kwargs else None
-    entry = _decision(func, args, kwargs, tuple(key), writes, written, first, local[:n] if kwargs else local, lkwargs)
+    if kwargs:
+        n = len(args)
+        largs, lkwargs = local[:n], dict(zip(names, local[n:]))
+    else:
+        largs, lkwargs = local, None
+    entry = _decision(func, args, kwargs, tuple(key), writes, written, first, largs, lkwargs)
     if entry is None or first is None:
         return MISSING
     decision, _, kernel = entry
@@ -102,7 +105,7 @@ def hit(func: Any, args: tuple, kwargs: dict, view: bool, writes: int, written: 
         flat, treedef = flatten_call(args, kwargs)
         return _run_decided(func, decision, flat, treedef, [a._local_tensor if type(a) is DTensor else a for a in flat],
                             first, view, writes)
-    out = kernel(*local[:n], **lkwargs) if lkwargs is not None else kernel(*local)
+    out = kernel(*largs, **lkwargs) if lkwargs is not None else kernel(*largs)
     return _finish(func, out, decision, first, items[0], view, writes, local[0])
 
 

@@ -225,7 +225,6 @@ def _out_meta(op, flat, specs, treedef) -> Any:
 _POINTWISE: dict[int, bool] = {}
 _LAYOUT_ARGS = frozenset({"memory_format", "layout", "device", "size", "stride"})
 """Arguments that can make an output other than contiguous (``clone(memory_format=...)``)."""
-_CONTIGUOUS: dict[tuple, tuple] = {}
 
 
 def _pointwise_meta(op, flat, specs, treedef) -> torch.Tensor | None:
@@ -255,7 +254,7 @@ def _pointwise_meta(op, flat, specs, treedef) -> torch.Tensor | None:
             continue
         if shape is None:
             shape = tuple(s.shape)
-            stride = _CONTIGUOUS.get(shape) or _CONTIGUOUS.setdefault(shape, contiguous_stride(shape))
+            stride = contiguous_stride(shape)
         if tuple(s.shape) != shape or tuple(s.stride) != stride:
             return None
     if shape is None:
