@@ -187,6 +187,75 @@ def test_one_rank_trains_as_the_plain_model(kind):
     assert_matches(run_spmd(rank_train, 1, kind, "adam", 3, (1,)), reference(kind, "adam", 3))
 
 
+def _frozen_train(model: nn.Module, world: int, rank: int) -> list[torch.Tensor]:
+    """SGD steps that freeze a different root parameter each step (same count, same dtypes)."""
+    o = torch.optim.SGD(model.parameters(), lr=0.1)
+    root = [model.emb.weight, model.pos, model.ln_f.weight, model.head.bias]
+    n = BATCH // world
+    for s in range(len(root)):
+        for i, p in enumerate(root):
+            p.requires_grad_(i != s)
+        x, y = batch("tiny", s)
+        o.zero_grad()
+        loss_fn("tiny", model, x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]).backward()
+        o.step()
+    return [p.full_tensor() if isinstance(p, DTensor) else p.detach() for p in model.parameters()]
+
+
+def _frozen_body(world: int):
+    mesh = init_device_mesh("cpu", (world,))
+    return _frozen_train(wrap("tiny", build("tiny"), mesh), world, mesh.get_rank())
+
+
+@pytest.mark.parametrize("world", [WORLD, 1])
+def test_freezing_a_different_parameter_each_step(world):
+    """Each step packs another set of gradients of the same dtypes: each is reduced to its own."""
+    want = _frozen_train(build("tiny"), 1, 0)
+    for got in run_spmd(_frozen_body, world, world):
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_one_rank_bf16_params_take_the_gathered_path():
+    """With a param dtype the unsharded parameters are casts, not the shards: still as training."""
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    assert_matches(run_spmd(rank_train, 1, "tiny", "sgd", 3, (1,), mp_policy=mp), reference("tiny", "sgd", 3),
+                   tol=1e-2)
+
+
+def _one_rank_alias_body():
+    mesh = init_device_mesh("cpu", (1,))
+    model = wrap("mlp", build("mlp"), mesh)
+    plain = build("mlp")
+    x, y = batch("mlp", 0)
+    # the forward computes with views of the shards themselves
+    seen = {}
+    hook = model.l1.register_forward_pre_hook(lambda m, a: seen.update(ptr=m.weight.data_ptr()))
+    loss_fn("mlp", model, x, y).backward()
+    hook.remove()
+    assert seen["ptr"] == model.l1.weight.to_local().data_ptr()
+    # values written into the sharded parameters are what the next forward computes with
+    new = {n: torch.randn(p.shape, generator=torch.Generator().manual_seed(i))
+           for i, (n, p) in enumerate(plain.named_parameters())}
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.to_local().copy_(new[n])
+        for n, p in plain.named_parameters():
+            p.copy_(new[n])
+    torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
+    model.zero_grad()
+    loss_fn("mlp", model, x, y).backward()
+    loss_fn("mlp", plain, x, y).backward()
+    return {n: (p.grad.full_tensor(), dict(plain.named_parameters())[n].grad) for n, p in model.named_parameters()}
+
+
+def test_one_rank_unsharded_parameters_are_the_shards():
+    """On one rank without a cast nothing is gathered or copied: the forward uses the shards."""
+    (grads,) = run_spmd(_one_rank_alias_body, 1)
+    for n, (got, want) in grads.items():
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=lambda m: f"{n}: {m}")
+
+
 @pytest.mark.parametrize("opt", ["sgd_foreach", "adam_foreach", "adam_fused", "adamw_foreach"])
 def test_foreach_and_fused_optimizers(opt):
     results = run_spmd(rank_train, WORLD, "mlp", opt, 3)
@@ -321,22 +390,23 @@ def test_mixed_precision_bf16_params_fp32_reduce():
 # misc behaviour
 # ---------------------------------------------------------------------------------------
 
-def _accum_body():
-    mesh = init_device_mesh("cpu", (WORLD,))
-    r = mesh.get_rank()
+def _accum_body(world: int = WORLD):
+    mesh = init_device_mesh("cpu", (world,))
+    r, n = mesh.get_rank(), BATCH // world
     model = wrap("mlp", build("mlp"), mesh)
     for s in range(2):  # two micro-batches accumulate into .grad
         x, y = batch("mlp", s)
-        (loss_fn("mlp", model, x[2 * r:2 * r + 2], y[2 * r:2 * r + 2]) / 2).backward()
+        (loss_fn("mlp", model, x[n * r:n * r + n], y[n * r:n * r + n]) / 2).backward()
     return {n: p.grad.full_tensor() for n, p in model.named_parameters()}
 
 
-def test_gradient_accumulation():
+@pytest.mark.parametrize("world", [WORLD, 1])
+def test_gradient_accumulation(world):
     model = build("mlp")
     for s in range(2):
         x, y = batch("mlp", s)
         (loss_fn("mlp", model, x, y) / 2).backward()
-    for grads in run_spmd(_accum_body, WORLD):
+    for grads in run_spmd(_accum_body, world, world):
         for n, p in model.named_parameters():
             torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6)
 
@@ -509,23 +579,24 @@ def _twice_train(model: nn.Module, rows: slice, full) -> tuple[list[float], list
     return losses, evals
 
 
-def _twice_body():
-    mesh = init_device_mesh("cpu", (WORLD,))
+def _twice_body(world: int = WORLD):
+    mesh = init_device_mesh("cpu", (world,))
     m = _twice_build()
     fully_shard(m.blk, mesh=mesh)
     fully_shard(m, mesh=mesh)
-    n = BATCH // WORLD
+    n = BATCH // world
     r = mesh.get_local_rank()
     losses, evals = _twice_train(m, slice(r * n, (r + 1) * n), lambda t: t.detach().clone())
     return losses, evals, {k: p.full_tensor() for k, p in m.named_parameters()}
 
 
-def test_block_called_twice_retain_graph_and_eval_match_single_device():
+@pytest.mark.parametrize("world", [WORLD, 1])
+def test_block_called_twice_retain_graph_and_eval_match_single_device(world):
     ref = _twice_build()
     ref_losses, ref_evals = _twice_train(ref, slice(None), lambda t: t.detach().clone())
-    results = run_spmd(_twice_body, WORLD)
-    n = BATCH // WORLD
-    mean = [sum(r[0][s] for r in results) / WORLD for s in range(3)]
+    results = run_spmd(_twice_body, world, world)
+    n = BATCH // world
+    mean = [sum(r[0][s] for r in results) / world for s in range(3)]
     torch.testing.assert_close(torch.tensor(mean), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
     for rank, (_, evals, params) in enumerate(results):
         for got, want in zip(evals, ref_evals):

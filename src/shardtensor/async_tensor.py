@@ -16,17 +16,9 @@ from typing import Any, Sequence
 import torch
 
 from .comm.base import Work
+from .spec import contiguous_stride
 
 __all__ = ["AsyncLocalTensor", "wait_tensor"]
-
-
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides = []
-    step = 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
 
 
 class AsyncLocalTensor(torch.Tensor):
@@ -45,7 +37,7 @@ class AsyncLocalTensor(torch.Tensor):
                 device: torch.device | str = "cpu") -> "AsyncLocalTensor":
         shape = tuple(int(n) for n in shape)
         r = torch.Tensor._make_wrapper_subclass(
-            cls, shape, strides=_contiguous_strides(shape), dtype=dtype, device=torch.device(device),
+            cls, shape, strides=contiguous_stride(shape), dtype=dtype, device=torch.device(device),
             requires_grad=False)
         r._work = work
         r._real = None

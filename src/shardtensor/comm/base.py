@@ -126,9 +126,13 @@ class Completed(Work):
 
     __slots__ = ()
 
-    def __init__(self, result: Any) -> None:
-        super().__init__(lambda: result)
-        self.wait()
+    def __init__(self, result: Any) -> None:  # done at birth: no closure, no lock taken
+        self._wait_fn = self._done_fn = self._post = None
+        self._lock = _NEVER_TAKEN
+        self._result, self._error, self._done = result, None, True
+
+
+_NEVER_TAKEN = threading.Lock()  # ``Completed``'s: ``wait`` takes the lock only while not done
 
 
 class Transport(ABC):

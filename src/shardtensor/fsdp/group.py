@@ -7,7 +7,10 @@ buffer (casting copies under a param dtype), one all-gather over the dp mesh dim
 The handle's storage can be freed (``untyped_storage().resize_(0)``) and refilled in place
 before backward without touching the autograd version counters of the tensors the forward
 saved; a freed handle no forward call holds is reused by the next one, so a step allocates
-no handles.
+no handles.  On a dp dim of one rank without a cast the padded shards are the unsharded
+parameters: the handle's buffers are the shards themselves, so nothing is copied or freed.
+(Backward then computes with the parameters' values at backward time, as it does on every
+module that reshards after forward, here and in torch's FSDP2.)
 
 ``_Unshard`` is the autograd edge: sharded parameters in, unsharded views out; its backward
 packs the unsharded gradients with ``chunk_cat`` (cast to the reduce dtype inside the copy),
@@ -20,7 +23,7 @@ from __future__ import annotations
 import functools
 import math
 import weakref
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import torch
 
@@ -28,7 +31,7 @@ from .. import comm
 from ..kernels import chunk_cat, split_with_sizes_copy
 from ..placement import Replicate, display
 from ..redistribute import redistribute_local
-from ..spec import DTensorSpec
+from ..spec import DTensorSpec, contiguous_stride
 from ..tensor import DTensor
 from .param import FSDPParam, MeshInfo
 
@@ -47,13 +50,17 @@ class Unsharded:
     def __init__(self, group: "ParamGroup") -> None:
         self.group = group
         lay = group.layout()
-        flats = {dev: torch.empty(n, dtype=torch.uint8, device=dev) for dev, n in lay.storage_bytes.items()}
-        raws = {dev: f.data for dev, f in flats.items()}  # own version counters: refills are invisible to autograd
-        self.buffers = [_carve(flats, spot) for spot in lay.spots]
-        self.storages = [r.untyped_storage() for r in raws.values()]
-        self.nbytes = [st.nbytes() for st in self.storages]
-        # where copy-out writes: views stay valid across frees and refills
-        self.targets = group.gather_targets([_carve(raws, spot) for spot in lay.spots])
+        if lay.aliased:  # the padded shards are the unsharded parameters: nothing to gather or free
+            self.buffers = [p.padded for p in group.params]
+            self.storages, self.nbytes, self.targets = [], [], []
+        else:
+            flats = {dev: torch.empty(n, dtype=torch.uint8, device=dev) for dev, n in lay.storage_bytes.items()}
+            raws = {dev: f.data for dev, f in flats.items()}  # own version counters: refills are invisible to autograd
+            self.buffers = [_carve(flats, spot) for spot in lay.spots]
+            self.storages = [r.untyped_storage() for r in raws.values()]
+            self.nbytes = [st.nbytes() for st in self.storages]
+            # where copy-out writes: views stay valid across frees and refills
+            self.targets = group.gather_targets([_carve(raws, spot) for spot in lay.spots])
         self.views = [p.unsharded_view(b) for p, b in zip(group.params, self.buffers)]
         for st in self.storages:
             st.resize_(0)
@@ -104,6 +111,7 @@ class ParamGroup:
         self.live: weakref.WeakSet[Unsharded] = weakref.WeakSet()
         self._layout: _Layout | None = None
         self._spare: Unsharded | None = None
+        self._reduce_plans: dict[tuple, _ReducePlan] = {}  # by (parameter indices, their gradients' dtypes)
 
     def compute_dtype(self, p: FSDPParam) -> torch.dtype:
         if self.param_dtype is not None and p.orig_dtype.is_floating_point:
@@ -162,6 +170,8 @@ class ParamGroup:
         # never require grad, so nothing is recorded
         for i in lay.items:
             params[i].sync_padded()
+        if lay.aliased:
+            return None
         if lay.mode == "same":  # one concatenation of the padded shards
             flat = torch.cat(lay.sources)
         elif lay.mode == "cast":  # cast inside the copies
@@ -195,13 +205,15 @@ class ParamGroup:
             torch.split_with_sizes_copy(stack, sizes, dim=1, out=dst)
 
     # -- reduce-scatter --------------------------------------------------------------------
-    def reduce_grads(self, params: Sequence[FSDPParam], grads: Sequence[torch.Tensor | None]) -> list[DTensor | None]:
-        """Sharded gradients (average over dp) of the unsharded ``grads`` (``None`` stays ``None``).
+    def reduce_grads(self, idx: tuple[int, ...], grads: Sequence[torch.Tensor | None]) -> list[DTensor | None]:
+        """Sharded gradients (average over dp) of the unsharded ``grads`` of the parameters at
+        ``idx`` (``None`` stays ``None``).
 
         Without gradient sync (``set_requires_gradient_sync(False)``) the unsharded local
         gradients are added to each parameter's ``accumulated`` buffer and nothing is returned;
         the next synchronized backward reduces them together with its own.
         """
+        params = [self.params[i] for i in idx]
         local = [None if g is None else self._local_grad(p, g) for p, g in zip(params, grads)]
         if not self.sync:
             for p, g in zip(params, local):
@@ -214,37 +226,30 @@ class ParamGroup:
                 mine = local[i]
                 local[i] = p.accumulated if mine is None else p.accumulated.add_(mine)
                 p.accumulated = None
+        dtypes = tuple([None if g is None else g.dtype for g in local])
+        plan = self._reduce_plans.get((idx, dtypes))
+        if plan is None:
+            plan = self._reduce_plans[idx, dtypes] = _ReducePlan(params, dtypes, self.reduce_dtype)
         out: list[DTensor | None] = [None] * len(params)
-        todo = []
-        for i, (p, g) in enumerate(zip(params, local)):
-            if g is None:
-                continue
-            if p.padded_numel == 0:
-                out[i] = p.wrap_grad(torch.zeros((p.rows, *p.rest), dtype=p.orig_dtype, device=p.padded.device))
-                continue
-            todo.append((i, p, g))
-        if not todo:
+        for i in plan.empty:
+            p = params[i]
+            out[i] = p.wrap_grad(torch.zeros((p.rows, *p.rest), dtype=p.orig_dtype, device=p.padded.device))
+        if not plan.pieces:
             return out
-        W = self.info.world
-        rdtype = self.reduce_dtype or functools.reduce(torch.promote_types, [g.dtype for _, _, g in todo])
-        grads_in = [g if g.dtype == rdtype or _widens(g.dtype, rdtype) else g.to(rdtype) for _, _, g in todo]
-        if len({g.dtype for g in grads_in}) > 1:
-            grads_in = [g.to(rdtype) for g in grads_in]
-        n_out = sum(p.padded_numel for _, p, _ in todo)
-        flat = torch.empty((W, n_out), dtype=rdtype, device=grads_in[0].device)
+        rdtype = plan.dtype
+        got = cast("list[torch.Tensor]", [local[i] for i in plan.todo])  # the plan's todo have gradients
+        grads_in = [g.to(rdtype) if c else g for g, c in zip(got, plan.casts)]
+        flat = torch.empty((self.info.world, plan.numel), dtype=rdtype, device=grads_in[0].device)
         with torch.no_grad():
             if flat.is_cuda or flat.numel() * flat.element_size() >= _OWN_CHUNK_CAT_BYTES:
-                chunk_cat(grads_in, 0, W, out=flat)  # CUDA: one Triton launch; CPU: memcpy-speed copies
+                chunk_cat(grads_in, 0, flat.shape[0], out=flat)  # CUDA: one Triton launch; CPU: memcpy-speed copies
             else:
-                torch._chunk_cat(grads_in, 0, W, out=flat)  # small: torch's fixed cost is lower
-            red = self._average(flat)
-        off = 0
-        for i, p, _ in todo:
-            piece = red.narrow(0, off, p.rows * p.row_numel).view(p.rows, *p.rest)
-            off += p.padded_numel
-            if piece.dtype != p.orig_dtype:
-                piece = piece.to(p.orig_dtype)
-            out[i] = p.wrap_grad(piece)
+                torch._chunk_cat(grads_in, 0, flat.shape[0], out=flat)  # small: torch's fixed cost is lower
+            red = self._average(flat).contiguous()
+        base = red.storage_offset()
+        for i, shape, stride, at, recast in plan.pieces:
+            piece = red.as_strided(shape, stride, base + at)
+            out[i] = params[i].wrap_grad(piece.to(params[i].orig_dtype) if recast else piece)
         return out
 
     def _average(self, flat: torch.Tensor) -> torch.Tensor:
@@ -299,6 +304,8 @@ class _Layout:
             self.mode = "same" if all(params[i].padded.dtype == self.dtype for i in self.items) else "cast"
             self.sizes = [params[i].padded_numel for i in self.items]
         self.total = sum(self.sizes)
+        # one dp rank and no cast: the unsharded parameters are views of the padded shards
+        self.aliased = group.info.world == 1 and self.mode == "same"
         self.sources = [params[i].padded.view(-1) for i in self.items]  # ``padded`` is never replaced
         # where each unsharded buffer lives: (device, byte offset, dtype, shape), offsets aligned
         self.storage_bytes: dict[torch.device, int] = {}
@@ -309,6 +316,35 @@ class _Layout:
             at = self.storage_bytes.get(dev, 0)
             self.spots.append((dev, at, dtype, shape))
             self.storage_bytes[dev] = at + -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
+
+
+class _ReducePlan:
+    """How one backward's gradients are packed and handed back, worked out once per group, set of
+    trainable parameters and pattern of gradient dtypes (``None``: no gradient): the same every step.
+
+    The pack's dtype is the reduce dtype, else the promotion of the gradients' dtypes.  A
+    gradient is cast before packing unless it is already that dtype or a narrower float (the
+    pack's copy widens it), and every one is cast when dtypes would still be mixed.  ``pieces``
+    are ``(param index, shape, stride, offset in the reduced block, cast to the param's dtype)``.
+    """
+
+    def __init__(self, params: Sequence[FSDPParam], dtypes: tuple, reduce_dtype: torch.dtype | None) -> None:
+        got = [i for i, d in enumerate(dtypes) if d is not None]
+        self.empty = [i for i in got if params[i].padded_numel == 0]
+        self.todo = [i for i in got if params[i].padded_numel > 0]
+        self.dtype = reduce_dtype or functools.reduce(torch.promote_types, [dtypes[i] for i in self.todo],
+                                                      dtypes[self.todo[0]] if self.todo else torch.float32)
+        self.casts = [not (dtypes[i] == self.dtype or _widens(dtypes[i], self.dtype)) for i in self.todo]
+        if len({self.dtype if c else dtypes[i] for i, c in zip(self.todo, self.casts)}) > 1:
+            self.casts = [dtypes[i] != self.dtype for i in self.todo]
+        self.pieces: list[tuple[int, tuple[int, ...], tuple[int, ...], int, bool]] = []
+        at = 0
+        for i in self.todo:
+            p = params[i]
+            shape = (p.rows, *p.rest)
+            self.pieces.append((i, shape, contiguous_stride(shape), at, p.orig_dtype != self.dtype))
+            at += p.padded_numel
+        self.numel = at
 
 
 _ALIGN = 64  # bytes: every buffer starts where any dtype (and vector loads) may
@@ -341,25 +377,28 @@ class _Unshard(torch.autograd.Function):
         ctx.handle = handle
         ctx.idx = idx
         ctx.set_materialize_grads(False)
-        return tuple(handle.group.params[i].unsharded_view(handle.buffers[i]) for i in idx)
+        params, buffers = handle.group.params, handle.buffers
+        return tuple([params[i].unsharded_view(buffers[i]) for i in idx])
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         handle: Unsharded = ctx.handle
         group = handle.group
-        params = [group.params[i] for i in ctx.idx]
-        out = group.reduce_grads(params, grads)
+        out = group.reduce_grads(ctx.idx, grads)
         handle.free()
         group.live.discard(handle)
         return (None, None, *out)
+
+
+_requires_grad = torch._C.TensorBase.requires_grad.__get__  # type: ignore[attr-defined]
 
 
 def unsharded_with_grad(handle: Unsharded) -> list[torch.Tensor]:
     """The tensors the forward uses: trainable ones through ``_Unshard`` (when grad is enabled)."""
     params = handle.group.params
     views = list(handle.views)
-    with torch._C.DisableTorchFunctionSubclass():  # plain attribute reads, not DTensor's handler
-        idx = tuple([i for i, p in enumerate(params) if p.requires_grad and p.sharded.requires_grad])
+    with torch._C.DisableTorchFunctionSubclass():  # torch's own getter, not DTensor's property
+        idx = tuple([i for i, p in enumerate(params) if p.requires_grad and _requires_grad(p.sharded)])
     if idx and torch.is_grad_enabled():
         outs = _Unshard.apply(handle, idx, *[params[i].sharded for i in idx])
         for i, o in zip(idx, outs):
