@@ -15,7 +15,7 @@ from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_ten
 from shardtensor.propagation import (Candidate, Decision, MeshMismatchError, _freeze, cache_info, clear_cache, decide,
                                      register)
 import shardtensor.propagation.call as call_module
-from shardtensor.propagation.call import flatten_call
+from shardtensor.propagation.call import Call, flatten_call
 from shardtensor import strict_sharding
 
 TIMEOUT = 30.0
@@ -461,6 +461,58 @@ def test_pointwise_output_metadata_matches_the_meta_kernels(op, n, kw):
         checked += 1
         assert (tuple(got.shape), got.stride(), got.dtype) == (tuple(want.shape), want.stride(), want.dtype), (op, dts)
     assert checked > 0
+
+
+_aten = torch.ops.aten
+_SHAPED_CALLS = [
+    (_aten.sum.default, (), {}), (_aten.sum.default, (), {"dtype": torch.float64}),
+    (_aten.sum.dim_IntList, ([1],), {}), (_aten.sum.dim_IntList, ([0, -1], True), {}),
+    (_aten.sum.dim_IntList, (None, True), {}), (_aten.sum.dim_IntList, ([1],), {"dtype": torch.int32}),
+    (_aten.nansum.default, (), {}), (_aten.mean.default, (), {}), (_aten.mean.dim, ([0],), {}),
+    (_aten.mean.dim, ([2], True), {"dtype": torch.float64}), (_aten.prod.default, (), {}),
+    (_aten.prod.dim_int, (1, True), {}), (_aten.amax.default, ([1],), {}), (_aten.amin.default, ([0, 2], True), {}),
+    (_aten.max.default, (), {}), (_aten.min.default, (), {}), (_aten.any.default, (), {}), (_aten.any.dim, (1,), {}),
+    (_aten.any.dims, ([0, 1], True), {}), (_aten.all.default, (), {}), (_aten.all.dim, (2, True), {}),
+    (_aten._softmax.default, (-1, False), {}), (_aten._log_softmax.default, (0, False), {}),
+    (_aten._safe_softmax.default, (1,), {}),
+]
+
+
+@pytest.mark.parametrize("op,args,kw", _SHAPED_CALLS, ids=[f"{c[0]}-{i}" for i, c in enumerate(_SHAPED_CALLS)])
+def test_shaped_output_metadata_matches_the_meta_kernels(op, args, kw, monkeypatch):
+    """``Call.shaped_meta`` (the output shape the rule knows, the dtype from a run on tensors of
+    ones) gives the shape, strides and dtype of torch's meta kernels for every dtype; where the
+    op rejects the dtype, the meta kernels raise torch's error.  A non-contiguous input takes
+    the meta kernels."""
+    mesh = init_device_mesh("cpu", (1,))
+    fallbacks = []
+    real = call_module._out_meta
+    monkeypatch.setattr(call_module, "_out_meta", lambda *a: fallbacks.append(a) or real(*a))
+    fast = 0
+    for dtype in _PW_DTYPES + [torch.uint8, torch.float16, torch.float64]:
+        for transposed in (False, True):
+            x = torch.zeros((4, 5, 3), dtype=dtype)
+            if transposed:
+                x = x.transpose(0, 2)
+            d = distribute_tensor(x.contiguous(), mesh, [Replicate()])
+            spec = d._spec if not transposed else d.transpose(0, 2)._spec
+            m = torch.empty_strided(spec.shape, spec.stride, dtype=dtype, device="meta")
+            fl, treedef = flatten_call((m, *args), kw)
+            specs = [spec] + [None] * (len(fl) - 1)
+            try:
+                want = op(m, *args, **kw)
+            except Exception as e:  # noqa: BLE001
+                with pytest.raises(type(e)):
+                    Call(op, fl, specs, treedef).shaped_meta(())
+                continue
+            before = len(fallbacks)
+            got = Call(op, fl, specs, treedef).shaped_meta(want.shape)
+            assert (tuple(got.shape), got.stride(), got.dtype) == (tuple(want.shape), want.stride(), want.dtype), \
+                (op, args, kw, dtype, transposed)
+            if transposed:  # (contiguous inputs may fall back too: where CPU kernels lack the dtype)
+                assert len(fallbacks) > before, (op, dtype)
+            fast += len(fallbacks) == before
+    assert fast > 0
 
 
 def test_pointwise_output_metadata_declines_layouts_and_random_ops():

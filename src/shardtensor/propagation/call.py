@@ -8,7 +8,7 @@ on meta tensors only when a rule asks for it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -132,15 +132,23 @@ class Call:
     only, so rules that do not need it never pay for it.
     """
 
-    __slots__ = ("op", "flat", "specs", "treedef", "_meta")
+    __slots__ = ("op", "flat", "specs", "treedef", "_meta", "_args")
 
     def __init__(self, op, flat: list[Any], specs: list[DTensorSpec | None], treedef, out_meta: Any = _UNSET) -> None:
         self.op, self.flat, self.specs, self.treedef, self._meta = op, flat, specs, treedef, out_meta
+        self._args: tuple | None = None  # (the specs list it was built from, spec_args())
 
     @property
     def out_meta(self) -> Any:
         if self._meta is _UNSET:
             self._meta = _out_meta(self.op, self.flat, self.specs, self.treedef)
+        return self._meta
+
+    def shaped_meta(self, shape: Sequence[int]) -> Any:
+        """``out_meta`` of an op with one output whose global ``shape`` the rule knows (a
+        reduction's, softmax's): see ``_shaped_meta``."""
+        if self._meta is _UNSET:
+            self._meta = _shaped_meta(self.op, self.flat, self.specs, self.treedef, tuple(shape))
         return self._meta
 
     @property
@@ -155,8 +163,13 @@ class Call:
         return unflatten_call(self.flat, self.treedef)
 
     def spec_args(self) -> tuple[tuple, dict]:
-        """``(args, kwargs)`` with every DTensor replaced by its spec."""
-        return unflatten_call([a if s is None else s for a, s in zip(self.flat, self.specs)], self.treedef)
+        """``(args, kwargs)`` with every DTensor replaced by its spec (built once per ``specs``
+        list: rules read several arguments; read-only)."""
+        got = self._args
+        if got is None or got[0] is not self.specs:
+            got = self._args = (self.specs, unflatten_call([a if s is None else s for a, s in zip(self.flat, self.specs)],
+                                                           self.treedef))
+        return got[1]
 
     def arg(self, name: str, default: Any = None) -> Any:
         """Argument ``name`` of the op's schema (positional or keyword; DTensors as specs)."""
@@ -220,6 +233,33 @@ def _out_meta(op, flat, specs, treedef) -> Any:
         return out
     args, kwargs = unflatten_call([_to_meta(a, s) for a, s in zip(flat, specs)], treedef)
     return op(*args, **kwargs)
+
+
+def _shaped_meta(op, flat, specs, treedef, shape: tuple) -> Any:
+    """``shape``, contiguous, with the dtype the op gives on tensors of ones of the inputs' ranks
+    and dtypes (a reduction keeps its dims and arguments: ``sum(x, 1, dtype=...)`` runs as such on
+    a ``(1, 1)`` tensor).  Torch's meta kernels of reductions are Python references (~30 us).
+    The meta kernels decide instead where an input is not contiguous, a plain tensor takes part,
+    or the small run fails or gives another rank or type (``mean`` of ints: torch's error then)."""
+    tiny = []
+    for a, s in zip(flat, specs):
+        if s is None:
+            if isinstance(a, torch.Tensor):
+                return _out_meta(op, flat, specs, treedef)
+            tiny.append(a)
+        elif tuple(s.stride) != contiguous_stride(s.shape):
+            return _out_meta(op, flat, specs, treedef)
+        else:
+            tiny.append(torch.ones((1,) * len(s.shape), dtype=s.dtype))
+    args, kwargs = unflatten_call(tiny, treedef)
+    try:
+        with torch.no_grad():
+            out = op(*args, **kwargs)
+    except Exception:  # noqa: BLE001  (the meta kernels then raise torch's own error)
+        out = None
+    if type(out) is not torch.Tensor or out.ndim != len(shape):
+        return _out_meta(op, flat, specs, treedef)
+    return torch.empty_strided(shape, contiguous_stride(shape), dtype=out.dtype, device=_META)
 
 
 _POINTWISE: dict[int, bool] = {}

@@ -112,6 +112,7 @@ def softmax_rule(call: Call) -> Decision:
     x = call.specs[0]
     dim = _dim(call.arg("dim"), x.ndim)
     pl = gather(x.placements, [dim])
+    call.shaped_meta(x.shape)
     return decide(call, [Candidate({0: pl}, pl)])
 
 

@@ -242,7 +242,7 @@ def decomposable_rule(call: Call) -> Decision:
     s = call.specs[pos]
     dim, keepdim = dim_args(call)
     D = reduced_dims(dim, s.ndim)
-    meta = call.out_meta
+    meta = call.shaped_meta(reduced_local_shape(s.shape, D, keepdim))
     check_dims(call, s, D, keepdim, meta)
     kind, kept = _KIND[call.op]
     if call.op in _EMPTY_RAISES:
