@@ -24,10 +24,12 @@ class DTensorSpec:
     _hash: int = field(default=0, init=False, repr=False, compare=False)
     _locals: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     """Local shape and offset per mesh coordinate, computed once (views and factories ask per call)."""
+    _default_order: bool = field(default=True, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_hash", hash((self.mesh, self.placements, tuple(self.shape), self.stride, self.dtype,
                                                 self.shard_order)))
+        object.__setattr__(self, "_default_order", self.shard_order == default_shard_order(self.placements))
 
     def __hash__(self) -> int:
         return self._hash
@@ -90,7 +92,7 @@ class DTensorSpec:
 
     @property
     def is_default_order(self) -> bool:
-        return self.shard_order == default_shard_order(self.placements)
+        return self._default_order
 
     def local_shape_and_offset(self, coordinate: Sequence[int] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Local shape and global offset of this rank (or of ``coordinate``)."""

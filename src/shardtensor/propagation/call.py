@@ -132,11 +132,12 @@ class Call:
     only, so rules that do not need it never pay for it.
     """
 
-    __slots__ = ("op", "flat", "specs", "treedef", "_meta", "_args")
+    __slots__ = ("op", "flat", "specs", "treedef", "_meta", "_args", "_slots")
 
     def __init__(self, op, flat: list[Any], specs: list[DTensorSpec | None], treedef, out_meta: Any = _UNSET) -> None:
         self.op, self.flat, self.specs, self.treedef, self._meta = op, flat, specs, treedef, out_meta
         self._args: tuple | None = None  # (the specs list it was built from, spec_args())
+        self._slots: tuple[tuple, dict] | None = None  # the call's structure over flat positions
 
     @property
     def out_meta(self) -> Any:
@@ -176,22 +177,20 @@ class Call:
         args, kwargs = self.spec_args()
         if name in kwargs:
             return kwargs[name]
-        for i, a in enumerate(self.op._schema.arguments):
-            if a.name == name:
-                if i < len(args):
-                    return args[i]
-                return default
-        raise KeyError(f"{self.op} has no argument {name!r}")
+        i = _arg_index(self.op).get(name)
+        if i is None:
+            raise KeyError(f"{self.op} has no argument {name!r}")
+        return args[i] if i < len(args) else default
 
     def slots(self, name: str) -> Any:
         """Flat position(s) of argument ``name``: an int, a list of ints for a list arg, or None."""
-        args, kwargs = unflatten_call(list(range(len(self.flat))), self.treedef)
+        if self._slots is None:
+            self._slots = unflatten_call(list(range(len(self.flat))), self.treedef)
+        args, kwargs = self._slots
         if name in kwargs:
             return kwargs[name]
-        for i, a in enumerate(self.op._schema.arguments):
-            if a.name == name:
-                return args[i] if i < len(args) else None
-        return None
+        i = _arg_index(self.op).get(name)
+        return args[i] if i is not None and i < len(args) else None
 
     def pos(self, name: str) -> int | None:
         """Flat position of the top-level tensor argument ``name`` (None when absent or not a DTensor)."""
@@ -206,6 +205,17 @@ class Call:
         if not isinstance(where, (list, tuple)):
             return []
         return [w if isinstance(w, int) and self.specs[w] is not None else None for w in where]
+
+
+_ARG_INDEX: dict[int, dict[str, int]] = {}
+
+
+def _arg_index(op: Any) -> dict[str, int]:
+    """Schema argument name -> position, once per op."""
+    got = _ARG_INDEX.get(id(op))
+    if got is None:
+        got = _ARG_INDEX[id(op)] = {a.name: i for i, a in enumerate(op._schema.arguments)}
+    return got
 
 
 def _meta(spec: DTensorSpec) -> torch.Tensor:
@@ -253,8 +263,7 @@ def _shaped_meta(op, flat, specs, treedef, shape: tuple) -> Any:
             tiny.append(torch.ones((1,) * len(s.shape), dtype=s.dtype))
     args, kwargs = unflatten_call(tiny, treedef)
     try:
-        with torch.no_grad():
-            out = op(*args, **kwargs)
+        out = op(*args, **kwargs)  # (nothing requires grad: no graph)
     except Exception:  # noqa: BLE001  (the meta kernels then raise torch's own error)
         out = None
     if type(out) is not torch.Tensor or out.ndim != len(shape):
@@ -299,11 +308,13 @@ def _pointwise_meta(op, flat, specs, treedef) -> torch.Tensor | None:
             return None
     if shape is None:
         return None
-    tiny = [a if s is None else torch.ones((1,) if s.shape else (), dtype=s.dtype) for a, s in zip(flat, specs)]
+    # fresh tensors only (a plain 0-d one too): an in-place op writes nothing of the caller's,
+    # and nothing requires grad
+    tiny = [(torch.ones((), dtype=a.dtype) if isinstance(a, torch.Tensor) else a) if s is None
+            else torch.ones((1,) if s.shape else (), dtype=s.dtype) for a, s in zip(flat, specs)]
     args, kwargs = unflatten_call(tiny, treedef)
     try:
-        with torch.no_grad():
-            out = op(*args, **kwargs)
+        out = op(*args, **kwargs)
     except Exception:  # noqa: BLE001  (the meta kernels then raise torch's own error)
         return None
     if type(out) is not torch.Tensor:

@@ -123,8 +123,9 @@ def kept_order(spec: DTensorSpec, pl: Sequence[Placement]) -> Order:
     order = []
     done = set()
     for d, js in spec.shard_order:
-        keep = tuple(j for j in js if pl[j] == Shard(d))
-        new = tuple(j for j in range(m) if pl[j] == Shard(d) and j not in keep)
+        here = Shard(d)
+        keep = tuple(j for j in js if pl[j] == here)
+        new = tuple(j for j in range(m) if pl[j] == here and j not in keep)
         if keep or new:
             order.append((d, keep + new))
             done.add(d)
@@ -255,7 +256,10 @@ def finish(call, required: dict[int, Pl] | dict[int, DTensorSpec], output: Any, 
             want = need
         else:
             pl = tuple(need)
-            want = s.with_placements(pl, None if order is None else order(pos, s, pl))
+            if order is None and pl == s.placements and s.is_default_order:
+                want = s  # (what ``with_placements`` would build)
+            else:
+                want = s.with_placements(pl, None if order is None else order(pos, s, pl))
         if want != s:
             inputs[pos] = want
             moved = moved or not same_local(s, want)
@@ -276,7 +280,7 @@ def decide(call, cands: Sequence[Candidate] | Candidate, *, kernel: Callable | N
     it is, but split in another order, would mislabel the outputs).  ``kernel_for(chosen)``
     gives a custom local step that depends on the chosen candidate.
     """
-    cand = cands if isinstance(cands, Candidate) else select(call, dedupe(cands))
+    cand = cands if isinstance(cands, Candidate) else select(call, cands if len(cands) == 1 else dedupe(cands))
     if kernel_for is not None:
         kernel = kernel_for(cand)
     output = out_specs(call.mesh, call.out_meta if meta is None else meta, cand.output)

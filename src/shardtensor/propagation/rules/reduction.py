@@ -127,7 +127,8 @@ def out_order(order, out_pl: Sequence[Placement], D: Sequence[int], keepdim: boo
         if d in D:
             continue
         nd = _new_dim(d, D, keepdim)
-        keep = tuple(j for j in js if out_pl[j] == Shard(nd))
+        here = Shard(nd)
+        keep = tuple(j for j in js if out_pl[j] == here)
         if keep:
             res.append((nd, keep))
     return tuple(res)
