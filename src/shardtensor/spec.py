@@ -75,6 +75,13 @@ class DTensorSpec:
         return spec
 
     def with_placements(self, placements: Sequence[Placement], shard_order: ShardOrder | None = None) -> "DTensorSpec":
+        """This spec with other placements (and shard order: default where ``None``); itself where
+        they are its own (what ``build`` would return, without building the key)."""
+        if shard_order is None:  # a DTensor's OrderedPlacements passed back carries its order
+            shard_order = getattr(placements, "shard_order", None)
+        if isinstance(placements, tuple) and placements == self.placements and (
+                self.is_default_order if shard_order is None else shard_order == self.shard_order):
+            return self
         return DTensorSpec.build(self.mesh, placements, self.shape, self.stride, self.dtype, shard_order)
 
     def unpartial(self) -> "DTensorSpec":

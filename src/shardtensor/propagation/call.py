@@ -261,14 +261,22 @@ def _shaped_meta(op, flat, specs, treedef, shape: tuple) -> Any:
             return _out_meta(op, flat, specs, treedef)
         else:
             tiny.append(torch.ones((1,) * len(s.shape), dtype=s.dtype))
-    args, kwargs = unflatten_call(tiny, treedef)
-    try:
-        out = op(*args, **kwargs)  # (nothing requires grad: no graph)
-    except Exception:  # noqa: BLE001  (the meta kernels then raise torch's own error)
-        out = None
-    if type(out) is not torch.Tensor or out.ndim != len(shape):
+    out = _small_run(op, tiny, treedef)
+    if out is None or out.ndim != len(shape):
         return _out_meta(op, flat, specs, treedef)
     return torch.empty_strided(shape, contiguous_stride(shape), dtype=out.dtype, device=_META)
+
+
+def _small_run(op, tiny: list, treedef) -> torch.Tensor | None:
+    """``op`` on the flat arguments ``tiny`` (fresh small tensors: nothing requires grad, an
+    in-place op writes nothing of the caller's), or ``None`` where it raises (the meta kernels
+    then raise torch's own error) or returns anything but one tensor."""
+    args, kwargs = unflatten_call(tiny, treedef)
+    try:
+        out = op(*args, **kwargs)
+    except Exception:  # noqa: BLE001
+        return None
+    return out if type(out) is torch.Tensor else None
 
 
 _POINTWISE: dict[int, bool] = {}
@@ -308,16 +316,8 @@ def _pointwise_meta(op, flat, specs, treedef) -> torch.Tensor | None:
             return None
     if shape is None:
         return None
-    # fresh tensors only (a plain 0-d one too): an in-place op writes nothing of the caller's,
-    # and nothing requires grad
-    tiny = [(torch.ones((), dtype=a.dtype) if isinstance(a, torch.Tensor) else a) if s is None
+    tiny = [(torch.ones((), dtype=a.dtype) if isinstance(a, torch.Tensor) else a) if s is None  # a plain 0-d one too
             else torch.ones((1,) if s.shape else (), dtype=s.dtype) for a, s in zip(flat, specs)]
-    args, kwargs = unflatten_call(tiny, treedef)
-    try:
-        out = op(*args, **kwargs)
-    except Exception:  # noqa: BLE001  (the meta kernels then raise torch's own error)
-        return None
-    if type(out) is not torch.Tensor:
-        return None
-    return torch.empty_strided(shape, stride, dtype=out.dtype, device=_META)
+    out = _small_run(op, tiny, treedef)
+    return None if out is None else torch.empty_strided(shape, stride, dtype=out.dtype, device=_META)
 

@@ -256,11 +256,7 @@ def finish(call, required: dict[int, Pl] | dict[int, DTensorSpec], output: Any, 
             want = need
         else:
             pl = tuple(need)
-            o = None if order is None else order(pos, s, pl)
-            if pl == s.placements and (s.is_default_order if o is None else o == s.shard_order):
-                want = s  # (what ``with_placements`` would build)
-            else:
-                want = s.with_placements(pl, o)
+            want = s.with_placements(pl, None if order is None else order(pos, s, pl))
         if want != s:
             inputs[pos] = want
             moved = moved or not same_local(s, want)
