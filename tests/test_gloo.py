@@ -268,6 +268,27 @@ def _case_backward(mesh, shape, src, dst, seed, n_backward_gathers):
     assert kinds.count("all_gather") == n_backward_gathers and len(kinds) == n_backward_gathers, kinds
 
 
+def _case_stale_write(mesh, placements, write):
+    """A tensor saved for backward, then written (a foreach op, a fused AdamW step): backward
+    raises on every rank, as on one device, instead of using the new values."""
+    import torch
+    from shardtensor import distribute_tensor
+
+    w = distribute_tensor(_dense((7, 5), 230), mesh, placements).requires_grad_()
+    loss = (w * w).sum()
+    if write == "foreach":
+        torch._foreach_mul_([w.detach()], 3.0)
+    else:
+        w.grad = torch.ones_like(w)
+        torch.optim.AdamW([w], lr=0.1, fused=True).step()
+    try:
+        loss.backward()
+    except RuntimeError as e:
+        assert "modified by an inplace operation" in str(e), e
+    else:
+        raise AssertionError(f"backward used the values {write} wrote")
+
+
 def _backward_cases(rep, mesh1, mesh2):
     from shardtensor import Replicate, Shard
 
@@ -279,6 +300,8 @@ def _backward_cases(rep, mesh1, mesh2):
         rep.run("backward", f"R->S0 {shape}", _case_backward, mesh1, shape, [R], [S0], 210 + i, 1)
         # 2-D: (S0,S1) -> (R,R): the gradient arrives replicated, chunked on both mesh dims
         rep.run("backward", f"(S0,S1)->(R,R) {shape}", _case_backward, mesh2, shape, [S0, S1], [R, R], 220 + i, 0)
+    rep.run("backward", "foreach write into a saved S0 tensor", _case_stale_write, mesh1, [S0], "foreach")
+    rep.run("backward", "fused AdamW step on a saved (S0,S1) tensor", _case_stale_write, mesh2, [S0, S1], "fused")
 
 
 # -- elementwise ----------------------------------------------------------------------------

@@ -13,9 +13,15 @@ no note (nothing in user code aliases them).
 The converse: an in-place op that must change its tensor's placements (``x.add_(1)`` on a
 ``Partial`` tensor reduces it first) gives the tensor new local memory.  When views share the
 old storage they would keep the old placements, so such an op raises on a tensor that has views.
+
+Every write is also told to autograd (``note_writes``): the kernel writes local tensors below
+autograd, where no version counter moves, and torch bumps a wrapper's counter only for ops with an
+in-place autograd kernel (not ``_foreach_*_`` or the fused optimizer steps).  Without the bump, a
+tensor saved for backward and then written would give silently wrong gradients.
 """
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -23,7 +29,7 @@ import torch
 from .errors import PropagationError
 from .placement import display
 
-__all__ = ["op_kind", "note_copies", "forget_copies", "check_writes", "check_placement_change"]
+__all__ = ["op_kind", "note_copies", "forget_copies", "check_writes", "check_placement_change", "note_writes"]
 
 _KIND: dict[int, tuple[bool, tuple[int, ...]]] = {}
 
@@ -106,3 +112,49 @@ def check_placement_change(func: Any, me: Any, new_spec: Any, moved: bool) -> No
         f"shardtensor: {func} on a DTensor with placements {old} would make it {new}, but it shares storage "
         "with views that would keep the old placements and silently disagree. Redistribute it first "
         f"(e.g. x = x.redistribute(mesh, [Replicate()] * mesh.ndim)) or use the out-of-place op")
+
+
+_BUMPS: dict[int, tuple[tuple[tuple[int, str], ...], bool]] = {}
+
+
+def note_writes(func: Any, args: tuple, kwargs: dict) -> None:
+    """Move the version counters of what ``func`` wrote, after it ran: each written DTensor's
+    local tensor, and the written tensors themselves where torch does not (see the module note)."""
+    spots, wrappers = _BUMPS.get(id(func)) or _bumps(func)
+    if spots is _SELF and not wrappers and args:  # x.add_(y): the hot case
+        local = getattr(args[0], "_local_tensor", None)
+        if local is not None:
+            _bump((local,))
+        return
+    for i, name in spots:
+        a = args[i] if i < len(args) else kwargs.get(name)
+        if type(a) is list or type(a) is tuple:
+            try:  # the common case: DTensors only
+                _bump(list(map(_LOCAL, a)))
+            except AttributeError:  # plain tensors among them
+                _bump([t._local_tensor for t in a if hasattr(t, "_local_tensor")])
+            if wrappers:
+                _bump(a)
+        elif isinstance(a, torch.Tensor):
+            local = getattr(a, "_local_tensor", None)
+            if local is not None:
+                _bump((local,))
+            if wrappers:
+                _bump((a,))
+
+
+_SELF = ((0, "self"),)
+_bump = torch._C._increment_version
+"""``torch.autograd.graph.increment_version`` without its Python layer (a sequence of tensors; a
+tensor itself would be iterated row by row)."""
+_LOCAL = attrgetter("_local_tensor")
+
+
+def _bumps(func: Any) -> tuple[tuple[tuple[int, str], ...], bool]:
+    """``((position, name) of each written argument, whether torch leaves the wrappers' counters
+    alone)``, once per op."""
+    names = func._schema.arguments
+    spots = tuple((i, names[i].name) for i in op_kind(func)[1])
+    spots = _SELF if spots == _SELF else spots
+    r = _BUMPS[id(func)] = (spots, not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "ADInplaceOrView"))
+    return r

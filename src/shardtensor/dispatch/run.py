@@ -16,7 +16,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from .. import comm
-from ..aliasing import check_placement_change, check_writes, forget_copies, note_copies, op_kind
+from ..aliasing import check_placement_change, check_writes, forget_copies, note_copies, note_writes, op_kind
 from ..errors import MeshMismatchError, UnsupportedOpError
 from ..implicit import implicit_allowed, implicit_replication, plain_tensor_error
 from ..listops import is_list_op, run_per_mesh
@@ -75,10 +75,20 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     if facts[0]:
         out = hit(func, args, kwargs, *facts[1:])
         if out is not MISSING:
+            if facts[2]:
+                note_writes(func, args, kwargs)
             return out
     view, writes = op_kind(func)
-    if writes:
-        check_writes(func, writes, args, kwargs)
+    if not writes:
+        return _dispatch(func, args, kwargs, view, writes)
+    check_writes(func, writes, args, kwargs)
+    out = _dispatch(func, args, kwargs, view, writes)
+    note_writes(func, args, kwargs)  # the kernel wrote below autograd: tell it (``aliasing.py``)
+    return out
+
+
+def _dispatch(func, args: tuple, kwargs: dict, view: bool, writes: tuple) -> Any:
+    """The full path: route, propagate, redistribute, run, wrap."""
     r = route(func)
     if isinstance(r, tuple):
         return _decompose(func, r[1], args, kwargs, view, writes)
