@@ -453,13 +453,15 @@ def test_pointwise_output_metadata_matches_the_meta_kernels(op, n, kw):
         except Exception:  # noqa: BLE001
             want = None
         got = call_module._pointwise_meta(op, fl, specs, treedef)
+        again = call_module._pointwise_meta(op, fl, specs, treedef)  # from the kept small run
         if want is None:
-            assert got is None, (op, dts)
+            assert got is None and again is None, (op, dts)
             continue
         if got is None:  # (the fast path declined: nothing to compare)
             continue
         checked += 1
-        assert (tuple(got.shape), got.stride(), got.dtype) == (tuple(want.shape), want.stride(), want.dtype), (op, dts)
+        for g in (got, again):
+            assert (tuple(g.shape), g.stride(), g.dtype) == (tuple(want.shape), want.stride(), want.dtype), (op, dts)
     assert checked > 0
 
 
@@ -507,12 +509,40 @@ def test_shaped_output_metadata_matches_the_meta_kernels(op, args, kw, monkeypat
                 continue
             before = len(fallbacks)
             got = Call(op, fl, specs, treedef).shaped_meta(want.shape)
-            assert (tuple(got.shape), got.stride(), got.dtype) == (tuple(want.shape), want.stride(), want.dtype), \
-                (op, args, kw, dtype, transposed)
+            again = Call(op, fl, specs, treedef).shaped_meta(want.shape)  # from the kept small run
+            for g in (got, again):
+                assert (tuple(g.shape), g.stride(), g.dtype) == (tuple(want.shape), want.stride(), want.dtype), \
+                    (op, args, kw, dtype, transposed)
             if transposed:  # (contiguous inputs may fall back too: where CPU kernels lack the dtype)
                 assert len(fallbacks) > before, (op, dtype)
             fast += len(fallbacks) == before
     assert fast > 0
+
+
+def test_small_runs_are_kept_per_dtype_rank_and_arguments():
+    """A new shape of a seen call (op, dtypes, ranks, other arguments) runs nothing; another
+    dtype, rank or argument value runs again."""
+    mesh = init_device_mesh("cpu", (1,))
+    op = torch.ops.aten.sum.dim_IntList
+
+    def outcome(shape, dtype=torch.float32, dims=(0,), fail=False):
+        spec = distribute_tensor(torch.zeros(shape, dtype=dtype), mesh, [Replicate()])._spec
+        fl, treedef = flatten_call((spec, list(dims)), {})
+
+        def tiny():
+            if fail:
+                raise AssertionError("ran again")
+            return [torch.ones((1,) * len(shape), dtype=dtype), *dims]
+        return call_module._small_run(op, fl, [spec, None], treedef, tiny)
+
+    call_module._RUNS.clear()
+    assert outcome((4, 3)) == (torch.float32, 1)
+    assert outcome((7, 5), fail=True) == (torch.float32, 1)
+    assert outcome((7, 5), torch.int8) == (torch.int64, 1)
+    assert outcome((7, 5, 2)) == (torch.float32, 2)
+    assert outcome((7, 5), dims=(0, 1)) == (torch.float32, 0)
+    with pytest.raises(AssertionError, match="ran again"):
+        outcome((7, 5), torch.bfloat16, fail=True)
 
 
 def test_pointwise_output_metadata_declines_layouts_and_random_ops():

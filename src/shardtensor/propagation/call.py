@@ -251,32 +251,54 @@ def _shaped_meta(op, flat, specs, treedef, shape: tuple) -> Any:
     a ``(1, 1)`` tensor).  Torch's meta kernels of reductions are Python references (~30 us).
     The meta kernels decide instead where an input is not contiguous, a plain tensor takes part,
     or the small run fails or gives another rank or type (``mean`` of ints: torch's error then)."""
-    tiny = []
     for a, s in zip(flat, specs):
-        if s is None:
-            if isinstance(a, torch.Tensor):
-                return _out_meta(op, flat, specs, treedef)
-            tiny.append(a)
-        elif tuple(s.stride) != contiguous_stride(s.shape):
+        if (isinstance(a, torch.Tensor) if s is None else tuple(s.stride) != contiguous_stride(s.shape)):
             return _out_meta(op, flat, specs, treedef)
-        else:
-            tiny.append(torch.ones((1,) * len(s.shape), dtype=s.dtype))
-    out = _small_run(op, tiny, treedef)
-    if out is None or out.ndim != len(shape):
+    out = _small_run(op, flat, specs, treedef,
+                     lambda: [a if s is None else torch.ones((1,) * len(s.shape), dtype=s.dtype)
+                              for a, s in zip(flat, specs)])
+    if out is None or out[1] != len(shape):
         return _out_meta(op, flat, specs, treedef)
-    return torch.empty_strided(shape, contiguous_stride(shape), dtype=out.dtype, device=_META)
+    return torch.empty_strided(shape, contiguous_stride(shape), dtype=out[0], device=_META)
 
 
-def _small_run(op, tiny: list, treedef) -> torch.Tensor | None:
-    """``op`` on the flat arguments ``tiny`` (fresh small tensors: nothing requires grad, an
-    in-place op writes nothing of the caller's), or ``None`` where it raises (the meta kernels
-    then raise torch's own error) or returns anything but one tensor."""
-    args, kwargs = unflatten_call(tiny, treedef)
+_RUNS: dict[tuple, tuple[torch.dtype, int] | None] = {}
+
+
+def _small_run(op, flat: list, specs: list, treedef, tiny: Callable[[], list]) -> tuple[torch.dtype, int] | None:
+    """``(dtype, ndim)`` of ``op`` on the flat arguments ``tiny()`` (fresh small tensors built from
+    the arguments' dtypes and ranks: nothing requires grad, an in-place op writes nothing of the
+    caller's), or ``None`` where it raises (the meta kernels then raise torch's own error) or
+    returns anything but one tensor.  Kept per op, call structure, dtypes, ranks and other
+    arguments (it depends on nothing else), so a new shape runs nothing."""
+    key: tuple | None
+    try:
+        key = (id(op), treedef, *map(_describe, flat, specs))
+        if key in _RUNS:
+            return _RUNS[key]
+    except TypeError:  # an unhashable argument: run it
+        key = None
+    args, kwargs = unflatten_call(tiny(), treedef)
+    got: tuple[torch.dtype, int] | None
     try:
         out = op(*args, **kwargs)
+        got = (out.dtype, out.ndim) if type(out) is torch.Tensor else None
     except Exception:  # noqa: BLE001
-        return None
-    return out if type(out) is torch.Tensor else None
+        got = None
+    if key is not None:
+        if len(_RUNS) > 4096:
+            _RUNS.clear()
+        _RUNS[key] = got
+    return got
+
+
+def _describe(a: Any, s: DTensorSpec | None) -> tuple:
+    """What a small run depends on in one argument: a tensor's dtype and rank, another's value."""
+    if s is not None:
+        return (s.dtype, len(s.shape))
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.ndim, a.device)
+    return (type(a), a)
 
 
 _POINTWISE: dict[int, bool] = {}
@@ -316,8 +338,9 @@ def _pointwise_meta(op, flat, specs, treedef) -> torch.Tensor | None:
             return None
     if shape is None:
         return None
-    tiny = [(torch.ones((), dtype=a.dtype) if isinstance(a, torch.Tensor) else a) if s is None  # a plain 0-d one too
-            else torch.ones((1,) if s.shape else (), dtype=s.dtype) for a, s in zip(flat, specs)]
-    out = _small_run(op, tiny, treedef)
-    return None if out is None else torch.empty_strided(shape, stride, dtype=out.dtype, device=_META)
+    out = _small_run(op, flat, specs, treedef,
+                     lambda: [(torch.ones((), dtype=a.dtype) if isinstance(a, torch.Tensor) else a) if s is None
+                              else torch.ones((1,) if s.shape else (), dtype=s.dtype)  # a plain 0-d one too
+                              for a, s in zip(flat, specs)])
+    return None if out is None else torch.empty_strided(shape, stride, dtype=out[0], device=_META)
 
