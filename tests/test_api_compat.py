@@ -236,6 +236,28 @@ def test_repeated_from_local_reuses_its_spec_and_still_checks():
     assert sum(e.kind == "all_gather" for e in events) == 3 * 4  # one gather per call and rank
 
 
+def test_from_local_on_a_new_mesh_never_takes_an_old_meshs_spec():
+    """The repeated-call cache keys a mesh by identity: a mesh freed and another one built at the
+    same address (CPython reuses it at once) must not get the freed mesh's spec.  Meshes of other
+    ranks alternate with equal ones built afresh, whose specs hold the first mesh of their value."""
+    from shardtensor import DeviceMesh
+
+    def body(mesh):
+        wrong = []
+        for i in range(200):
+            ranks = [[0, 1, 2, 3], [0, 1], [0, 2], [0, 3]][i % 4]
+            if mesh.get_rank() not in ranks:
+                continue
+            m = DeviceMesh("cpu", ranks)
+            x = DTensor.from_local(torch.ones(2, 3), m, [Replicate()], run_check=False)
+            if x.device_mesh != m:
+                wrong.append((i, ranks, x.device_mesh.mesh.tolist()))
+            del m, x
+        return wrong
+
+    assert run_recorded((4,), body)[0] == [[]] * 4
+
+
 @pytest.mark.parametrize("field", ["dtype", "requires_grad", "memory layout"])
 def test_run_check_names_the_field_and_the_ranks(field):
     def body(mesh):

@@ -127,11 +127,11 @@ class DTensor(torch.Tensor):
         device_mesh = resolve_mesh(device_mesh, "from_local")
         key = _wrap_key(local_tensor, device_mesh, placements, run_check, shape, stride)
         try:
-            spec = _WRAPPED.get(key) if key is not None else None
+            seen = _WRAPPED.get(key) if key is not None else None
         except TypeError:  # an unhashable argument: not cached (the checks below say what is wrong)
-            key = spec = None
-        if spec is not None:  # the same call on this rank before: the same spec, no checks to repeat
-            return _FromLocal.apply(local_tensor, spec, False)
+            key = seen = None
+        if seen is not None:  # the same call on this rank before: the same spec, no checks to repeat
+            return _FromLocal.apply(local_tensor, seen[1], False)
         if placements is None:
             placements = [Replicate()] * device_mesh.ndim
         pl = normalize_placements(placements, local_tensor.ndim, device_mesh.ndim)
@@ -164,7 +164,7 @@ class DTensor(torch.Tensor):
             if key is not None and not gathered:  # no collective ran: the call may be cached
                 if len(_WRAPPED) >= 1024:
                     _WRAPPED.clear()
-                _WRAPPED[key] = spec
+                _WRAPPED[key] = (device_mesh, spec)
         return _FromLocal.apply(local_tensor, spec, bool(run_check) and member)
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
@@ -290,10 +290,12 @@ def _shard_order_arg(shard_order: Any) -> tuple[tuple[int, tuple[int, ...]], ...
     return out
 
 
-_WRAPPED: dict[tuple, DTensorSpec] = {}
-"""``from_local`` calls that ran no collective -> their spec.  Such a spec follows from the key
-alone: the mesh (by id: the spec holds it), this rank's coordinate, the arguments, and the local
-tensor's shape, strides and dtype.  TP styles wrap every module input each step."""
+_WRAPPED: dict[tuple, tuple[DeviceMesh, DTensorSpec]] = {}
+"""``from_local`` calls that ran no collective -> ``(the mesh, their spec)``.  Such a spec follows
+from the key alone: the mesh, this rank's coordinate, the arguments, and the local tensor's shape,
+strides and dtype.  TP styles wrap every module input each step.  The key holds the mesh by id, so
+the entry holds the mesh itself: its id cannot pass to another mesh while the entry lives (the
+spec may hold an equal mesh built earlier, not this one)."""
 
 
 def _wrap_key(local: torch.Tensor, mesh: DeviceMesh, placements: Any, run_check: Any, shape: Any,
