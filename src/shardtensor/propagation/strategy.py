@@ -163,8 +163,11 @@ def expand(options: Sequence[Sequence[Option]], positions: Sequence[int],
     return cands
 
 
-def dedupe(cands: Sequence[Candidate]) -> list[Candidate]:
-    """``cands`` without repeats (the first of equal candidates kept, so selection is unchanged)."""
+def dedupe(cands: Sequence[Candidate]) -> Sequence[Candidate]:
+    """``cands`` without repeats (the first of equal candidates kept, so selection is unchanged);
+    fewer than two are returned as they are (most rules give one: nothing to key)."""
+    if len(cands) < 2:
+        return cands
     out, seen = [], set()
     for c in cands:
         key = (tuple(sorted(c.inputs.items())), repr(c.output))
@@ -277,7 +280,7 @@ def decide(call, cands: Sequence[Candidate] | Candidate, *, kernel: Callable | N
     it is, but split in another order, would mislabel the outputs).  ``kernel_for(chosen)``
     gives a custom local step that depends on the chosen candidate.
     """
-    cand = cands if isinstance(cands, Candidate) else select(call, cands if len(cands) == 1 else dedupe(cands))
+    cand = cands if isinstance(cands, Candidate) else select(call, dedupe(cands))
     if kernel_for is not None:
         kernel = kernel_for(cand)
     output = out_specs(call.mesh, call.out_meta if meta is None else meta, cand.output)

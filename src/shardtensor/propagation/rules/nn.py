@@ -112,8 +112,7 @@ def softmax_rule(call: Call) -> Decision:
     x = call.specs[0]
     dim = _dim(call.arg("dim"), x.ndim)
     pl = gather(x.placements, [dim])
-    call.shaped_meta(x.shape)
-    return decide(call, [Candidate({0: pl}, pl)])
+    return decide(call, [Candidate({0: pl}, pl)], meta=call.shaped_meta(x.shape))
 
 
 @register(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)
