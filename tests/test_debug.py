@@ -613,13 +613,15 @@ def _world_body(n_ops):
 
 
 def test_recording_is_scoped_to_its_world():
-    """Two simulated worlds running at once: a log opened inside a rank sees only its own world;
-    a log opened outside sees both, each event tagged with its world."""
+    """Two simulated worlds running at once, started from two threads: a log opened inside a rank
+    sees only its own world; one opened in the main thread sees neither (their worlds belong to
+    the threads that started them) unless it asks for every thread, each event tagged with its
+    world."""
     import threading
     from shardtensor import comm, run_spmd
 
     results = {}
-    with comm.recording() as outside:
+    with comm.recording() as outside, comm.recording(all_threads=True) as everywhere:
         threads = [threading.Thread(target=lambda n=n: results.__setitem__(n, run_spmd(_world_body, 4, n)))
                    for n in (1, 3)]
         for t in threads:
@@ -631,4 +633,35 @@ def test_recording_is_scoped_to_its_world():
         for worlds, n_log, n_trace in results[n]:
             assert len(worlds) == 1 and n_log == n and n_trace == n, (n, worlds, n_log, n_trace)
     seen = {next(iter(results[n][0][0])) for n in (1, 3)}
-    assert len(seen) == 2 and {e.world for e in outside.events} == seen
+    assert len(seen) == 2 and {e.world for e in everywhere.events} == seen
+    assert outside.events == []
+
+
+def test_recordings_opened_in_two_threads_keep_their_own_worlds():
+    """As a thread pool or pytest-xdist would: each thread records while it runs its own world."""
+    import threading
+    from shardtensor import comm, run_spmd
+
+    def body(n):
+        with comm.recording() as log, CommTrace(modules=False) as trace:
+            run_spmd(_world_body, 4, n)
+        return ({e.world for e in log.events}, sum(e.kind == "all_gather" for e in log.events),
+                sum(e.kind == "all_gather" for e in trace.events))
+
+    results = {}
+    barrier = threading.Barrier(2)
+
+    def worker(n):
+        barrier.wait()
+        results[n] = body(n)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in (2, 5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a simulated world never finished"
+    for n in (2, 5):
+        worlds, n_log, n_trace = results[n]
+        assert len(worlds) == 1 and n_log == 4 * n and n_trace == 4 * n, (n, results[n])
+    assert results[2][0] != results[5][0]

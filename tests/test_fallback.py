@@ -141,8 +141,9 @@ def test_data_dependent_shapes_run_whole():
         assert pls == (R,) and torch.equal(full, dense)
 
 
-def test_random_ops_and_storage_ops_never_fall_back():
-    assert not fallback.fallback_allowed(torch.ops.aten.bernoulli.p)
+def test_storage_ops_and_random_ops_without_a_generator_never_fall_back():
+    assert not fallback.fallback_allowed(torch.ops.aten.native_dropout.default)
+    assert fallback.fallback_allowed(torch.ops.aten.poisson.default)  # drawn with an agreed generator
     assert not fallback.fallback_allowed(torch.ops.aten.as_strided.default)
     assert fallback.fallback_allowed(torch.ops.aten.linalg_lstsq.default)
 
@@ -170,12 +171,24 @@ def test_out_variant_writes_into_out_in_its_placements():
         torch.testing.assert_close(full, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_a_random_op_without_a_rule_raises():
-    def body():
-        torch.poisson(distribute_tensor(X.abs(), init_device_mesh("cpu", (4,)), [S0]))
+def test_a_random_op_without_a_rule_draws_one_devices_numbers_on_every_rank():
+    """poisson and normal(mean, std) have no rule: they run on the whole tensors from one generator
+    state every rank agrees on, so the result is one device's draw and replicas agree, even when
+    the ranks' own generators differ (coordinate 0's state is used)."""
+    lam = X.abs() * 3
 
-    with pytest.raises(errors.UnsupportedOpError, match="poisson"):
-        run_spmd(body, 4)
+    def body(seed_by_rank):
+        mesh = init_device_mesh("cpu", (4,))
+        torch.manual_seed(1 + (mesh.get_rank() if seed_by_rank else 0))
+        p = torch.poisson(distribute_tensor(lam, mesh, [S0]))
+        n = torch.normal(distribute_tensor(X, mesh, [S1]), distribute_tensor(lam + 0.1, mesh, [R]))
+        return p.placements, p.full_tensor(), n.full_tensor()
+
+    torch.manual_seed(1)
+    want = torch.poisson(lam), torch.normal(X, lam + 0.1)
+    for seed_by_rank in (False, True):
+        for pl, p, n in run_spmd(body, 4, seed_by_rank):
+            assert pl == (R,) and torch.equal(p, want[0]) and torch.equal(n, want[1]), seed_by_rank
 
 
 def pinv_product(a, b):

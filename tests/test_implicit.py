@@ -128,3 +128,49 @@ def test_list_index_assignment_and_a_plain_index_tensor():
     want[[1, 4]] = 0.0
     for full, refused in run_spmd(body, 4):
         assert torch.equal(full, want) and refused
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=str)
+@pytest.mark.parametrize("name,fn", [
+    ("combinations", lambda t: torch.combinations(t[0], 2)),
+    ("matrix_power_0", lambda t: torch.linalg.matrix_power(t[:5, :5], 0) * t[:5, :5]),
+    ("masked_var", lambda t: torch.masked.var(t, 1)),
+    ("quantile", lambda t: torch.quantile(t, 0.3, dim=1)),
+    ("sdpa_causal_3d", lambda t: torch.nn.functional.scaled_dot_product_attention(
+        t.unsqueeze(0), t.unsqueeze(0), t.unsqueeze(0), is_causal=True)),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_plain_tensors_torch_builds_inside_its_own_functions(name, fn, mesh_shape):
+    """torch's code builds plain masks, identities and counts from its DTensor arguments: each
+    is built alike on every rank, so it is taken as replicated (after the ranks compare it)."""
+    check(fn, [X], mesh_shape, limit=8, seed=name, tol=dict(rtol=1e-4, atol=1e-4))
+
+
+def test_a_plain_tensor_of_user_code_inside_a_module_is_still_refused():
+    """A module's forward is user code: its plain buffer is the user's, not torch's, even though
+    ``nn.Module.__call__`` (torch's Python) called it with DTensors only."""
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return x * torch.arange(5.0)
+
+    def body():
+        mesh = init_device_mesh("cpu", (4,))
+        M()(distribute_tensor(X, mesh, [Shard(0)]))
+
+    with pytest.raises(MixedTensorError, match="plain torch.Tensor of shape \\(5,\\)"):
+        run_spmd(body, 4)
+
+
+def test_random_plain_tensors_torch_draws_inside_agree_across_ranks():
+    """``svd_lowrank`` draws a plain random projection: ranks whose generators differ take
+    coordinate 0's, so the replicated result is the same on every rank."""
+    a = data("any", (9, 6), gen("lowrank"))
+
+    def body():
+        mesh = init_device_mesh("cpu", (4,))
+        torch.manual_seed(10 + mesh.get_rank())
+        u, s, v = torch.svd_lowrank(distribute_tensor(a, mesh, [Shard(0)]), q=3, niter=2)
+        return (u @ torch.diag_embed(s) @ v.mT).full_tensor()
+
+    outs = run_spmd(body, 4)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    assert torch.linalg.matrix_norm(outs[0] - a) <= torch.linalg.matrix_norm(a)

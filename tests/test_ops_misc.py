@@ -229,15 +229,26 @@ def test_random_same_for_every_placement(kind):
             assert torch.equal(local, local_piece(ref, (2, 2), coord, pl))
 
 
-def test_random_fill_of_partial_raises_and_like_replicates_partial():
-    def body():
-        mesh = init_device_mesh("cpu", (4,))
-        p = DTensor.from_local(torch.ones(3), mesh, [Partial("sum")])
-        with pytest.raises(RuntimeError, match="Partial"):
-            p.uniform_()
-        return torch.rand_like(p).placements
+def test_random_fill_of_partial_keeps_its_placements_and_like_replicates_partial():
+    """A fill overwrites: a Partial tensor keeps its placements and memory (its views see the
+    draw), the value is one device's draw split into terms; ``rand_like`` of a Partial is Replicate."""
+    def body(kind):
+        mesh = init_device_mesh("cpu", (2, 2))
+        p = DTensor.from_local(torch.ones(3, 2), mesh, [Partial(kind), Shard(1)])
+        v = p.view(12)
+        torch.manual_seed(5)
+        p.uniform_()
+        q = DTensor.from_local(torch.zeros(3, 4), mesh, [Partial(kind), Replicate()])
+        q.bernoulli_(distribute_tensor(torch.full((3, 4), 0.5), mesh, [Replicate(), Replicate()]))
+        return p.placements, p.full_tensor(), v.full_tensor(), q.placements, q.full_tensor(), torch.rand_like(p).placements
 
-    assert run_spmd(body, 4)[0] == (Replicate(),)
+    torch.manual_seed(5)
+    want = torch.empty(3, 4).uniform_()
+    for kind in ("sum", "max", "avg"):
+        for pl, full, view, qpl, q, like in run_spmd(body, 4, kind):
+            assert pl == (Partial(kind), Shard(1)) and torch.equal(full, want) and torch.equal(view, want.view(12))
+            assert qpl == (Partial(kind), Replicate()) and bool(((q == 0) | (q == 1)).all())
+            assert like == (Replicate(), Shard(1))
 
 
 # -- pointwise family (rules/pointwise.py) -----------------------------------------------

@@ -522,3 +522,27 @@ def test_sdpa_on_3d_inputs(mesh_shape, mask):
     combos = [(batch,) * 3 + (rep,) * (len(values) - 3), (rep,) * len(values), (part, rep, batch) + (batch,) * (len(values) - 3)]
     seen = check(fn, values, mesh_shape, combos=combos, tol=dict(rtol=1e-4, atol=1e-5))
     assert seen[0][1] == batch, seen[0]
+
+
+BATCH_NORM_INTERNALS = {
+    "_native_batch_norm_legit": lambda x, w, b, rm, rv: aten._native_batch_norm_legit(x, w, b, rm, rv, True, 0.1, 1e-5),
+    "_batch_norm_with_update": lambda x, w, b, rm, rv: aten._batch_norm_with_update(x, w, b, rm, rv, 0.1, 1e-5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BATCH_NORM_INTERNALS))
+def test_batch_norm_internal_ops_update_running_stats_and_differentiate(name):
+    """The forms torch.compile, export and functionalization use for BatchNorm training: they write
+    the running stats (buffers their own backward saved) and return the normalized input."""
+    op = BATCH_NORM_INTERNALS[name]
+
+    def fn(x, w, b, rm, rv):
+        rm, rv = rm.detach().clone(), rv.detach().clone()  # buffers: no grad, written by the op
+        out = op(x, w, b, rm, rv)
+        return out[0], rm, rv
+
+    g = gen(name)
+    values = [data("any", (6, 3, 5), g), data("pos", (3,), g), data("any", (3,), g), data("any", (3,), g),
+              data("pos", (3,), g)]
+    for mesh in MESHES:
+        check(fn, values, mesh, limit=10, tol=dict(rtol=1e-4, atol=1e-4))

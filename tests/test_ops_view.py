@@ -366,22 +366,27 @@ def test_view_groups_and_exact_prefix():
 
 def test_as_strided():
     """The identity view keeps the shards; any other view of a sharded, Partial or transposed
-    tensor is taken of the gathered whole with the global strides, as a copy that refuses writes."""
+    tensor is taken of the gathered whole with the global strides, as a copy whose writes go back
+    into the base (``as_strided_scatter``), as on one device."""
     full = _x((8, 6))
 
     def body(mesh):
         x = _local(full, mesh, [Shard(0)])
         y = torch.as_strided(x, (8, 6), (6, 1))
         out = [y.placements]
-        for t, dense in [(x, full), (x.t(), full.t()), (DTensor.from_local(full / 4, mesh, [Partial()]), full)]:
+        for make, dense in [(lambda: _local(full, mesh, [Shard(0)]), full.clone()),
+                            (lambda: _local(full, mesh, [Shard(0)]).t(), full.clone().t()),
+                            (lambda: DTensor.from_local(full / 4, mesh, [Partial()]), full.clone())]:
+            t = make()
             v = torch.as_strided(t, (3, 2), (1, 6), 2)
-            with pytest.raises(RuntimeError, match="copy, not a view"):
-                v.add_(1)
-            out.append((v.placements, torch.equal(v.full_tensor(), torch.as_strided(dense, (3, 2), (1, 6), 2))))
+            same = torch.equal(v.full_tensor(), torch.as_strided(dense, (3, 2), (1, 6), 2))
+            v.add_(1)
+            torch.as_strided(dense, (3, 2), (1, 6), 2).add_(1)
+            out.append((v.placements, same, torch.equal(t.full_tensor(), dense)))
         return out
 
     res, _ = run_recorded((4,), body)
-    assert res[0] == [(Shard(0),)] + [((Replicate(),), True)] * 3
+    assert res[0] == [(Shard(0),)] + [((Replicate(),), True, True)] * 3
 
 
 def view_stack_gloo(t):

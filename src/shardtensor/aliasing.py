@@ -1,14 +1,20 @@
-"""Views that had to copy: a write through one raises instead of silently missing its base.
+"""Views that had to copy stay in step with their base, as views do on one device.
 
 A view op (``view``, ``reshape``, ``squeeze``, ``select``, ``split`` ...) on a DTensor returns a
 local view of the same storage whenever the sharded dims survive it, as on one device.  Where
 the view needs other ranks' data (a squeezed sharded dim, a reshape that splits a shard across
-ranks), its result is new memory: reading it is right, but an in-place op on it would not reach
-the base, and base and view would silently disagree.  Such results, and views of them, carry a
-note; an op that writes into one raises ``RuntimeError`` saying what happened and what to do.
+ranks, the diagonal of a row-sharded matrix), its result is new memory.  Such a copy remembers
+its source (the base, the view op and its arguments) and joins the family of the base's root:
 
-Autograd's backward pass makes views of gradients that later accumulate in place; those carry
-no note (nothing in user code aliases them).
+- a write into the copy is written back into its source through the view's scatter
+  (``diagonal_scatter``, ``slice_scatter``, ``select_scatter``, a reshape or permute back), up
+  the chain to the root, so ``x.diagonal().fill_(1)`` and ``x[1] = 5`` change ``x``;
+- any write into a member of the family (the root, a true view of it, a copy) refreshes every
+  other live copy of the family from its source, oldest first, so a copy never shows stale data.
+
+This holds inside backward too: torch's backward formulas write into views of their temporaries
+(``householder_product``'s ``K.diagonal().fill_(1)``).  A view op with no known scatter
+(``unfold``, ``expand``) still raises on a write, naming what to do.
 
 The converse: an in-place op that must change its tensor's placements (``x.add_(1)`` on a
 ``Partial`` tensor reduces it first) gives the tensor new local memory.  When views share the
@@ -21,6 +27,8 @@ tensor saved for backward and then written would give silently wrong gradients.
 """
 from __future__ import annotations
 
+import threading
+import weakref
 from operator import attrgetter
 from typing import Any
 
@@ -30,6 +38,8 @@ from .errors import PropagationError
 from .placement import display
 
 __all__ = ["op_kind", "note_copies", "forget_copies", "check_writes", "check_placement_change", "note_writes"]
+
+aten = torch.ops.aten
 
 _KIND: dict[int, tuple[bool, tuple[int, ...]]] = {}
 
@@ -47,10 +57,11 @@ def op_kind(func: Any) -> tuple[bool, tuple[int, ...]]:
     return k
 
 
-def note_copies(func: Any, base: Any, moved: bool, out: Any) -> None:
-    """Mark the DTensor outputs of view op ``func``: as copies when they do not alias ``base``'s
-    storage (``moved``: the base was redistributed or the kernel gathered, or ``base`` itself is
-    such a copy), else base and outputs as sharing storage.  Nothing is marked inside backward."""
+def note_copies(func: Any, base: Any, moved: bool, out: Any, args: tuple = (), kwargs: dict | None = None) -> None:
+    """Mark the DTensor outputs of view op ``func`` (called as ``func(base, *args, **kwargs)``): as
+    copies of ``base`` when they do not alias its storage (``moved``: the base was redistributed or
+    the kernel gathered, or ``base`` itself is such a copy), else base and outputs as sharing
+    storage (outside backward only: nothing there changes placements in place)."""
     why = base._copied_view
     if why is None and not moved:
         if torch._C._current_graph_task_id() == -1:
@@ -62,15 +73,53 @@ def note_copies(func: Any, base: Any, moved: bool, out: Any) -> None:
                     if o is not None:
                         o._has_views = True
         return
+    if _STATE.syncing:
+        return  # a refresh's own view of the source: a temporary
     if why is None:
-        if torch._C._current_graph_task_id() != -1:
-            return
         spec = base._spec
         why = (f"{func} of a DTensor with placements {display(spec.placements, spec.shard_order)} and shape "
                f"{tuple(spec.shape)} needed other ranks' data, so its result is a copy, not a view")
-    for o in out if isinstance(out, (list, tuple)) else (out,):
+    root = base._base if base._base is not None else base
+    many = isinstance(out, (list, tuple))
+    for i, o in enumerate(out if many else (out,)):
         if o is not None:
             o._copied_view = why
+            o._source = (base, func, tuple(args), dict(kwargs or {}), i if many else None)
+            _join(root, o)
+
+
+def _join(root: Any, copy: Any) -> None:
+    """Add ``copy`` to ``root``'s family (a weak reference: the family does not keep it alive)."""
+    if root._copies is None:
+        root._copies = []
+    root._copies.append(weakref.ref(copy, _LIVE.drop))
+    _LIVE.add()
+
+
+class _Live:
+    """How many copies live in any family: while none does, a write skips the family work."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self._lock = threading.Lock()
+
+    def add(self) -> None:
+        with self._lock:
+            self.n += 1
+
+    def drop(self, _ref: Any = None) -> None:
+        with self._lock:
+            self.n -= 1
+
+
+_LIVE = _Live()
+
+
+class _State(threading.local):
+    syncing = False
+
+
+_STATE = _State()
 
 
 def forget_copies(out: Any) -> Any:
@@ -79,24 +128,116 @@ def forget_copies(out: Any) -> Any:
     for o in out if isinstance(out, (list, tuple)) else (out,):
         if getattr(o, "_copied_view", None) is not None:
             o._copied_view = None  # an instance value hides the class default
+            o._source = None
         if getattr(o, "_has_views", False):
             o._has_views = False
     return out
 
 
 def check_writes(func: Any, writes: tuple[int, ...], args: tuple, kwargs: dict) -> None:
-    """Raise before ``func`` writes into a noted copy (nothing has run yet, so nothing is lost)."""
+    """Raise before ``func`` writes into a copy that cannot be written back (nothing has run yet,
+    so nothing is lost)."""
     names = func._schema.arguments
     for i in writes:
         a = args[i] if i < len(args) else kwargs.get(names[i].name)
         for t in a if isinstance(a, (list, tuple)) else (a,):
             why = getattr(t, "_copied_view", None)  # t may be a plain tensor or a number
-            if why is not None:
+            if why is not None and not _can_write_back(t):
                 raise PropagationError(
-                    f"shardtensor: {func} writes into a tensor that is not a view of its base: {why}. The write "
-                    "would not reach the base, and the two would silently disagree. Write into the base instead, "
-                    "redistribute the base first so the view stays local (e.g. to Replicate), or .clone() the "
-                    "view to write into a copy on purpose")
+                    f"shardtensor: {func} writes into a tensor that is not a view of its base: {why}, and "
+                    "shardtensor cannot write it back. The write would not reach the base, and the two would "
+                    "silently disagree. Write into the base instead, redistribute the base first so the view "
+                    "stays local (e.g. to Replicate), or .clone() the view to write into a copy on purpose")
+
+
+def _can_write_back(t: Any) -> bool:
+    while t._source is not None:
+        if t._source[1].overloadpacket not in _BACK:
+            return False
+        t = t._source[0]
+    return t._copied_view is None
+
+
+def sync(written: Any) -> None:
+    """After a write into ``written``: write it back up its chain of copies, then refresh every
+    other live copy of its family from its source (see the module note)."""
+    root = written._base if written._base is not None else written
+    if (written._source is None and not root._copies) or _STATE.syncing:
+        return
+    _STATE.syncing = True
+    try:
+        with torch.no_grad():
+            chain = {id(written)}
+            t = written
+            while t._source is not None:
+                base = t._source[0]
+                base.copy_(_scattered(t))
+                chain.add(id(base))
+                t = base
+            live = []
+            for ref in root._copies or ():
+                c = ref()
+                if c is not None:
+                    live.append(ref)
+                    if id(c) not in chain:
+                        _refresh(c)
+            root._copies = live
+    finally:
+        _STATE.syncing = False
+
+
+def _refresh(c: Any) -> None:
+    """Recompute copy ``c`` from its source, into its own memory (its true views see it)."""
+    base, func, args, kwargs, i = c._source
+    r = func(base, *args, **kwargs)
+    if i is not None:
+        r = r[i]
+    if r._spec == c._spec:
+        c._local_tensor.copy_(r._local_tensor)
+    else:
+        c._local_tensor, c._spec = r._local_tensor, r._spec
+
+
+def _scattered(t: Any) -> Any:
+    """The value of ``t``'s source with ``t``'s region replaced by ``t``."""
+    base, func, args, kwargs, i = t._source
+    return _BACK[func.overloadpacket](base, t, args, kwargs, i)
+
+
+def _split_back(base: Any, t: Any, args: tuple, kwargs: dict, i: Any) -> Any:
+    sizes = args[0] if args else kwargs["split_size"] if "split_size" in kwargs else kwargs["split_sizes"]
+    dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % base.ndim
+    start = sum(sizes[:i]) if isinstance(sizes, (list, tuple)) else sizes * i
+    return aten.slice_scatter(base, t, dim, start, start + t.shape[dim])
+
+
+def _permute_back(base: Any, t: Any, args: tuple, kwargs: dict, i: Any) -> Any:
+    dims = [d % base.ndim for d in (args[0] if args else kwargs["dims"])]
+    return t.permute(sorted(range(len(dims)), key=dims.__getitem__))
+
+
+def _reshape_back(base: Any, t: Any, args: tuple, kwargs: dict, i: Any) -> Any:
+    return t.reshape(base.shape)
+
+
+_BACK: dict[Any, Any] = {
+    aten.slice: lambda b, t, a, k, i: aten.slice_scatter(b, t, *a, **k),
+    aten.select: lambda b, t, a, k, i: aten.select_scatter(b, t, *a, **k),
+    aten.diagonal: lambda b, t, a, k, i: aten.diagonal_scatter(b, t, *a, **k),
+    aten.as_strided: lambda b, t, a, k, i: aten.as_strided_scatter(b, t, *a, **k),
+    aten.unbind: lambda b, t, a, k, i: aten.select_scatter(b, t, a[0] if a else k.get("dim", 0), i),
+    aten.split: _split_back, aten.split_with_sizes: _split_back, aten.unsafe_split: _split_back,
+    aten.unsafe_split_with_sizes: _split_back,
+    aten.transpose: lambda b, t, a, k, i: t.transpose(*a, **k),
+    aten.t: lambda b, t, a, k, i: t.t(),
+    aten.permute: _permute_back,
+    aten.view_as_real: lambda b, t, a, k, i: torch.view_as_complex(t),
+    aten.view_as_complex: lambda b, t, a, k, i: torch.view_as_real(t),
+    **{p: _reshape_back for p in (aten.view, aten._unsafe_view, aten.reshape, aten.squeeze, aten.unsqueeze,
+                                  aten.flatten, aten.unflatten, aten.alias, aten.detach, aten._reshape_alias)},
+}
+"""View op -> ``(source, copy, the view's other arguments, keyword arguments, output index)`` to
+the source's new value: how a write into a copy goes back."""
 
 
 def check_placement_change(func: Any, me: Any, new_spec: Any, moved: bool) -> None:
@@ -121,6 +262,8 @@ def note_writes(func: Any, args: tuple, kwargs: dict) -> None:
     """Move the version counters of what ``func`` wrote, after it ran: each written DTensor's
     local tensor, and the written tensors themselves where torch does not (see the module note)."""
     spots, wrappers = _BUMPS.get(id(func)) or _bumps(func)
+    if _LIVE.n:
+        _sync_written(spots, args, kwargs)
     if spots is _SELF and not wrappers and args:  # x.add_(y): the hot case
         local = getattr(args[0], "_local_tensor", None)
         if local is not None:
@@ -143,6 +286,15 @@ def note_writes(func: Any, args: tuple, kwargs: dict) -> None:
                 _bump((a,))
 
 
+def _sync_written(spots: tuple, args: tuple, kwargs: dict) -> None:
+    """``sync`` each written DTensor (while some copy lives)."""
+    for i, name in spots:
+        a = args[i] if i < len(args) else kwargs.get(name)
+        for t in a if type(a) is list or type(a) is tuple else (a,):
+            if hasattr(t, "_local_tensor"):
+                sync(t)
+
+
 _SELF = ((0, "self"),)
 _bump = torch._C._increment_version
 """``torch.autograd.graph.increment_version`` without its Python layer (a sequence of tensors; a
@@ -156,5 +308,11 @@ def _bumps(func: Any) -> tuple[tuple[tuple[int, str], ...], bool]:
     names = func._schema.arguments
     spots = tuple((i, names[i].name) for i in op_kind(func)[1])
     spots = _SELF if spots == _SELF else spots
-    r = _BUMPS[id(func)] = (spots, not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "ADInplaceOrView"))
+    # torch leaves the counters alone for ops without an in-place autograd kernel; shardtensor moves
+    # them for those that only write (foreach, fused optimizer steps), but not for functional ops
+    # that also update buffers (batch norm's running stats): their own backward saved those
+    # buffers before the write, and one device's backward runs
+    only_writes = all(r.alias_info is not None and r.alias_info.is_write for r in func._schema.returns)
+    r = _BUMPS[id(func)] = (spots, only_writes and not torch._C._dispatch_has_kernel_for_dispatch_key(
+        func.name(), "ADInplaceOrView"))
     return r

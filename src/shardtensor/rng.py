@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_flatten
 if TYPE_CHECKING:
     from .mesh import DeviceMesh
 
-__all__ = ["default_generator", "draw", "rank_generators"]
+__all__ = ["default_generator", "draw", "rank_generators", "agreed"]
 
 T = TypeVar("T")
 
@@ -90,6 +90,7 @@ def _fingerprint(g: torch.Generator) -> int:
 
 
 def _all_equal(value: int, mesh: "DeviceMesh", device: torch.device) -> bool:
+    """Whether every rank of ``mesh`` holds the same 62-bit ``value`` (one 16-byte all-reduce)."""
     from . import comm
 
     t = comm.all_reduce(torch.tensor([value, -value], dtype=torch.int64, device=device), "max", mesh, None)
@@ -129,6 +130,20 @@ def _from_first(mesh: "DeviceMesh", own: torch.Generator, dev: torch.device, fn:
     if advance_own:
         fn(own)  # this rank's own stream moves on as one device's would; the values are not used
     return out
+
+
+def agreed(t: torch.Tensor, mesh: "DeviceMesh") -> torch.Tensor:
+    """``t``, a plain tensor every rank built: as it is where every rank of ``mesh`` built the same
+    one (a 64-bit fingerprint compared), else coordinate 0's (random numbers drawn from generators
+    that differ: any one rank's draw is a valid draw, and replicas must agree)."""
+    from . import comm
+
+    data = t.detach().contiguous()
+    digest = hashlib.blake2b(data.cpu().reshape(-1).view(torch.uint8).numpy().tobytes(), digest_size=8)
+    digest.update(repr((tuple(t.shape), t.dtype)).encode())
+    if _all_equal(int.from_bytes(digest.digest(), "little") >> 2, mesh, t.device):
+        return t
+    return comm.broadcast(data, 0, mesh, None)
 
 
 # -- one default generator per simulated rank ----------------------------------------------

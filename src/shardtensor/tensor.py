@@ -13,6 +13,7 @@ import torch
 
 from . import comm
 from .compile import keep_dynamo_out, rank_key, stable_hash
+from .implicit import TORCH_FUNCTION_CODES
 from .mesh import DeviceMesh, resolve_mesh
 from .pieces import check_pieces, check_shape, layout_stride, local_order
 from .placement import (OrderedPlacements, Partial, Placement, Replicate, Shard, chunk, display,
@@ -25,15 +26,21 @@ from .submesh import empty_local
 __all__ = ["DTensor", "distribute_tensor"]
 
 
-def _tensor_attribute(name: str, writable: bool = True) -> Any:
+def _tensor_attribute(name: str, writable: bool = True, plain_to: Any = None) -> Any:
     """``torch.Tensor``'s attribute ``name`` on a DTensor, read (and written) by torch's own getter
     with subclass torch-function handling off.  Through ``DTensor.__torch_function__`` a read
-    costs about 1.3 us, this way 0.35 us; torch-function modes still see it."""
+    costs about 1.3 us, this way 0.35 us; torch-function modes still see it.  ``plain_to(self,
+    value)`` replaces a value that is a plain tensor (and is stored in its place)."""
     desc = getattr(torch._C.TensorBase, name)
 
     def get(self: Any) -> Any:
         with _NO_SUBCLASS_FUNCTIONS():
-            return desc.__get__(self)
+            v = desc.__get__(self)
+            if plain_to is None or v is None or type(v) is DTensor:
+                return v
+            v = plain_to(self, v)
+            desc.__set__(self, v)
+            return v
 
     def put(self: Any, value: Any) -> None:
         with _NO_SUBCLASS_FUNCTIONS():
@@ -47,6 +54,17 @@ def _tensor_attribute(name: str, writable: bool = True) -> Any:
 
 
 _NO_SUBCLASS_FUNCTIONS = torch._C.DisableTorchFunctionSubclass
+
+
+def _as_dtensor_grad(param: "DTensor", g: Any) -> Any:
+    """A plain gradient autograd left on a DTensor (torch's backward formulas build zero gradients
+    with a factory: ``copysign``'s ``other``, ``normal``'s ``mean``) is the whole value, the same on
+    every rank: taken as such, laid out as the parameter."""
+    if not isinstance(g, torch.Tensor) or isinstance(g, DTensor) or tuple(g.shape) != tuple(param._spec.shape):
+        return g
+    spec = param._spec
+    whole = DTensorSpec.build(spec.mesh, [Replicate()] * spec.mesh.ndim, spec.shape, g.stride(), g.dtype)
+    return DTensor(redistribute_local(g, whole, spec.with_dtype(g.dtype)), spec.with_dtype(g.dtype))
 _function_modes = torch._C._is_torch_function_mode_enabled
 
 
@@ -58,6 +76,8 @@ class DTensor(torch.Tensor):
     __slots__ = ("_local_tensor", "_spec")
     _copied_view: str | None = None  # set on views that had to copy (see aliasing.py); a class default
     _has_views: bool = False  # reads fast where unset, unlike an empty slot
+    _source: tuple | None = None  # a copy's (base, view op, args, kwargs, output index) (aliasing.py)
+    _copies: list | None = None  # weak references to the copies of a root's family (aliasing.py)
 
     @staticmethod
     def __new__(cls, local_tensor: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool = False) -> "DTensor":
@@ -75,7 +95,7 @@ class DTensor(torch.Tensor):
 
     # autograd's attributes that optimizers, zero_grad and clip_grad_norm_ read per parameter:
     # torch's own getters and setters without a torch-function call (nothing to repair there)
-    grad = _tensor_attribute("grad")
+    grad = _tensor_attribute("grad", plain_to=lambda self, g: _as_dtensor_grad(self, g))
     requires_grad = _tensor_attribute("requires_grad")
     is_leaf = _tensor_attribute("is_leaf", writable=False)
     is_sparse = _tensor_attribute("is_sparse", writable=False)
@@ -460,6 +480,8 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
                 local = partition(local, p, device_mesh.shape[j], coord[j])
     return DTensor(local, spec, requires_grad=tensor.requires_grad)
 
+
+TORCH_FUNCTION_CODES.add(DTensor.__dict__["__torch_function__"].__func__.__code__)  # see implicit.built_by_torch
 
 from .dispatch import dispatch  # noqa: E402  (the dispatch layer wraps its results in DTensor)
 from .dispatch.functions import REPAIRED, below, finish, torch_function  # noqa: E402

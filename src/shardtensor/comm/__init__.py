@@ -50,6 +50,8 @@ class CommEvent:
     start: float = 0.0
     world: int = 0
     """The world the collective ran in: a simulated world's id (``run_spmd`` call), 0 for torch.distributed."""
+    owner: int = 0
+    """The thread that started the simulated world (``threading.get_ident()``), 0 for torch.distributed."""
 
     @property
     def group_size(self) -> int:
@@ -96,9 +98,11 @@ def remove_listener(fn: Callable[[CommEvent], None]) -> None:
         _listeners.remove(fn)
 
 
-def selected(ev: CommEvent, rank: int | None, world: int | None) -> bool:
-    """Whether a recorder filtering on ``rank`` and ``world`` (None: any) keeps ``ev``."""
-    return (rank is None or ev.rank == rank) and (world is None or ev.world == world)
+def selected(ev: CommEvent, rank: int | None, world: int | None, owner: int | None = None) -> bool:
+    """Whether a recorder filtering on ``rank``, ``world`` and the thread that started the world
+    (``owner``; None: any) keeps ``ev``.  torch.distributed's events (world 0) belong to every thread."""
+    return ((rank is None or ev.rank == rank) and (world is None or ev.world == world)
+            and (owner is None or ev.world == 0 or ev.owner == owner))
 
 
 def current_world() -> int | None:
@@ -110,19 +114,22 @@ def current_world() -> int | None:
 class CommLog:
     """Collects the ``CommEvent``s of every rank (or of one ``rank``) while active.
 
-    Opened inside a simulated rank it keeps only that world's events (another ``run_spmd``
-    running in the same process does not leak in); opened outside, it keeps every world's,
-    each event tagged with its ``world``.  ``world=`` picks one explicitly.
+    Opened inside a simulated rank it keeps only that world's events; opened outside, the events
+    of the worlds started from the thread that opened it (``run_spmd`` calls made there), each
+    tagged with its ``world``, and torch.distributed's.  So two test threads each running their
+    own worlds never see each other's collectives.  ``world=`` picks one world explicitly;
+    ``all_threads=True`` keeps the worlds of every thread of the process.
     """
 
-    def __init__(self, rank: int | None = None, world: int | None = None) -> None:
+    def __init__(self, rank: int | None = None, world: int | None = None, all_threads: bool = False) -> None:
         self.events: list[CommEvent] = []
         self.rank = rank
         self.world = current_world() if world is None else world
+        self.owner = None if all_threads or self.world is not None else threading.get_ident()
         self._lock = threading.Lock()
 
     def _on(self, ev: CommEvent) -> None:
-        if not selected(ev, self.rank, self.world):
+        if not selected(ev, self.rank, self.world, self.owner):
             return
         with self._lock:
             self.events.append(ev)
@@ -172,8 +179,9 @@ def record(kind: str, mesh_dim: MeshDims, group: Group, rank: int, sent: int, re
     """The recording point: hand one event to every listener (cheap when there are none)."""
     if not _listeners:
         return
+    t = current_sim_transport() if world else None
     ev = CommEvent(kind, rank, mesh_dim, group, int(sent), int(received), dtype, tuple(shape), seconds, backend,
-                   current_scope(), time.time() - seconds, world)
+                   current_scope(), time.time() - seconds, world, getattr(t, "owner", 0))
     with _lock:
         listeners = list(_listeners)
     for fn in listeners:
@@ -324,8 +332,8 @@ def barrier(mesh: "DeviceMesh", mesh_dim: int | None = None) -> None:
 
 
 @contextmanager
-def recording(world: int | None = None) -> Iterator[CommLog]:
-    """``with recording() as log:`` collects the events of every rank (of the caller's simulated
-    world when opened inside one; see ``CommLog``)."""
-    with CommLog(world=world) as log:
+def recording(world: int | None = None, all_threads: bool = False) -> Iterator[CommLog]:
+    """``with recording() as log:`` collects the events of every rank of the worlds this thread
+    runs (of the caller's simulated world when opened inside one; see ``CommLog``)."""
+    with CommLog(world=world, all_threads=all_threads) as log:
         yield log

@@ -46,6 +46,7 @@ class SimWorld:
         self.world_size = world_size
         self.timeout = timeout
         self.id = next(_WORLD_IDS)
+        self.owner = threading.get_ident()  # the thread that started it (recordings opened there see it)
         self.cond = threading.Condition()
         self.slots: dict[tuple, _Slot] = {}
         self.failed_rank: int | None = None
@@ -69,6 +70,7 @@ class SimTransport(Transport):
         self.rank = rank
         self.world_size = world.world_size
         self.world_id = world.id
+        self.owner = world.owner
         self._seq: dict[Group, int] = defaultdict(int)
 
     def _exchange(self, kind: str, group: Group, payload: Any) -> list[Any]:

@@ -221,16 +221,19 @@ class CommTrace:
 
     ``rank``: keep only that rank's events (default: every rank this process sees).
     ``world``: keep only that world's events (default: the caller's simulated world when the
-    trace is opened inside ``run_spmd``, else every world; each event carries its ``world``).
+    trace is opened inside ``run_spmd``, else the worlds started from the thread that opened it,
+    and torch.distributed's; each event carries its ``world``).  ``all_threads=True``: the worlds
+    of every thread of the process.
     ``modules``: attribute collectives to the ``nn.Module`` whose forward caused them
     (global forward hooks while the trace is active); pass a module to label its submodules
     by qualified name (see ``name_modules``).
     """
 
     def __init__(self, rank: int | None = None, modules: bool | torch.nn.Module = True,
-                 world: int | None = None) -> None:
+                 world: int | None = None, all_threads: bool = False) -> None:
         self.rank = rank
         self.world = comm.current_world() if world is None else world
+        self.owner = None if all_threads or self.world is not None else threading.get_ident()
         self._modules = modules is not False and modules is not None
         if isinstance(modules, torch.nn.Module):
             name_modules(modules)
@@ -242,7 +245,7 @@ class CommTrace:
 
     # -- recording --------------------------------------------------------------------------
     def _on(self, ev: CommEvent) -> None:
-        if not comm.selected(ev, self.rank, self.world):
+        if not comm.selected(ev, self.rank, self.world, self.owner):
             return
         with self._lock:
             self._events.append(ev)

@@ -96,6 +96,8 @@ def find_decomposition(op) -> Callable[..., Any] | None:
         return fn
     if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
         return op.decompose
+    if torch.Tag.nondeterministic_seeded in op.tags:
+        return None  # torch's decompositions draw plain tensors, per rank: the fallback draws agreed ones
     try:
         from torch._decomp import decomposition_table
     except ImportError:  # pragma: no cover
@@ -276,7 +278,7 @@ def _unbind(x, dim=0):
         gathered = x.redistribute(x.device_mesh, [Replicate() if isinstance(p, Shard) and p.dim == d else p
                                                   for p in x.placements])
         rows = tuple(aten.select.int(gathered, d, i) for i in range(x.shape[d]))
-        note_copies(aten.unbind.int, x, True, rows)  # the rows are views of the gathered copy, not of x
+        note_copies(aten.unbind.int, x, True, rows, (d,))  # the rows are views of the gathered copy, not of x
         return rows
     return tuple(aten.select.int(x, d, i) for i in range(x.shape[d]))
 
@@ -375,3 +377,24 @@ def _fused_sgd(op) -> Callable[..., None]:
 
 for _op in overloads("_fused_sgd_"):
     DECOMPOSITIONS[_op] = _fused_sgd(_op)
+
+
+# -- random ops -----------------------------------------------------------------------------
+
+@decomposition(aten.rrelu_with_noise.default)
+def _rrelu_with_noise(x, noise, lower=1.0 / 8, upper=1.0 / 3, training=False, generator=None):
+    """Training: a slope drawn from ``U(lower, upper)`` per negative element (through the DTensor
+    random fill, so the draw is one device's, sliced), written into ``noise`` (1 elsewhere), as
+    torch's kernel does; evaluation: ``leaky_relu`` with the mean slope, ``noise`` untouched."""
+    if not training:
+        return aten.leaky_relu.default(x, (lower + upper) / 2)
+    slope = aten.uniform.default(x, lower, upper, generator=generator)
+    aten.copy_.default(noise, aten.where.ScalarSelf(aten.ge.Scalar(x, 0), 1.0, slope))
+    return aten.mul.Tensor(x, noise)
+
+
+@decomposition(aten.rrelu_with_noise_backward.default)
+def _rrelu_with_noise_backward(grad, x, noise, lower, upper, training, self_is_result):
+    if training and upper - lower > 1e-6:
+        return aten.mul.Tensor(grad, noise)
+    return aten.leaky_relu_backward.default(grad, x, (lower + upper) / 2, self_is_result)

@@ -7,8 +7,10 @@ into takes the result back in its own placements (its shard of the whole result,
 communication).  The result is exact; the price is the gathered bytes, named in a warning
 issued once per op.
 
-Never for random ops (each rank would draw its own numbers where a replicated tensor needs the
-same ones) nor for ops on storage (``as_strided``, ``set_``, ``resize_``: the gathered copy's
+Random ops run on one generator state every rank agrees on (``rng.draw``: one device's draw,
+the same on every rank, so replicas agree) where they take a ``generator`` keyword; others never
+fall back (each rank would draw its own numbers where a replicated tensor needs the same ones),
+nor do ops on storage (``as_strided``, ``set_``, ``resize_``: the gathered copy's
 strides are not the global tensor's): they keep raising.  ``strict_sharding()`` (per thread, so per simulated rank) and
 the environment variable ``SHARDTENSOR_STRICT=1`` (the whole process) turn the fallback off:
 ops without a rule raise ``UnsupportedOpError`` as they would without it.
@@ -27,7 +29,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .. import comm
+from .. import comm, rng
 from ..aliasing import note_copies, op_kind
 from ..errors import ReplicateFallbackWarning
 from ..implicit import implicit_allowed, plain_tensor_error
@@ -79,7 +81,18 @@ def fallback_allowed(func: Any) -> bool:
     if _state.strict or os.environ.get("SHARDTENSOR_STRICT", "") not in ("", "0"):
         return False
     name = func._schema.name.split("::")[-1]
-    return torch.Tag.nondeterministic_seeded not in func.tags and name not in _STORAGE_OPS
+    return (torch.Tag.nondeterministic_seeded not in func.tags or _seeded(func)) and name not in _STORAGE_OPS
+
+
+def _seeded(func: Any) -> bool:
+    """A random op that takes a ``generator`` argument (``normal``, ``poisson``, ``multinomial``,
+    ``_standard_gamma`` ...): the fallback draws it with an agreed generator."""
+    return torch.Tag.nondeterministic_seeded in func.tags and _generator_position(func) >= 0
+
+
+def _generator_position(func: Any) -> int:
+    """The schema position of ``func``'s ``generator`` argument, or -1."""
+    return next((i for i, a in enumerate(func._schema.arguments) if a.name == "generator"), -1)
 
 
 def run_replicated(func: Any, args: tuple, kwargs: dict, returns_self: bool) -> Any:
@@ -98,13 +111,24 @@ def run_replicated(func: Any, args: tuple, kwargs: dict, returns_self: bool) -> 
         full = [whole_local(a) if isinstance(a, DTensor) else a for a in flat]
     _warn_once(func, dts)
     largs, lkwargs = tree_unflatten(full, treedef)
-    out = func(*largs, **lkwargs)
+    if _seeded(func):  # every rank draws one device's numbers from one agreed generator state
+        i, largs = _generator_position(func), list(largs)
+        gen = largs[i] if i < len(largs) else lkwargs.pop("generator", None)
+
+        def drawn(g: torch.Generator) -> Any:
+            if i < len(largs):
+                return func(*largs[:i], g, *largs[i + 1:], **lkwargs)
+            return func(*largs, **lkwargs, generator=g)
+
+        out = rng.draw(mesh, gen, dts[0]._local_tensor.device, drawn)
+    else:
+        out = func(*largs, **lkwargs)
     _write_back(func, args, kwargs, flat, full)
     if returns_self:
         return args[0]
     result = tree_map(lambda t: wrap_replicated(t, mesh) if isinstance(t, torch.Tensor) else t, out)
     if op_kind(func)[0] and isinstance(args[0], DTensor):
-        note_copies(func, args[0], True, result)  # views of the gathered copy, not of the input
+        note_copies(func, args[0], True, result, args[1:], kwargs)  # views of the gathered copy, not of the input
     return result
 
 

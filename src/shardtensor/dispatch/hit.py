@@ -104,9 +104,9 @@ def hit(func: Any, args: tuple, kwargs: dict, view: bool, writes: int, written: 
     if decision.local_args is not None:  # it rewrites the flat arguments: run in flat form
         flat, treedef = flatten_call(args, kwargs)
         return _run_decided(func, decision, flat, treedef, [a._local_tensor if type(a) is DTensor else a for a in flat],
-                            first, view, writes)
+                            first, view, writes, args, kwargs)
     out = kernel(*largs, **lkwargs) if lkwargs is not None else kernel(*largs)
-    return _finish(func, out, decision, first, items[0], view, writes, local[0])
+    return _finish(func, out, decision, first, view, writes, local[0], args, kwargs)
 
 
 _SCALARS = frozenset({int, float, bool})
@@ -135,17 +135,17 @@ def _run_flat(func: Any, args: tuple, kwargs: dict, view: bool, writes: int, wri
     entry = _decision(func, args, kwargs, tuple(key), writes, written, first, None, None)
     if entry is None or first is None:
         return MISSING
-    return _run_decided(func, entry[0], flat, treedef, local, first, view, writes)
+    return _run_decided(func, entry[0], flat, treedef, local, first, view, writes, args, kwargs)
 
 
 def _run_decided(func: Any, decision: Any, flat: list, treedef: Any, local: list, first: DTensor, view: bool,
-                 writes: int) -> Any:
+                 writes: int, args: tuple, kwargs: dict) -> Any:
     """The kernel on the flat local arguments (rewritten by the decision's ``local_args``), wrapped."""
     if decision.local_args is not None:
         local = decision.local_args(local)
     largs, lkwargs = unflatten_call(local, treedef)
     out = (decision.kernel or func)(*largs, **lkwargs)
-    return _finish(func, out, decision, first, flat[0], view, writes, local[0])
+    return _finish(func, out, decision, first, view, writes, local[0], args, kwargs)
 
 
 def _decision(func: Any, args: tuple, kwargs: dict, key: tuple, writes: int, written: tuple,
@@ -164,9 +164,10 @@ def _decision(func: Any, args: tuple, kwargs: dict, key: tuple, writes: int, wri
     return entry
 
 
-def _finish(func: Any, out: Any, decision: Any, first: DTensor, base: Any, view: bool, writes: int,
-            local0: Any) -> Any:
-    """The kernel's result as the full path returns it: self for an in-place op, else DTensors."""
+def _finish(func: Any, out: Any, decision: Any, first: DTensor, view: bool, writes: int, local0: Any,
+            args: tuple, kwargs: dict) -> Any:
+    """The kernel's result as the full path returns it: self for an in-place op, else DTensors
+    (``args``, ``kwargs``: the call's, which a view's copy remembers)."""
     if writes == WRITES_SELF:  # the kernel wrote into self's local tensor (as in the full path)
         if local0 is not first._local_tensor:
             write_into(first, local0, decision.output)
@@ -176,7 +177,7 @@ def _finish(func: Any, out: Any, decision: Any, first: DTensor, base: Any, view:
     spec = decision.output
     out = DTensor(out, spec) if type(spec) is DTensorSpec and out.dtype is spec.dtype else wrap(out, spec)
     if view:
-        note_copies(func, base, decision.copies, out)
+        note_copies(func, args[0], decision.copies, out, args[1:], kwargs)
     return out
 
 

@@ -18,11 +18,13 @@ from torch.utils._pytree import tree_flatten
 from .. import comm
 from ..aliasing import check_placement_change, check_writes, forget_copies, note_copies, note_writes, op_kind
 from ..errors import MeshMismatchError, UnsupportedOpError
-from ..implicit import implicit_allowed, implicit_replication, plain_tensor_error
+from ..implicit import built_by_torch, implicit_allowed, implicit_replication, plain_tensor_error
 from ..listops import is_list_op, run_per_mesh
 from ..propagation import flatten_call, propagate, rule_for, unflatten_call
 from ..propagation.engine import freezer
 from ..redistribute import redistribute_local
+from ..rng import agreed
+from ..placement import Partial, Shard
 from ..spec import DTensorSpec, placements_text
 from ..submesh import off_mesh_result
 from ..tensor import DTensor
@@ -105,6 +107,8 @@ def _dispatch(func, args: tuple, kwargs: dict, view: bool, writes: tuple) -> Any
             if isinstance(a, torch.Tensor) and a.ndim > 0:  # a plain tensor with dims (check_plain), inlined: the hot loop
                 plain = (plain or []) + [i]
             specs.append(None)
+    if specs and specs[0] is None and type(flat[0]) is torch.Tensor and flat[0].ndim == 0 and _returns_self(func):
+        plain = [0] + (plain or [])  # a plain 0-d self written in place (``total.add_(dt.sum())``) takes the value
     if plain is not None:
         return _dispatch_with_plain(func, flat, specs, treedef, plain)
     try:
@@ -138,7 +142,8 @@ def _dispatch(func, args: tuple, kwargs: dict, view: bool, writes: tuple) -> Any
         local = decision.local_args(local)
     largs, lkwargs = unflatten_call(local, treedef)
     inplace = _returns_self(func)
-    keep = inplace and first is flat[0] and keeps_placements(first._spec, decision.output)
+    keep = inplace and first is flat[0] and (keeps_placements(first._spec, decision.output)
+                                             or _stays(first, decision.output))
     if inplace and first is flat[0] and not keep:  # before the kernel writes: raising then loses nothing
         check_placement_change(func, first, decision.output, local[0] is not first._local_tensor)
     out = (decision.kernel or func)(*largs, **lkwargs)
@@ -155,8 +160,23 @@ def _dispatch(func, args: tuple, kwargs: dict, view: bool, writes: tuple) -> Any
     out = wrap(out, decision.output)
     if view:
         w = decision.inputs[0]
-        note_copies(func, flat[0], decision.copies or (decision.redistribute and w is not None and w != specs[0]), out)
+        note_copies(func, flat[0], decision.copies or (decision.redistribute and w is not None and w != specs[0]), out,
+                    args[1:], kwargs)
     return out
+
+
+def _stays(me: DTensor, out: Any) -> bool:
+    """Whether an in-place op that decided other placements for ``me`` (a ``Partial`` reduced
+    first) writes its result back in ``me``'s own placements and memory instead: where views may
+    share that memory (views noted, copies of its family, or inside backward, where views go
+    unnoted) and the result can be laid out so (never ``Shard`` to ``Partial``)."""
+    if not isinstance(out, DTensorSpec) or out.shape != me._spec.shape:
+        return False
+    if not (me._has_views or me._copies or me._source is not None or torch._C._current_graph_task_id() != -1):
+        return False
+    sizes = me._spec.mesh.shape
+    return not any(isinstance(a, Shard) and isinstance(b, Partial) and sizes[j] > 1
+                   for j, (a, b) in enumerate(zip(out.placements, me._spec.placements)))
 
 
 _HIT_FACTS: dict[int, tuple] = {}
@@ -193,9 +213,12 @@ def _dispatch_with_plain(func, flat: list, specs: list, treedef, plain: list[int
     mesh = next(s.mesh for s in specs if s is not None)
     flat = list(flat)
     plain_self = flat[0] if plain[0] == 0 and _returns_self(func) else None
+    drawn = _RANDOM_SAMPLES.get(func)
     for i in plain:
         t = flat[i]
-        if not implicit_allowed(t):
+        if (drawn is not None and i == len(flat) + drawn) or (not implicit_allowed(t) and built_by_torch()):
+            t = agreed(t, mesh)  # built by torch (or random numbers drawn for the op): checked alike
+        elif not implicit_allowed(t):
             raise plain_tensor_error(func, t)
         flat[i] = wrap_replicated(t, mesh)
     args, kwargs = unflatten_call(flat, treedef)
@@ -207,6 +230,11 @@ def _dispatch_with_plain(func, flat: list, specs: list, treedef, plain: list[int
         return plain_self
     return out
 
+
+_RANDOM_SAMPLES = {torch.ops.aten.fractional_max_pool2d.default: -1, torch.ops.aten.fractional_max_pool3d.default: -1}
+"""Ops whose plain tensor argument at this flat position (from the end) is random numbers the caller drew
+(``F.fractional_max_pool2d`` draws ``_random_samples`` with ``torch.rand``): ranks may have drawn
+different ones, so where they differ coordinate 0's are taken by every rank (a replica must not diverge)."""
 
 _SELF_RETURN: dict[int, bool] = {}
 

@@ -260,9 +260,30 @@ def redistribute_local(t: torch.Tensor, src_spec, dst_spec, async_op: bool = Fal
             t = _apply(t, step, src_spec.shape, mesh, False)
         work = apply_step(t, steps[-1], src_spec.shape, mesh, async_op=True)
         if type(work) is Completed:
-            return work.wait()
+            return laid_out(work.wait(), dst_spec.stride)
         assert isinstance(work, Work)
+        work = work.chain(lambda x: laid_out(x, dst_spec.stride))
         return AsyncLocalTensor(work, dst_spec.local_shape_and_offset()[0], t.dtype, t.device)
     for step in steps:
         t = _apply(t, step, src_spec.shape, mesh, False)
-    return t
+    return laid_out(t, dst_spec.stride)
+
+
+def laid_out(t: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """``t`` with its dims in memory in the order of the global ``stride`` (outermost first).
+
+    A gather leaves its result in whatever layout was cheapest (a transposed view when each rank
+    held one column, a strided narrow of uneven pieces), but kernels such as ``linalg_det`` pick
+    their algorithm by the layout of the local tensor while the backward reads the layout of the
+    DTensor: the two must agree, or the gradient is silently wrong.  One copy where they differ.
+    """
+    if t.is_contiguous() and all(a >= b for a, b in zip(stride, stride[1:])):
+        return t
+    if any(s == 0 and n > 1 for s, n in zip(stride, t.shape)):
+        return t  # an expanded global tensor: no order to follow
+    perm = sorted(range(t.ndim), key=lambda d: (-stride[d], d))
+    moved = t.permute(perm)
+    if moved.is_contiguous():
+        return t
+    inverse = sorted(range(t.ndim), key=lambda d: perm[d])
+    return moved.contiguous().permute(inverse)

@@ -17,7 +17,7 @@ draw the GLOBAL tensor exactly as one device would, from the op's generator, and
 rank's block (see ``shardtensor.rng``): with the same seed the value equals the dense call's,
 for every placement and mesh, and every rank's generator stays in step.  Outputs take the
 input's placements with Partial turned into Replicate; an in-place fill of a Partial tensor
-raises.  The dropout family (``bernoulli.p``, ``bernoulli.default``, ``bernoulli_.float``,
+keeps its placements and memory (the value on coordinate 0 of a sum, on every rank of a max).  The dropout family (``bernoulli.p``, ``bernoulli.default``, ``bernoulli_.float``,
 ``native_dropout``) is in ``rules.nn``.
 """
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ... import rng
-from ...errors import PropagationError
 from ...placement import Partial, Placement, Replicate, Shard, unpartial
+from ...redistribute.execute import partition
 from ...spec import DTensorSpec
 from ..call import Call, Decision, unflatten_call
 from ..registry import register, unsupported
@@ -312,15 +312,23 @@ RANDOM_FILL = [aten.uniform_.default, aten.normal_.default, aten.exponential_.de
 def random_fill_rule(call: Call) -> Decision:
     """In-place random fills: this rank's block of the fill of the global tensor."""
     s = call.specs[0]
-    if any(p.is_partial() for p in s.placements):
-        raise PropagationError(f"shardtensor: {call.op} on a Partial tensor {s.placements} would change its value; "
-                           "redistribute it to Replicate first")
     op = call.op
 
     def kernel(x: torch.Tensor, *args: Any, generator: torch.Generator | None = None, **kw: Any) -> torch.Tensor:
-        return x.copy_(_global_fill(s, x, x.dtype, generator, lambda full, g: op(full, *args, generator=g, **kw)))
+        return x.copy_(_as_terms(_global_fill(s, x, x.dtype, generator, lambda full, g: op(full, *args, generator=g,
+                                                                                             **kw)), s))
 
     return finish(call, {}, s, kernel=kernel)
+
+
+def _as_terms(u: torch.Tensor, s: DTensorSpec) -> torch.Tensor:
+    """This rank's terms of the value ``u`` under ``s``'s Partial placements (a fill overwrites a
+    Partial tensor: it keeps its placements and memory, the value on coordinate 0 of a sum)."""
+    coord = s.mesh.get_coordinate()
+    for j, p in enumerate(s.placements):
+        if isinstance(p, Partial) and coord is not None:
+            u = partition(u, p, s.mesh.shape[j], coord[j])
+    return u
 
 
 @register(aten.bernoulli_.Tensor)
@@ -330,8 +338,6 @@ def bernoulli_rule(call: Call) -> Decision:
     are the dropout family, in ``rules.nn``.)"""
     s = call.specs[0]
     op = call.op
-    if any(p.is_partial() for p in s.placements):
-        raise PropagationError(f"shardtensor: {op} on a Partial tensor {s.placements} would change its value")
     ppos = call.pos("p")
     if ppos is None:
         raise unsupported(op, call.specs, "with a plain probability tensor")
@@ -339,8 +345,10 @@ def bernoulli_rule(call: Call) -> Decision:
     if tuple(ps.shape) != tuple(s.shape):
         raise unsupported(op, call.specs, "with a broadcast probability tensor")
 
+    whole = s.with_placements(unpartial(s.placements), s.shard_order)
+
     def kernel(x: torch.Tensor, p: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         u = _global_fill(s, x, torch.float64, generator, lambda full, g: full.uniform_(generator=g))
-        return x.copy_(u < p)
+        return x.copy_(_as_terms((u < p).to(x.dtype), s))
 
-    return finish(call, {ppos: ps.with_placements(s.placements, s.shard_order)}, s, kernel=kernel)
+    return finish(call, {ppos: ps.with_placements(whole.placements, whole.shard_order)}, s, kernel=kernel)
