@@ -357,3 +357,16 @@ def test_writes_bump_the_local_tensors_version_once_seen():
 
     for seen in run_recorded((4,), body)[0]:
         assert seen == [(True, True), (True, True), (False, False), (True, True)]
+
+
+def test_a_copy_taken_every_step_does_not_grow_its_family():
+    """A gathering view of a parameter taken every step: the family keeps only live copies."""
+    def body(mesh):
+        x = distribute_tensor(torch.zeros(5, 4), mesh, [Shard(0)])
+        for _ in range(50):
+            v = x.view(20)  # a copy: the sharded rows are split across ranks
+            v[0] = 1.0
+        return len(x._copies), x.full_tensor()[0, 0].item()
+
+    for n, first in run_recorded((4,), body)[0]:
+        assert n <= 8 and first == 1.0

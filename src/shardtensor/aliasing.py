@@ -92,6 +92,8 @@ def _join(root: Any, copy: Any) -> None:
     """Add ``copy`` to ``root``'s family (a weak reference: the family does not keep it alive)."""
     if root._copies is None:
         root._copies = []
+    elif len(root._copies) >= 8:  # a view taken every step: the dead ones go before the list grows
+        root._copies = [r for r in root._copies if r() is not None]
     root._copies.append(weakref.ref(copy, _LIVE.drop))
     _LIVE.add()
 
