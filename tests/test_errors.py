@@ -860,3 +860,26 @@ def test_errors_raised_are_of_their_kind():
 
     e = spmd_raises(errors.ShardingError, mismatched_collectives)
     assert isinstance(e, (errors.CollectiveMismatchError, errors.RankAbortedError)), type(e)
+
+
+def test_a_cached_property_that_runs_a_collective_does_not_deadlock_simulated_ranks():
+    """Python 3.11's functools.cached_property locks per property across instances while it
+    computes: ranks computing their own instance's value with a collective must not wait on it
+    (torch's chunked linear_cross_entropy backward does this)."""
+    import functools
+
+    from shardtensor import Shard, distribute_tensor, init_device_mesh, run_spmd
+
+    class Holder:
+        def __init__(self, d):
+            self.d = d
+
+        @functools.cached_property
+        def whole(self):
+            return self.d.full_tensor()  # a collective
+
+    def body():
+        mesh = init_device_mesh("cpu", (4,))
+        return Holder(distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])).whole.sum().item()
+
+    assert run_spmd(body, 4, timeout=20) == [28.0] * 4

@@ -546,3 +546,44 @@ def test_batch_norm_internal_ops_update_running_stats_and_differentiate(name):
               data("pos", (3,), g)]
     for mesh in MESHES:
         check(fn, values, mesh, limit=10, tol=dict(rtol=1e-4, atol=1e-4))
+
+
+def test_ops_that_crashed_where_one_device_runs():
+    """fractional max pooling (the caller's random samples), quantile (a scalar q broadcast by
+    torch's C++), rrelu (no rule) and chunked linear_cross_entropy's backward (a 0-d plain
+    accumulator written in place) on every layout, against one device."""
+    from torch.nn.modules.linear_cross_entropy_options import LinearCrossEntropyOptions
+
+    g = gen("crashed")
+    x4 = data("distinct", (2, 3, 8, 8), g)
+    samples = torch.rand(2, 3, 2, generator=g)
+    check(lambda a: F.fractional_max_pool2d(a, 2, output_size=(4, 4), _random_samples=samples), [x4], (4,), limit=8)
+    x = data("any", (5, 7), g)
+    check(lambda a: torch.quantile(a, 0.3, dim=1), [x], (4,), limit=8)
+    check(lambda a: F.rrelu(a, training=False), [x], (2, 2), limit=8)
+    w, t = data("any", (6, 7), g), torch.randint(0, 6, (5,), generator=g)
+    opts = LinearCrossEntropyOptions(batch_chunk_size=2)
+    for red in ("mean", "sum", "none"):
+        check(lambda a, b, c: F.linear_cross_entropy(a, b, c, reduction=red, options=opts), [x, w, t], (4,), limit=8,
+              tol=dict(rtol=1e-4, atol=1e-4))
+
+
+def test_rrelu_training_draws_valid_slopes_alike_on_replicas():
+    """Training rrelu: negative elements scaled by a slope in [lower, upper], others kept; the
+    gradient is that slope; replicas agree."""
+    x = data("nonzero", (6, 5), gen("rrelu"))
+
+    def body(pl):
+        mesh = init_device_mesh("cpu", (2, 2))
+        d = distribute_tensor(x, mesh, pl).requires_grad_()
+        y = F.rrelu(d, 0.1, 0.3, training=True)
+        y.sum().backward()
+        return y.full_tensor(), d.grad.full_tensor()
+
+    for pl in ([Replicate(), Replicate()], [Shard(0), Shard(1)], [Shard(1), Replicate()]):
+        outs = run_spmd(body, 4, pl)
+        y, grad = outs[0]
+        assert all(torch.equal(o[0], y) and torch.equal(o[1], grad) for o in outs)
+        slope = y / x
+        assert torch.equal(y[x > 0], x[x > 0]) and bool(((slope[x < 0] >= 0.1 - 1e-6) & (slope[x < 0] <= 0.3 + 1e-6)).all())
+        torch.testing.assert_close(grad, slope)

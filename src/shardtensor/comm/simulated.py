@@ -6,6 +6,7 @@ waiting rank wakes and raises, and the caller gets the first real error, naming 
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import sys
@@ -249,6 +250,7 @@ def run_spmd(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float
         raise TypeError(f"run_spmd needs a callable, got {fn!r}")
     if _ctx.transport is not None:
         raise RuntimeError("run_spmd cannot be nested inside a simulated rank")
+    _lock_free_cached_property()
     world = SimWorld(world_size, DEFAULT_TIMEOUT_S if timeout is None else timeout)
     results: list[Any] = [None] * world_size
     errors: dict[int, BaseException] = {}
@@ -289,6 +291,33 @@ def run_spmd(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float
     return results
 
 
+def _lock_free_cached_property() -> None:
+    """Python 3.11's ``functools.cached_property`` holds one lock per property, shared by every
+    instance, while it computes.  A simulated rank computing one that runs a collective (torch's
+    chunked ``linear_cross_entropy`` backward does) holds that lock while its peers wait on it for
+    their own instances: a deadlock.  Python 3.12 dropped the lock; inside simulated ranks this
+    does as 3.12 does (installed once, on first ``run_spmd``; other threads keep 3.11's)."""
+    cls: Any = functools.cached_property
+    if sys.version_info >= (3, 12) or getattr(cls, "_shardtensor_lock_free", False):
+        return
+    locked = cls.__get__
+
+    def get(self: Any, instance: Any, owner: Any = None) -> Any:
+        if instance is None or _ctx.transport is None or self.attrname is None:
+            return locked(self, instance, owner)
+        cache = getattr(instance, "__dict__", None)
+        if cache is None:
+            return locked(self, instance, owner)  # raises its error
+        val = cache.get(self.attrname, _MISSING)
+        if val is _MISSING:
+            val = cache[self.attrname] = self.func(instance)
+        return val
+
+    cls.__get__ = get
+    cls._shardtensor_lock_free = True
+
+
+_MISSING = object()
 _GRACE_S = 5.0
 """How long ranks may run on after the world failed before they are left behind."""
 
