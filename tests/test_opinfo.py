@@ -59,3 +59,25 @@ def test_sweep_runs_pytorch_dtensor_side_by_side():
                                      ((opinfo_sweep.Shard(0),), (opinfo_sweep.R,)), grad=True,
                                      runner=torch_world.runner)
     assert out == "pass", msg
+
+
+def test_sweep_checks_random_ops_by_property():
+    """A random op is compared by property: a dropout scaled wrongly on DTensors is ``wrong``; the
+    right one passes."""
+    import torch
+    import torch.nn.functional as F
+
+    from shardtensor import DTensor
+
+    def scaled(k):
+        def fn(x):
+            out = F.dropout(x, 0.5, training=True)
+            return out * k if isinstance(x, DTensor) else out
+        return fn
+
+    x = [torch.randn(16, 12)]
+    for k, want in ((1.0, "pass"), (3.0, "wrong")):
+        random = opinfo_sweep._comparable(scaled(k), x)
+        assert isinstance(random, opinfo_sweep.Random)
+        out, msg = opinfo_sweep.classify(scaled(k), x, (4,), ((opinfo_sweep.Shard(0),),), grad=True, random=random)
+        assert out == want, (k, msg)

@@ -237,7 +237,9 @@ def run_spmd(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float
     ``"cuda"``) builds a mesh over the simulated ranks.  Each rank has its own default random
     generators, copies of the caller's (see :mod:`shardtensor.rng`), and runs its autograd
     backward on its own thread (torch would run every rank's CUDA backward on one shared engine
-    thread, where a collective inside backward waits forever for ranks queued behind it).
+    thread, where a collective inside backward waits forever for ranks queued behind it).  On
+    Python 3.11, ``functools.cached_property`` computes without its shared lock inside simulated
+    ranks (as 3.12 does), so a property that runs a collective cannot deadlock the ranks.
 
     Nothing hangs: a collective waits at most ``timeout`` seconds (default
     ``SHARDTENSOR_COMM_TIMEOUT``, 120) and then fails naming the ranks that never arrived.  If a
