@@ -341,7 +341,7 @@ def sweep(ops: list[Any], n_samples: int, families: tuple[str, ...], sides: dict
             if how is None:
                 continue
             random = how if isinstance(how, Random) else None
-            exact_terms: list = []  # the inputs as the Partial cases take them (and what they draw)
+            partial_inputs: tuple | None = None  # the inputs as the Partial cases take them, and what they draw
             grad = bool(info.supports_autograd) and any(t.is_floating_point() or t.is_complex() for t in tensors)
             for fam in families:
                 for label, mesh, combo in layouts(fam, tensors):
@@ -349,10 +349,11 @@ def sweep(ops: list[Any], n_samples: int, families: tuple[str, ...], sides: dict
                         continue
                     ts, rnd = tensors, random
                     if "P" in label:
-                        if not exact_terms:
+                        if partial_inputs is None:
                             dy = [_dyadic(t) for t in tensors]
-                            exact_terms += [dy, _comparable(fn, dy) if random is not None else None]
-                        ts, rnd = exact_terms[0], exact_terms[1] if isinstance(exact_terms[1], Random) else None
+                            partial_inputs = (dy, _comparable(fn, dy) if random is not None else None)
+                        ts = partial_inputs[0]
+                        rnd = partial_inputs[1] if isinstance(partial_inputs[1], Random) else None
                         if random is not None and rnd is None:
                             continue  # dense torch refuses the rounded sample
                     for side, runner in sides.items():

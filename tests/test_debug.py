@@ -612,23 +612,36 @@ def _world_body(n_ops):
     return {e.world for e in log.events}, len(log.of_rank(mesh.get_rank())), len(trace.of_rank(mesh.get_rank()))
 
 
+def _in_threads(fn, ns) -> dict:
+    """``{n: fn(n)}``, each call on a thread of its own, all started together (as a thread pool or
+    pytest-xdist would run them); fails if one never finishes."""
+    import threading
+
+    results = {}
+    start = threading.Barrier(len(ns))
+
+    def worker(n):
+        start.wait(timeout=60)
+        results[n] = fn(n)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in ns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a simulated world never finished"
+    return results
+
+
 def test_recording_is_scoped_to_its_world():
     """Two simulated worlds running at once, started from two threads: a log opened inside a rank
     sees only its own world; one opened in the main thread sees neither (their worlds belong to
     the threads that started them) unless it asks for every thread, each event tagged with its
     world."""
-    import threading
     from shardtensor import comm, run_spmd
 
-    results = {}
     with comm.recording() as outside, comm.recording(all_threads=True) as everywhere:
-        threads = [threading.Thread(target=lambda n=n: results.__setitem__(n, run_spmd(_world_body, 4, n)))
-                   for n in (1, 3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads), "a simulated world never finished"
+        results = _in_threads(lambda n: run_spmd(_world_body, 4, n), (1, 3))
     for n in (1, 3):
         for worlds, n_log, n_trace in results[n]:
             assert len(worlds) == 1 and n_log == n and n_trace == n, (n, worlds, n_log, n_trace)
@@ -639,7 +652,6 @@ def test_recording_is_scoped_to_its_world():
 
 def test_recordings_opened_in_two_threads_keep_their_own_worlds():
     """As a thread pool or pytest-xdist would: each thread records while it runs its own world."""
-    import threading
     from shardtensor import comm, run_spmd
 
     def body(n):
@@ -648,19 +660,7 @@ def test_recordings_opened_in_two_threads_keep_their_own_worlds():
         return ({e.world for e in log.events}, sum(e.kind == "all_gather" for e in log.events),
                 sum(e.kind == "all_gather" for e in trace.events))
 
-    results = {}
-    barrier = threading.Barrier(2)
-
-    def worker(n):
-        barrier.wait()
-        results[n] = body(n)
-
-    threads = [threading.Thread(target=worker, args=(n,)) for n in (2, 5)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads), "a simulated world never finished"
+    results = _in_threads(body, (2, 5))
     for n in (2, 5):
         worlds, n_log, n_trace = results[n]
         assert len(worlds) == 1 and n_log == 4 * n and n_trace == 4 * n, (n, results[n])

@@ -62,9 +62,8 @@ def _as_dtensor_grad(param: "DTensor", g: Any) -> Any:
     every rank: taken as such, laid out as the parameter."""
     if not isinstance(g, torch.Tensor) or isinstance(g, DTensor) or tuple(g.shape) != tuple(param._spec.shape):
         return g
-    spec = param._spec
-    whole = DTensorSpec.build(spec.mesh, [Replicate()] * spec.mesh.ndim, spec.shape, g.stride(), g.dtype)
-    return DTensor(redistribute_local(g, whole, spec.with_dtype(g.dtype)), spec.with_dtype(g.dtype))
+    spec = param._spec.with_dtype(g.dtype)
+    return DTensor(redistribute_local(g, spec.with_placements([Replicate()] * spec.mesh.ndim), spec), spec)
 _function_modes = torch._C._is_torch_function_mode_enabled
 
 

@@ -28,7 +28,7 @@ __all__ = [
     "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "all_to_all_v", "broadcast", "barrier", "run_spmd",
     "RankAbortedError", "CollectiveTimeoutError", "CollectiveMismatchError", "StuckRanksError", "reduce_stack",
     "DEFAULT_TIMEOUT_S", "scope", "listening",
-    "current_scope", "recording", "Work", "Completed", "current_world", "selected",
+    "current_scope", "recording", "Work", "Completed", "current_world", "selected", "recorded_worlds",
 ]
 
 
@@ -105,6 +105,14 @@ def selected(ev: CommEvent, rank: int | None, world: int | None, owner: int | No
             and (owner is None or ev.world == 0 or ev.owner == owner))
 
 
+def recorded_worlds(world: int | None, all_threads: bool) -> tuple[int | None, int | None]:
+    """``(world, owner)`` a recorder keeps (see ``selected``): ``world``, else the caller's simulated
+    world when opened inside one, else the worlds started from the calling thread (every thread's
+    with ``all_threads``)."""
+    world = current_world() if world is None else world
+    return world, None if all_threads or world is not None else threading.get_ident()
+
+
 def current_world() -> int | None:
     """The id of the simulated world the caller runs in (None outside ``run_spmd``)."""
     t = current_sim_transport()
@@ -124,8 +132,7 @@ class CommLog:
     def __init__(self, rank: int | None = None, world: int | None = None, all_threads: bool = False) -> None:
         self.events: list[CommEvent] = []
         self.rank = rank
-        self.world = current_world() if world is None else world
-        self.owner = None if all_threads or self.world is not None else threading.get_ident()
+        self.world, self.owner = recorded_worlds(world, all_threads)
         self._lock = threading.Lock()
 
     def _on(self, ev: CommEvent) -> None:
@@ -175,13 +182,13 @@ def current_transport() -> Transport:
 
 
 def record(kind: str, mesh_dim: MeshDims, group: Group, rank: int, sent: int, received: int,
-           dtype: torch.dtype, shape: tuple[int, ...], seconds: float, backend: str, world: int = 0) -> None:
+           dtype: torch.dtype, shape: tuple[int, ...], seconds: float, backend: str, world: int = 0,
+           owner: int = 0) -> None:
     """The recording point: hand one event to every listener (cheap when there are none)."""
     if not _listeners:
         return
-    t = current_sim_transport() if world else None
     ev = CommEvent(kind, rank, mesh_dim, group, int(sent), int(received), dtype, tuple(shape), seconds, backend,
-                   current_scope(), time.time() - seconds, world, getattr(t, "owner", 0))
+                   current_scope(), time.time() - seconds, world, owner)
     with _lock:
         listeners = list(_listeners)
     for fn in listeners:
@@ -226,7 +233,7 @@ def _recorded(kind: str, group: Group, mesh_dim: MeshDims, t: torch.Tensor, sent
             ring = _bytes(kind, t, len(group))
             record(kind, mesh_dim, group, tr.rank, ring if sent is None else sent,
                    ring if received is None else received, t.dtype, tuple(t.shape), time.perf_counter() - t0,
-                   tr.name, tr.world_id)
+                   tr.name, tr.world_id, tr.owner)
         return out
 
     if async_op:
@@ -328,7 +335,7 @@ def barrier(mesh: "DeviceMesh", mesh_dim: int | None = None) -> None:
     group = mesh.group_ranks(mesh_dim)
     mesh.transport.barrier(group)
     record("barrier", mesh_dim, group, mesh.transport.rank, 0, 0, torch.uint8, (), 0.0, mesh.transport.name,
-           mesh.transport.world_id)
+           mesh.transport.world_id, mesh.transport.owner)
 
 
 @contextmanager

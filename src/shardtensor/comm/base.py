@@ -143,6 +143,8 @@ class Transport(ABC):
     world_size: int
     world_id: int = 0
     """Tags this world's ``CommEvent``s (simulated worlds number themselves from 1)."""
+    owner: int = 0
+    """The thread that started a simulated world (``threading.get_ident()``); 0 for torch.distributed."""
 
     def prepare_groups(self, groups: list[Group]) -> None:
         """Called by every rank with the same list when a mesh is built (collective)."""

@@ -232,8 +232,7 @@ class CommTrace:
     def __init__(self, rank: int | None = None, modules: bool | torch.nn.Module = True,
                  world: int | None = None, all_threads: bool = False) -> None:
         self.rank = rank
-        self.world = comm.current_world() if world is None else world
-        self.owner = None if all_threads or self.world is not None else threading.get_ident()
+        self.world, self.owner = comm.recorded_worlds(world, all_threads)
         self._modules = modules is not False and modules is not None
         if isinstance(modules, torch.nn.Module):
             name_modules(modules)

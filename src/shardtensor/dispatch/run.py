@@ -216,10 +216,12 @@ def _dispatch_with_plain(func, flat: list, specs: list, treedef, plain: list[int
     drawn = _RANDOM_SAMPLES.get(func)
     for i in plain:
         t = flat[i]
-        if (drawn is not None and i == len(flat) + drawn) or (not implicit_allowed(t) and built_by_torch()):
-            t = agreed(t, mesh)  # built by torch (or random numbers drawn for the op): checked alike
+        if drawn is not None and i == len(flat) + drawn:
+            t = agreed(t, mesh)  # random numbers the caller drew for the op: the ranks compare them
         elif not implicit_allowed(t):
-            raise plain_tensor_error(func, t)
+            if not built_by_torch():
+                raise plain_tensor_error(func, t)
+            t = agreed(t, mesh)  # built by torch from the op's own arguments: the ranks compare it
         flat[i] = wrap_replicated(t, mesh)
     args, kwargs = unflatten_call(flat, treedef)
     out = dispatch(func, args, kwargs)

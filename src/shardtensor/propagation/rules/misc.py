@@ -28,7 +28,7 @@ import torch
 
 from ... import rng
 from ...placement import Partial, Placement, Replicate, Shard, unpartial
-from ...redistribute.execute import partition
+from ...redistribute import redistribute_local
 from ...spec import DTensorSpec
 from ..call import Call, Decision, unflatten_call
 from ..registry import register, unsupported
@@ -312,23 +312,14 @@ RANDOM_FILL = [aten.uniform_.default, aten.normal_.default, aten.exponential_.de
 def random_fill_rule(call: Call) -> Decision:
     """In-place random fills: this rank's block of the fill of the global tensor."""
     s = call.specs[0]
+    whole = s.unpartial()  # the fill's value; a Partial self keeps its placements, as terms of it
     op = call.op
 
     def kernel(x: torch.Tensor, *args: Any, generator: torch.Generator | None = None, **kw: Any) -> torch.Tensor:
-        return x.copy_(_as_terms(_global_fill(s, x, x.dtype, generator, lambda full, g: op(full, *args, generator=g,
-                                                                                             **kw)), s))
+        u = _global_fill(s, x, x.dtype, generator, lambda full, g: op(full, *args, generator=g, **kw))
+        return x.copy_(redistribute_local(u, whole, s))
 
     return finish(call, {}, s, kernel=kernel)
-
-
-def _as_terms(u: torch.Tensor, s: DTensorSpec) -> torch.Tensor:
-    """This rank's terms of the value ``u`` under ``s``'s Partial placements (a fill overwrites a
-    Partial tensor: it keeps its placements and memory, the value on coordinate 0 of a sum)."""
-    coord = s.mesh.get_coordinate()
-    for j, p in enumerate(s.placements):
-        if isinstance(p, Partial) and coord is not None:
-            u = partition(u, p, s.mesh.shape[j], coord[j])
-    return u
 
 
 @register(aten.bernoulli_.Tensor)
@@ -345,10 +336,10 @@ def bernoulli_rule(call: Call) -> Decision:
     if tuple(ps.shape) != tuple(s.shape):
         raise unsupported(op, call.specs, "with a broadcast probability tensor")
 
-    whole = s.with_placements(unpartial(s.placements), s.shard_order)
+    whole = s.unpartial()
 
     def kernel(x: torch.Tensor, p: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         u = _global_fill(s, x, torch.float64, generator, lambda full, g: full.uniform_(generator=g))
-        return x.copy_(_as_terms((u < p).to(x.dtype), s))
+        return x.copy_(redistribute_local((u < p).to(x.dtype), whole, s))
 
     return finish(call, {ppos: ps.with_placements(whole.placements, whole.shard_order)}, s, kernel=kernel)
