@@ -336,3 +336,50 @@ def test_local_map_runs_on_local_tensors_forward_and_backward():
         torch.testing.assert_close(gw, wr.grad)
         assert a_shape == (7, 2) and s.item() == 14.0 and tag == "tag"  # uneven output: real global shape
         assert plain is torch.Tensor  # no DTensor argument: func runs as is
+
+
+def test_shard_local_shard_size_and_offset_is_torchs():
+    from torch.distributed.tensor import Shard as TorchShard
+
+    for n in range(0, 13):
+        for k in range(1, 6):
+            for r in range(k):
+                want = tuple(int(v) for v in TorchShard.local_shard_size_and_offset(n, k, r))
+                assert Shard.local_shard_size_and_offset(n, k, r) == want, (n, k, r)
+
+
+def test_compute_local_shape_and_global_offset_is_torchs_on_every_coordinate():
+    """torch's helper reads only its own placement classes; ours gives its answers for ours."""
+    import itertools
+
+    from torch.distributed.tensor import Replicate as TR, Shard as TS
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset as torch_helper
+
+    from shardtensor import compute_local_shape_and_global_offset
+
+    def body(mesh):
+        out = []
+        for shape in ((7, 5), (3, 0), (2, 9, 4)):
+            dims = [Replicate()] + [Shard(d) for d in range(len(shape))]
+            for pl in itertools.product(dims, repeat=mesh.ndim):
+                theirs = [TR() if p.is_replicate() else TS(p.dim) for p in pl]
+                want = torch_helper(shape, mesh.shape, mesh.get_coordinate(), theirs)
+                got = compute_local_shape_and_global_offset(shape, mesh, list(pl))
+                out.append((shape, pl, got, tuple(map(tuple, want))))
+        return out
+
+    for mesh_shape in ((4,), (2, 2), (3, 2)):
+        for per_rank in run_recorded(mesh_shape, body)[0]:
+            bad = [(s, p, g, w) for s, p, g, w in per_rank if g != w]
+            assert not bad, bad[:3]
+
+
+def test_get_group_in_the_simulated_world_says_what_to_use():
+    def body(mesh):
+        with pytest.raises(RuntimeError, match="torchrun"):
+            mesh.get_group(0)
+        with pytest.raises(ValueError, match="mesh_dim"):
+            mesh.get_group()
+        return True
+
+    assert run_recorded((2, 2), body)[0] == [True] * 4

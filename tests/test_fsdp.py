@@ -802,7 +802,7 @@ def test_tp_params_on_the_2d_mesh():
 
 def gloo_rank(rank: int, world_size: int):
     return (rank_train("mlp", "adam", 3), _tp_body(3, "torch")[:2],
-            _hsdp_body(3, (2, 2), ("rep", "shard"), False)[:2])
+            _hsdp_body(3, (2, 2), ("rep", "shard"), False)[:2], _meta_body(3, "fsdp_tp"))
 
 
 
@@ -817,6 +817,7 @@ def test_gloo_four_processes():
     assert_matches([r[0] for r in results], reference("mlp", "adam", 3))
     assert_matches([r[1] for r in results], _tp_reference(3))  # torch's 2-D recipe
     assert_matches([r[2] for r in results], _tp_reference(3))  # HSDP
+    assert_matches([r[3] for r in results], _meta_reference(3))  # built on meta, TP + FSDP
 
 
 # ---------------------------------------------------------------------------------------
@@ -903,3 +904,88 @@ def test_prefetch_overlaps_the_next_gather_and_changes_no_value():
         # forward from the second step (the first records the order): root -> block 0 -> block 1
         assert hits0 == [0, 0, 0] and hits == [2, 4, 4]
         assert all(torch.equal(params[k], params0[k]) for k in params)
+
+
+# ---------------------------------------------------------------------------------------
+# meta-device initialization: build on meta, shard, then to_empty and a seeded init
+# ---------------------------------------------------------------------------------------
+
+def _seeded_init(model: nn.Module, seed: int = 11) -> nn.Module:
+    """torchtitan's order: one seed, then every module's reset_parameters in module order."""
+    torch.manual_seed(seed)
+    for m in model.modules():
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+    return model
+
+
+def _meta_reference(steps: int):
+    model = _seeded_init(TPMLP())
+    o = torch.optim.Adam(model.parameters(), lr=0.01)
+    losses = []
+    for s in range(steps):
+        x, y = _tp_batch(s)
+        o.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        o.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _meta_body(steps: int, layout: str):
+    from shardtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    two_d = layout in ("hsdp", "fsdp_tp")
+    names = ("rep", "shard") if layout == "hsdp" else ("dp", "tp")
+    mesh = init_device_mesh("cpu", (2, 2) if two_d else (WORLD,), mesh_dim_names=names if two_d else None)
+    with torch.device("meta"):
+        model = TPMLP()
+    if layout in ("tp", "fsdp_tp"):
+        parallelize_module(model, mesh["tp"] if two_d else mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    if layout != "tp":
+        dp_mesh = mesh["dp"] if layout == "fsdp_tp" else mesh
+        fully_shard(model.up, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+    assert all(p.device.type == "meta" for p in model.parameters())
+    model.to_empty(device="cpu")
+    _seeded_init(model)
+    coord = mesh.get_coordinate()
+    part, parts = {"fsdp": lambda: (coord[0], WORLD), "hsdp": lambda: (2 * coord[0] + coord[1], WORLD),
+                   "tp": lambda: (0, 1), "fsdp_tp": lambda: (coord[0], 2)}[layout]()
+    o = torch.optim.Adam(model.parameters(), lr=0.01)
+    losses = []
+    for s in range(steps):
+        x, y = _tp_batch(s)
+        n = BATCH // parts
+        o.zero_grad()
+        out = model(x[part * n:(part + 1) * n])
+        loss = ((out - y[part * n:(part + 1) * n]) ** 2).mean()
+        loss.backward()
+        o.step()
+        losses.append(loss.item())
+    return losses, {n: p.full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "hsdp", "tp", "fsdp_tp"])
+def test_meta_device_init_trains_as_one_device_initialised_alike(layout):
+    """torchtitan's recipe: build under torch.device("meta"), fully_shard and/or
+    parallelize_module, then to_empty and a seeded reset_parameters: the values equal one device's
+    with the same seed, and training matches it."""
+    steps = 3
+    out = run_spmd(_meta_body, WORLD, steps, layout)
+    assert_matches(out, _meta_reference(steps), tol=1e-5)
+
+
+def test_distribute_tensor_of_a_meta_tensor():
+    def body():
+        mesh = init_device_mesh("cpu", (WORLD,))
+        from shardtensor import distribute_tensor
+
+        x = distribute_tensor(torch.empty(7, 3, device="meta"), mesh, [Shard(0)])
+        assert x.device.type == "meta" and x.to_local().device.type == "meta" and x.shape == (7, 3)
+        y = torch.empty_like(x, device="cpu")
+        assert y.to_local().device.type == "cpu" and y.placements == (Shard(0),)
+        return tuple(x.to_local().shape), tuple(y.to_local().shape)
+
+    assert run_spmd(body, WORLD) == [((2, 3), (2, 3))] * 3 + [((1, 3), (1, 3))]

@@ -557,6 +557,32 @@ def _case_loss_parallel(mesh, placements):
     torch.testing.assert_close(grad, xr.grad, rtol=1e-5, atol=1e-6)
 
 
+def _case_get_group(mesh1, mesh2):
+    """get_group / get_all_groups return torch.distributed groups with the ranks torch's own
+    DeviceMesh gives (built here on the same processes); user collectives on them work."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh as torch_mesh
+
+    from shardtensor import init_device_mesh
+
+    rank = dist.get_rank()
+    ref2 = torch_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    ours2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    pairs = [(mesh1.get_group(), torch_mesh("cpu", (4,)).get_group())]
+    pairs += list(zip(mesh2.get_all_groups(), ref2.get_all_groups()))
+    pairs += [(ours2.get_group("tp"), ref2.get_group("tp")), (ours2["dp"].get_group(), ref2["dp"].get_group())]
+    for got, want in pairs:
+        ranks = dist.get_process_group_ranks(got)
+        assert ranks == dist.get_process_group_ranks(want), (ranks, dist.get_process_group_ranks(want))
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t, group=got)
+        assert t.item() == sum(r + 1 for r in ranks), (t, ranks)
+    one = init_device_mesh("cpu", (4, 1)).get_group(1)  # a mesh dim of size 1: a group of this rank alone
+    assert dist.get_process_group_ranks(one) == [rank]
+    _expect_value_error(lambda: mesh2.get_group(), "mesh_dim")
+
+
 def _rng_cases(rep, mesh1, mesh2):
     from shardtensor import Replicate, Shard
 
@@ -565,6 +591,7 @@ def _rng_cases(rep, mesh1, mesh2):
     rep.run("rng", "(2,2) R S1, seeded per rank", _case_rng, mesh2, [Replicate(), Shard(1)], True)
     rep.run("loss_parallel", "(4,) S1", _case_loss_parallel, mesh1, [Shard(1)])
     rep.run("loss_parallel", "(2,2) S0 S1", _case_loss_parallel, mesh2, [Shard(0), Shard(1)])
+    rep.run("api", "get_group, get_all_groups", _case_get_group, mesh1, mesh2)
 
 
 # -- the one big run ------------------------------------------------------------------------
@@ -663,6 +690,10 @@ def test_rng(gloo_report):
 
 def test_loss_parallel(gloo_report):
     _assert_section(gloo_report, "loss_parallel")
+
+
+def test_public_api_torch_users_call(gloo_report):
+    _assert_section(gloo_report, "api")
 
 
 # ---------------------------------------------------------------------------------------

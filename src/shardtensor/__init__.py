@@ -2,7 +2,7 @@
 from .comm import run_spmd
 from .mesh import DeviceMesh, init_device_mesh
 from .placement import Partial, Placement, Replicate, Shard
-from .spec import DTensorSpec
+from .spec import DTensorSpec, compute_local_shape_and_global_offset
 from .tensor import DTensor, distribute_tensor
 from .factories import empty, full, ones, rand, randn, zeros
 from .implicit import implicit_replication
@@ -22,7 +22,7 @@ __all__ = [
     "MixedTensorError", "ShardingError", "errors", "implicit_replication", "strict_sharding",
 ]
 __all__ += ["distribute_module", "empty", "full", "ones", "rand", "randn", "zeros"]
-__all__ += ["MixedPrecisionPolicy", "fully_shard"]
+__all__ += ["MixedPrecisionPolicy", "fully_shard", "compute_local_shape_and_global_offset"]
 __version__ = "0.1.0"
 
 

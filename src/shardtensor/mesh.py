@@ -105,6 +105,22 @@ class DeviceMesh:
             raise RuntimeError(f"rank {self.transport.rank} is not in mesh {self.mesh.tolist()}")
         return self._coord[self._dim(mesh_dim)]
 
+    def get_group(self, mesh_dim: int | str | None = None) -> Any:
+        """torch.distributed's ProcessGroup of this rank's group along ``mesh_dim`` (under
+        torchrun; the simulated world has none and says so)."""
+        if mesh_dim is None:
+            if self.ndim != 1:
+                raise ValueError(f"get_group() needs mesh_dim on a {self.ndim}-D mesh; get_all_groups() gives one per dim")
+            mesh_dim = 0
+        dim = self._dim(mesh_dim)
+        if self._coord is None:
+            raise RuntimeError(f"rank {self.transport.rank} is not in mesh {self.mesh.tolist()}, so it has no group there")
+        return self.transport.process_group(self.group_ranks(dim))
+
+    def get_all_groups(self) -> list[Any]:
+        """One ProcessGroup per mesh dim, in order."""
+        return [self.get_group(j) for j in range(self.ndim)]
+
     def _dim(self, mesh_dim: int | str) -> int:
         if isinstance(mesh_dim, str):
             if not self.mesh_dim_names or mesh_dim not in self.mesh_dim_names:

@@ -41,6 +41,12 @@ class Shard(Placement):
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or dim == self.dim
 
+    @staticmethod
+    def local_shard_size_and_offset(curr_local_size: int, num_chunks: int, rank: int) -> tuple[int, int]:
+        """Size and offset of piece ``rank`` of ``num_chunks`` torch.chunk pieces of a length
+        (torch's public static method; the offset is relative to that length)."""
+        return chunk(curr_local_size, num_chunks, rank)
+
     def __repr__(self) -> str:
         return f"Shard(dim={self.dim})"
 

@@ -118,6 +118,18 @@ class DTensorSpec:
         return f"DTensorSpec({display(self.placements, self.shard_order)}, shape={tuple(self.shape)}, {self.dtype})"
 
 
+def compute_local_shape_and_global_offset(global_shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement],
+                                          skip_offset: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This rank's local shape and global offset on ``mesh`` (torch's helper of the same name,
+    which reads only its own placement classes); a rank off the mesh gets ``((0,), ())``."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a shardtensor DeviceMesh, got {type(mesh).__name__}")
+    pl = normalize_placements(placements, len(global_shape), mesh.ndim)
+    order = getattr(placements, "shard_order", None)
+    shape, offset = local_shape_and_offset(tuple(global_shape), mesh.shape, mesh._coord, pl, order)
+    return shape, (() if skip_offset else offset)
+
+
 _MAX_INTERNED = 4096
 _BUILT: dict[tuple, DTensorSpec] = {}  # build's arguments -> the spec
 _BY_VALUE: dict[DTensorSpec, DTensorSpec] = {}

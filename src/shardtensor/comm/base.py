@@ -149,6 +149,13 @@ class Transport(ABC):
     def prepare_groups(self, groups: list[Group]) -> None:
         """Called by every rank with the same list when a mesh is built (collective)."""
 
+    def process_group(self, group: Group) -> Any:
+        """torch.distributed's ProcessGroup over ``group`` (what ``DeviceMesh.get_group`` returns)."""
+        raise RuntimeError(
+            f"the {self.name} world has no torch.distributed process groups, so DeviceMesh.get_group() has "
+            "nothing to return; run under torchrun (gloo or NCCL), or use shardtensor.comm's collectives "
+            "(all_reduce(t, 'sum', mesh, mesh_dim), all_gather, ...), which run on every world")
+
     @abstractmethod
     def all_gather(self, t: torch.Tensor, group: Group, *, async_op: bool = False) -> torch.Tensor | Work:
         """``(k, *t.shape)``: every member's ``t`` in group order (a ``Work`` if ``async_op``)."""

@@ -54,6 +54,14 @@ class TorchDistTransport(Transport):
             if len(key) > 1 and key not in self._groups:
                 self._groups[key] = dist.new_group(list(key), timeout=self.timeout)
 
+    def process_group(self, group: Group) -> dist.ProcessGroup:
+        if len(group) > 1:
+            return self._pg(group)[0]
+        key = tuple(group)  # a group of one: only its member need build it
+        if key not in self._groups:
+            self._groups[key] = dist.new_group(list(key), timeout=self.timeout, use_local_synchronization=True)
+        return self._groups[key]
+
     def _pg(self, group: Group) -> tuple[dist.ProcessGroup, list[int] | None]:
         """Process group and, if the group's order is not ascending, the permutation to apply."""
         got = self._found.get(group)

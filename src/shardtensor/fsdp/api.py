@@ -188,6 +188,13 @@ class FSDPModule:
         module whose backward comes next, by the first forward's post-forward order)."""
         self._fsdp_state.backward_prefetch = [_state_of(m, "set_modules_to_backward_prefetch") for m in modules]
 
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """``to_empty``, ``to`` and ``cuda`` give the sharded parameters new local tensors (a
+        model built on the meta device gets its memory so); the padded shards follow them."""
+        out = super()._apply(fn, recurse)  # type: ignore[misc]  # nn.Module's, next in the MRO
+        self._fsdp_state.group.adopt_locals()
+        return out
+
     def _fsdp_modules(self, recurse: bool) -> list["FSDPModule"]:
         if not recurse:
             return [self]

@@ -152,6 +152,14 @@ class ParamGroup:
             self.prefetched.free()
             self.prefetched = None
 
+    def adopt_locals(self) -> None:
+        """After ``nn.Module._apply``: shards follow their parameters' new device or dtype, and
+        what was built for the old ones (layout, buffers, plans) is built again when next needed."""
+        if any([p.adopt_local() for p in self.params]):
+            self.prefetched = self._spare = self._layout = None
+            self.live = weakref.WeakSet()
+            self._reduce_plans.clear()
+
     def layout(self) -> "_Layout":
         """What the all-gather packs, worked out once: the parameters with elements, their sizes and
         how their shards travel (one dtype as is, one dtype after a cast, or mixed dtypes as bytes)."""

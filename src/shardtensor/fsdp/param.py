@@ -173,6 +173,24 @@ class FSDPParam:
             self.padded[: self.rows].copy_(local)
         self._point_at_padded()
 
+    def adopt_local(self) -> bool:
+        """Follow a local tensor that ``nn.Module._apply`` (``to_empty``, ``to``, ``cuda``) put on
+        another device or dtype: ``padded`` is rebuilt there (a model built on the meta device
+        gets its memory here).  True if it was rebuilt."""
+        local = self.sharded._local_tensor
+        if local.device == self.padded.device and local.dtype == self.padded.dtype:
+            self.sync_padded()
+            return False
+        self.padded = torch.zeros((self.c, *self.rest), dtype=local.dtype, device=local.device)
+        with torch.no_grad():
+            self.padded[: self.rows].copy_(local)
+        if local.dtype != self.orig_dtype:
+            self.orig_dtype = local.dtype
+            self.spec = self.spec.with_dtype(local.dtype)
+            self.tp_spec = self.tp_spec.with_dtype(local.dtype) if self.tp_spec is not None else None
+        self._point_at_padded()
+        return True
+
     def _point_at_padded(self) -> None:
         local = self.sharded._local_tensor = self.padded.narrow(0, 0, self.rows)
         self._local, self._local_ptr = local, local.data_ptr()
