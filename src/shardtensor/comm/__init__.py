@@ -158,6 +158,7 @@ class CommLog:
 
 _single = threading.local()
 _dist: tuple[object, Transport] | None = None
+_dists: dict[int, tuple[object, Transport]] = {}  # by id of torch.distributed's default group
 
 
 def current_transport() -> Transport:
@@ -168,13 +169,19 @@ def current_transport() -> Transport:
         return t
     import torch.distributed as dist
 
-    if _dist is not None and _dist[0] is dist.group.WORLD:  # the common case first: the same world as before
+    world = dist.group.WORLD
+    if _dist is not None and _dist[0] is world:  # the common case first: the same world as before
         return _dist[1]
-    if dist.is_available() and dist.is_initialized():  # a world not seen before
-        from .torchdist import TorchDistTransport
+    if dist.is_available() and dist.is_initialized():  # another world: a new one, or another thread's
+        seen = _dists.get(id(world))  # torch's threaded test worlds give each thread (rank) its own
+        if seen is None or seen[0] is not world:
+            from .torchdist import TorchDistTransport
 
-        _dist = (dist.group.WORLD, TorchDistTransport())
-        return _dist[1]
+            if len(_dists) >= 256:  # worlds of finished tests: drop the oldest
+                del _dists[next(iter(_dists))]
+            seen = _dists[id(world)] = (world, TorchDistTransport())
+        _dist = seen
+        return seen[1]
     t = getattr(_single, "t", None)
     if t is None:
         t = _single.t = SimTransport(SimWorld(1), 0)

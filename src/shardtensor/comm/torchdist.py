@@ -116,7 +116,8 @@ class TorchDistTransport(Transport):
         if len(group) == 1:
             out = t.detach()[0].clone()
             return Completed(out) if async_op else out
-        if self.backend == "gloo" or (op == "avg" and not self._native_avg()):
+        if self.backend == "gloo" or (op == "avg" and not self._native_avg()) or (
+                self.backend == "threaded" and op != "sum"):  # torch's threaded test group: sum only
             if async_op:
                 return self.all_to_all(t, group, async_op=True).then(lambda x: reduce_stack(x, op))
             return reduce_stack(self.all_to_all(t, group), op)
@@ -125,11 +126,11 @@ class TorchDistTransport(Transport):
         if perm is not None:
             t = t[[group.index(r) for r in sorted(group)]]
         out = torch.empty(t.shape[1:], dtype=t.dtype, device=t.device)
-        t = t.contiguous().view(-1)  # the flat form every torch version takes
+        t = t.contiguous().view(-1)  # the flat forms every torch version (and its threaded group) takes
         rop = dist.ReduceOp.AVG if op == "avg" else _OPS[op]
         if async_op:
-            return _pending(_REDUCE_SCATTER(out, t, op=rop, group=pg, async_op=True), out, t)
-        _REDUCE_SCATTER(out, t, op=rop, group=pg)
+            return _pending(_REDUCE_SCATTER(out.view(-1), t, op=rop, group=pg, async_op=True), out, t)
+        _REDUCE_SCATTER(out.view(-1), t, op=rop, group=pg)
         return out
 
     def all_to_all(self, t, group, *, async_op=False):
