@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from ..tensor import DTensor, distribute_tensor
 
-__all__ = ["StateDictOptions", "get_model_state_dict", "get_optimizer_state_dict", "set_model_state_dict",
-           "set_optimizer_state_dict"]
+__all__ = ["StateDictOptions", "get_model_state_dict", "get_optimizer_state_dict", "get_state_dict",
+           "set_model_state_dict", "set_optimizer_state_dict", "set_state_dict"]
 
 
 def _rank() -> int:
@@ -201,3 +201,18 @@ def set_optimizer_state_dict(model: nn.Module, optimizers: Any, optim_state_dict
         at += len(osd["param_groups"])
         groups = [{**g, "params": cur["params"]} for g, cur in zip(mine, osd["param_groups"])]
         opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+def get_state_dict(model: nn.Module, optimizers: Any, *, submodules: Any = None,
+                   options: StateDictOptions | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(get_model_state_dict, get_optimizer_state_dict)`` of one model and its optimizers."""
+    return (get_model_state_dict(model, submodules=submodules, options=options),
+            get_optimizer_state_dict(model, optimizers, submodules=submodules, options=options))
+
+
+def set_state_dict(model: nn.Module, optimizers: Any, *, model_state_dict: dict[str, Any],
+                   optim_state_dict: dict[str, Any], options: StateDictOptions | None = None) -> Any:
+    """Both halves of ``get_state_dict``'s result; ``load_state_dict``'s result for the model."""
+    out = set_model_state_dict(model, model_state_dict, options=options)
+    set_optimizer_state_dict(model, optimizers, optim_state_dict, options=options)
+    return out

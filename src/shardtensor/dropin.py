@@ -1,0 +1,186 @@
+"""The drop-in switch: torch's public DTensor names point at shardtensor's, for code imported after.
+
+``install()`` (or ``python -m shardtensor.dropin script.py args``, also under ``torchrun``)
+replaces each module of ``SWITCHED`` (in ``sys.modules`` and as its parent's attribute) by a
+module holding shardtensor's object for every public name that has one.  A public name without
+an equivalent raises a clear error when used (never torch's DTensor machinery on our tensors);
+private names fall through to torch's module.  torch's own modules are imported first and keep
+the objects they bound (their functions read their own globals), so torch's internals keep
+torch's classes.  ``uninstall()`` puts torch's modules back.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import runpy
+import sys
+import types
+from typing import Any
+
+import torch
+
+KEEP = "torch's own"
+"""A public name torch's module keeps (typing aliases): not a DTensor feature."""
+
+
+def _switched() -> dict[str, dict[str, Any]]:
+    """torch module -> {public name: shardtensor's object, or KEEP}."""
+    from . import (DTensor, DeviceMesh, Partial, Placement, Replicate, Shard, compute_local_shape_and_global_offset,
+                   distribute_module, distribute_tensor, empty, full, init_device_mesh, ones, rand, randn, zeros)
+    from .checkpoint import state_dict as sd
+    from .debug import visualize_sharding
+    from .experimental import implicit_replication, local_map
+    from .fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from .parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput,
+                           PrepareModuleOutput, RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module)
+
+    placements = {"Placement": Placement, "Shard": Shard, "Replicate": Replicate, "Partial": Partial}
+    styles = {"ColwiseParallel": ColwiseParallel, "ParallelStyle": ParallelStyle,
+              "PrepareModuleInput": PrepareModuleInput, "PrepareModuleInputOutput": PrepareModuleInputOutput,
+              "PrepareModuleOutput": PrepareModuleOutput, "RowwiseParallel": RowwiseParallel,
+              "SequenceParallel": SequenceParallel}
+    return {
+        "torch.distributed.tensor": {
+            "DTensor": DTensor, "distribute_tensor": distribute_tensor, "distribute_module": distribute_module,
+            "ones": ones, "empty": empty, "full": full, "rand": rand, "randn": randn, "zeros": zeros,
+            "init_device_mesh": init_device_mesh, "DeviceMesh": DeviceMesh, **placements},
+        "torch.distributed.tensor.placement_types": placements,
+        "torch.distributed.device_mesh": {"DeviceMesh": DeviceMesh, "init_device_mesh": init_device_mesh},
+        "torch.distributed.tensor.parallel": {**styles, "parallelize_module": parallelize_module,
+                                              "loss_parallel": loss_parallel},
+        "torch.distributed.tensor.parallel.style": styles,
+        "torch.distributed.tensor.experimental": {"local_map": local_map, "implicit_replication": implicit_replication},
+        "torch.distributed.tensor.debug": {"visualize_sharding": visualize_sharding},
+        "torch.distributed.fsdp": {"fully_shard": fully_shard, "FSDPModule": FSDPModule,
+                                   "MixedPrecisionPolicy": MixedPrecisionPolicy},
+        "torch.distributed.checkpoint.state_dict": {
+            **{n: getattr(sd, n) for n in sd.__all__},
+            **dict.fromkeys(("FQNS_T", "PrimitiveType", "ValueType", "DictValueType", "ListDictValueType",
+                             "OptimizerStateType"), KEEP)},
+        "torch.distributed.tensor._utils": {
+            "compute_local_shape_and_global_offset": compute_local_shape_and_global_offset},
+    }
+
+
+class _MissingMeta(type):
+    """A name shardtensor lacks: nothing is an instance of it, and any use raises, naming it."""
+
+    _where: str
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(cls._message())
+
+    def __getattr__(cls, attr: str) -> Any:
+        if attr.startswith("_"):  # probes (hasattr, typing, inspect) see a plain class
+            raise AttributeError(attr)
+        raise NotImplementedError(cls._message())
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return False
+
+    def __subclasscheck__(cls, sub: Any) -> bool:
+        return False
+
+    def _message(cls) -> str:
+        return (f"{cls._where} has no shardtensor equivalent, and shardtensor.dropin is installed (so it is not "
+                "torch's either: torch's would not work on shardtensor's tensors); see docs/coming-from-torch.md "
+                "for what the drop-in covers, or call shardtensor.dropin.uninstall() first")
+
+
+def _missing(where: str) -> type:
+    return _MissingMeta(where.rpartition(".")[2], (), {"_where": where})
+
+
+class _Switched(types.ModuleType):
+    """A torch module as the drop-in shows it: shardtensor's names, missing ones, and torch's private rest."""
+
+    def __init__(self, torch_module: types.ModuleType, names: dict[str, Any]) -> None:
+        super().__init__(torch_module.__name__, torch_module.__doc__)
+        object.__setattr__(self, "_torch_module", torch_module)
+        for attr in ("__file__", "__path__", "__spec__", "__package__", "__loader__"):
+            if hasattr(torch_module, attr):
+                setattr(self, attr, getattr(torch_module, attr))
+        public = getattr(torch_module, "__all__", None)
+        if public is not None:
+            self.__all__ = list(public)
+            for name in public:
+                if name not in names:
+                    setattr(self, name, _missing(f"{torch_module.__name__}.{name}"))
+        for name, ours in names.items():
+            setattr(self, name, getattr(torch_module, name) if ours is KEEP else ours)
+
+    def __getattr__(self, name: str) -> Any:  # private names, submodules: torch's
+        return getattr(self._torch_module, name)
+
+
+class _Probe(torch.Tensor):
+    """A tensor subclass with nothing in it (see ``_prime_torch``)."""
+
+    @staticmethod
+    def __new__(cls, shape: tuple[int, ...]) -> "_Probe":
+        return torch.Tensor._make_wrapper_subclass(cls, shape)  # type: ignore[attr-defined]
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
+        return torch.zeros(())
+
+
+def _prime_torch() -> None:
+    """torch's C++ looks ``torch.distributed.tensor.DTensor`` up once, when a tensor subclass
+    first dispatches; that happens here, before the switch, so it finds torch's class."""
+    _Probe((1,)).detach()
+
+
+_ORIGINAL: dict[str, types.ModuleType] = {}
+
+
+def installed() -> bool:
+    return bool(_ORIGINAL)
+
+
+def install() -> None:
+    """Point torch's public DTensor, DeviceMesh, TP, FSDP2 and state-dict names at shardtensor's
+    for code imported (or attributes read) from now on.  Safe to call twice."""
+    if _ORIGINAL:
+        return
+    table = _switched()
+    _prime_torch()
+    torch_modules = {name: importlib.import_module(name) for name in table}  # theirs bind torch's classes first
+    for name in sorted(table, key=lambda n: n.count(".")):  # parents first: children attach to their shims
+        shim = _Switched(torch_modules[name], table[name])
+        _ORIGINAL[name] = torch_modules[name]
+        sys.modules[name] = shim
+        parent, _, leaf = name.rpartition(".")
+        setattr(sys.modules[parent], leaf, shim)
+
+
+def uninstall() -> None:
+    """Put torch's modules back (objects already imported from the shims stay what they are)."""
+    for name in sorted(_ORIGINAL, key=lambda n: -n.count(".")):
+        sys.modules[name] = _ORIGINAL[name]
+        parent, _, leaf = name.rpartition(".")
+        setattr(sys.modules[parent], leaf, _ORIGINAL[name])
+    _ORIGINAL.clear()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m shardtensor.dropin script.py args`` or ``... -m package.module args``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help") or (args[0] == "-m" and len(args) < 2):
+        print("usage: python -m shardtensor.dropin script.py [args...]\n"
+              "       python -m shardtensor.dropin -m package.module [args...]\n"
+              "runs the script with torch.distributed.tensor, device_mesh, tensor.parallel, fsdp and "
+              "checkpoint.state_dict pointing at shardtensor (also under torchrun)", file=sys.stderr)
+        raise SystemExit(0 if args and args[0] in ("-h", "--help") else 2)
+    install()
+    if args[0] == "-m":
+        sys.argv = [args[1], *args[2:]]
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = args
+        sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))  # as python script.py does
+        runpy.run_path(args[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

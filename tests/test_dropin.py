@@ -1,0 +1,113 @@
+"""The drop-in switch: torch's DTensor names point at shardtensor's, and code written for torch's
+DTensor runs unchanged (torch's own threaded test harness and test models; a torchrun TP + FSDP2
+script, compared with torch's DTensor running the same script and with one device)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+HERE = Path(__file__).parent
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")])}
+
+
+def _run(args: list[str], timeout: int = 240, env: dict | None = None) -> str:
+    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env or ENV,
+                         cwd=HERE.parent)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-6000:]
+    return text
+
+
+def test_install_points_torchs_public_names_at_ours_and_uninstall_restores():
+    import shardtensor
+    from shardtensor import dropin
+
+    names = ("torch.distributed.tensor", "torch.distributed.device_mesh", "torch.distributed.fsdp")
+    before = {n: sys.modules.get(n) for n in names}
+    dropin.install()
+    try:
+        dropin.install()  # twice is once
+        import torch.distributed.tensor.placement_types as pt
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        assert DTensor is shardtensor.DTensor and Shard is shardtensor.Shard and pt.Replicate is shardtensor.Replicate
+        assert torch.distributed.tensor.DTensor is shardtensor.DTensor  # attribute access too
+        assert DeviceMesh is shardtensor.DeviceMesh and fully_shard is shardtensor.fully_shard
+        assert get_state_dict.__module__ == "shardtensor.checkpoint.state_dict"
+        assert compute_local_shape_and_global_offset is shardtensor.compute_local_shape_and_global_offset
+        # torch's own modules keep torch's classes; private names fall through to torch
+        from torch.distributed.tensor import _api
+
+        assert _api.DTensor is not shardtensor.DTensor and torch.distributed.tensor._api is _api
+        # a public name shardtensor lacks raises, naming it; nothing is an instance of it
+        with pytest.raises(NotImplementedError, match=r"torch\.distributed\.fsdp\.FullyShardedDataParallel"):
+            FullyShardedDataParallel(nn.Linear(2, 2))
+        assert not isinstance(nn.Linear(2, 2), FullyShardedDataParallel) and not hasattr(FullyShardedDataParallel, "_x")
+        from torch.distributed.tensor.experimental import context_parallel
+
+        with pytest.raises(NotImplementedError, match="context_parallel has no shardtensor equivalent"):
+            context_parallel(None)
+    finally:
+        dropin.uninstall()
+    for n in names:
+        assert not isinstance(sys.modules[n], dropin._Switched)  # torch's module again
+        assert before[n] is None or sys.modules[n] is before[n]
+    assert torch.distributed.tensor.DTensor is not shardtensor.DTensor
+
+
+def test_torchs_threaded_harness_and_test_models_run_unchanged():
+    """torch's DTensorOpTestBase, DTensorConverter, MLPModule and Transformer.parallelize (with and
+    without sequence parallelism), in a user's test file that names torch only."""
+    out = _run(["-m", "shardtensor.dropin", "tests/torch_style/dtensor_op_tests.py"],
+               env={**ENV, "EXPECT_DTENSOR_MODULE": "shardtensor"})
+    assert re.search(r"Ran 6 tests.*\n+OK", out), out[-3000:]
+
+
+def _dense_losses(world: int) -> list[float]:
+    g = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    losses = []
+    for step in range(3):
+        data = torch.Generator().manual_seed(10 + step)
+        x, y = torch.randn(4 * (world // 2), 8, generator=data), torch.randn(4 * (world // 2), 8, generator=data)
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
+def test_a_torchrun_script_runs_unchanged_and_matches_torchs_dtensor():
+    world = 4
+    runs = {}
+    for who, pre in (("torch", []), ("ours", ["-m", "shardtensor.dropin"])):
+        out = _run(["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", *pre,
+                    "tests/torch_style/tp_train.py"])
+        lines = [json.loads(m) for m in re.findall(r'\{"rank".*?\}', out)]
+        assert sorted(r["rank"] for r in lines) == list(range(world)), out[-3000:]
+        runs[who] = sorted(lines, key=lambda r: r["rank"])
+    assert all(r["dtensor"] == "shardtensor.tensor" and r["mesh"] == "shardtensor.mesh" for r in runs["ours"])
+    assert all(r["dtensor"] == "torch.distributed.tensor" for r in runs["torch"])
+    for ours, theirs in zip(runs["ours"], runs["torch"]):
+        torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(theirs["losses"]), rtol=1e-5, atol=1e-6)
+        assert abs(ours["checksum"] - theirs["checksum"]) < 1e-4
+    mean = [sum(r["losses"][s] for r in runs["ours"]) / world for s in range(3)]  # each dp loss on 2 tp ranks
+    torch.testing.assert_close(torch.tensor(mean), torch.tensor(_dense_losses(world)), rtol=1e-5, atol=1e-6)
