@@ -92,25 +92,40 @@ def _missing(where: str) -> type:
 
 
 class _Switched(types.ModuleType):
-    """A torch module as the drop-in shows it: shardtensor's names, missing ones, and torch's private rest."""
+    """A torch module as the drop-in shows it: shardtensor's names (or stand-ins for the missing
+    ones) to every reader but torch's own modules, which get torch's objects; private names and
+    submodules are torch's."""
 
     def __init__(self, torch_module: types.ModuleType, names: dict[str, Any]) -> None:
         super().__init__(torch_module.__name__, torch_module.__doc__)
-        object.__setattr__(self, "_torch_module", torch_module)
-        for attr in ("__file__", "__path__", "__spec__", "__package__", "__loader__"):
+        for attr in ("__file__", "__path__", "__spec__", "__package__", "__loader__", "__all__"):
             if hasattr(torch_module, attr):
                 setattr(self, attr, getattr(torch_module, attr))
-        public = getattr(torch_module, "__all__", None)
-        if public is not None:
-            self.__all__ = list(public)
-            for name in public:
-                if name not in names:
-                    setattr(self, name, _missing(f"{torch_module.__name__}.{name}"))
-        for name, ours in names.items():
-            setattr(self, name, getattr(torch_module, name) if ours is KEEP else ours)
+        shown = {n: _missing(f"{torch_module.__name__}.{n}") for n in getattr(torch_module, "__all__", ())}
+        shown.update({n: getattr(torch_module, n) if ours is KEEP else ours for n, ours in names.items()})
+        object.__setattr__(self, "_torch_module", torch_module)
+        object.__setattr__(self, "_shown", shown)
 
-    def __getattr__(self, name: str) -> Any:  # private names, submodules: torch's
-        return getattr(self._torch_module, name)
+    def __getattr__(self, name: str) -> Any:  # the public names live outside __dict__, so they come here
+        shown = self._shown.get(name, _TORCHS)
+        if shown is _TORCHS or _read_by_torch(sys._getframe(1)):
+            return getattr(self._torch_module, name)
+        return shown
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | set(self._shown))
+
+
+_TORCHS = object()
+_USER_SIDE = ("torch.testing.", "torch._dynamo.variables.misc", "torch._dynamo.guards")
+"""torch modules that read names for user code: test harnesses, and dynamo reading (and guarding)
+the module attributes of the code it traces."""
+
+
+def _read_by_torch(frame: types.FrameType) -> bool:
+    """Whether the code reading a name is torch's own (its internals keep torch's classes)."""
+    name = frame.f_globals.get("__name__", "")
+    return (name == "torch" or name.startswith("torch.")) and not name.startswith(_USER_SIDE)
 
 
 class _Probe(torch.Tensor):
