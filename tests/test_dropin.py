@@ -3,6 +3,7 @@ DTensor runs unchanged (torch's own threaded test harness and test models; a tor
 script, compared with torch's DTensor running the same script and with one device)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -118,3 +119,43 @@ def test_a_torchrun_script_runs_unchanged_and_matches_torchs_dtensor():
 def test_torch_compile_of_code_naming_torchs_dtensor():
     """dynamo's own DTensor checks keep torch's class; the traced code's names (and their guards) are ours."""
     assert _run(["-m", "shardtensor.dropin", "tests/torch_style/compiled.py"]).rstrip().endswith("OK")
+
+
+CASES = [("llama", 2, "float32"), ("llama", 4, "float64"), ("qwen3", 2, "float64"), ("qwen3", 4, "float32")]
+
+
+@pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
+@pytest.mark.parametrize("kind,world,dtype", CASES, ids=[f"{k}-{w}-{d}" for k, w, d in CASES])
+def test_hugging_face_tensor_parallelism_runs_unchanged(kind, world, dtype, tmp_path):
+    """transformers' own TP (from_pretrained(tp_plan="auto")): forward, greedy generate, 3 AdamW
+    steps and save_pretrained, under the drop-in, equal to torch's DTensor and to one device."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    spec = importlib.util.spec_from_file_location("hf_tp", HERE / "torch_style" / "hf_tp.py")
+    hf_tp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hf_tp)
+    path = str(tmp_path / kind)
+    hf_tp.build(kind, path)
+    runs = {}
+    for who, pre in (("torch", []), ("ours", ["-m", "shardtensor.dropin"])):
+        save = str(tmp_path / f"saved-{who}")
+        out = _run(["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", *pre,
+                    "tests/torch_style/hf_tp.py", path, dtype, save], timeout=300)
+        lines = sorted((json.loads(m) for m in re.findall(r'\{"rank".*?\}', out)), key=lambda r: r["rank"])
+        assert [r["rank"] for r in lines] == list(range(world)), out[-3000:]
+        runs[who] = lines
+    assert {r["dtensor"] for r in runs["ours"]} == {"shardtensor.tensor"} and {r["dtype"] for r in runs["ours"]} == {
+        f"torch.{dtype}"}
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == "float32" else dict(rtol=1e-12, atol=1e-12)
+    one = hf_tp.run(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)))
+    for ours, theirs in zip(runs["ours"], runs["torch"]):
+        assert ours["generated"] == theirs["generated"] == one["generated"]
+        for key in ("logits", "losses"):
+            torch.testing.assert_close(torch.tensor(ours[key]), torch.tensor(theirs[key]), **tol)
+            torch.testing.assert_close(torch.tensor(ours[key]), torch.tensor(one[key]), rtol=1e-4, atol=1e-5)
+    from safetensors.torch import load_file
+
+    mine, ref = (load_file(str(tmp_path / f"saved-{w}" / "model.safetensors")) for w in ("ours", "torch"))
+    assert mine.keys() == ref.keys()
+    for k in mine:
+        torch.testing.assert_close(mine[k], ref[k], **tol, msg=k)

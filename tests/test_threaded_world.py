@@ -71,9 +71,13 @@ class ThreadedWorld(MultiThreadedTestCase):
             self.assertEqual(t.item(), float(sum(ranks)))
 
     def test_tp_and_fsdp_train_as_one_device(self) -> None:
-        def build() -> nn.Module:
-            torch.manual_seed(3)
-            return nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 4))
+        def build() -> nn.Module:  # the threads share torch's global generator: values from a private one
+            model = nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 4))
+            g = torch.Generator().manual_seed(3)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            return model
 
         x, y = _dense(8, 6, seed=4), _dense(8, 4, seed=5)
         ref = build()

@@ -147,6 +147,11 @@ def _prime_torch() -> None:
 
 
 _ORIGINAL: dict[str, types.ModuleType] = {}
+_RESET: dict[str, Any] = {}  # names set on torch.distributed itself -> torch's objects
+
+_ON_DIST = ("DeviceMesh", "init_device_mesh")
+"""Names torch.distributed re-exports (``torch.distributed.init_device_mesh``, as transformers
+calls it), set on the module itself: no torch code reads them there."""
 
 
 def installed() -> bool:
@@ -167,6 +172,10 @@ def install() -> None:
         sys.modules[name] = shim
         parent, _, leaf = name.rpartition(".")
         setattr(sys.modules[parent], leaf, shim)
+    mesh_names = table["torch.distributed.device_mesh"]
+    for name in _ON_DIST:
+        _RESET[name] = getattr(torch.distributed, name)
+        setattr(torch.distributed, name, mesh_names[name])
 
 
 def uninstall() -> None:
@@ -175,7 +184,10 @@ def uninstall() -> None:
         sys.modules[name] = _ORIGINAL[name]
         parent, _, leaf = name.rpartition(".")
         setattr(sys.modules[parent], leaf, _ORIGINAL[name])
+    for name, theirs in _RESET.items():
+        setattr(torch.distributed, name, theirs)
     _ORIGINAL.clear()
+    _RESET.clear()
 
 
 def main(argv: list[str] | None = None) -> None:
