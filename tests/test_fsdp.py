@@ -989,3 +989,33 @@ def test_distribute_tensor_of_a_meta_tensor():
         return tuple(x.to_local().shape), tuple(y.to_local().shape)
 
     assert run_spmd(body, WORLD) == [((2, 3), (2, 3))] * 3 + [((1, 3), (1, 3))]
+
+
+def test_module_to_a_dtype_after_fully_shard_trains_in_that_dtype():
+    """``model.to(torch.float64)`` after fully_shard: shards, gathers and gradients follow, and
+    training equals one device's in float64."""
+    def body():
+        mesh = init_device_mesh("cpu", (WORLD,))
+        model = wrap("mlp", build("mlp"), mesh).to(torch.float64)
+        assert {p.dtype for p in model.parameters()} == {torch.float64}
+        o = torch.optim.Adam(model.parameters(), lr=0.01)
+        r, n = mesh.get_local_rank(), BATCH // WORLD
+        for s in range(2):
+            x, y = batch("mlp", s)
+            o.zero_grad()
+            loss = loss_fn("mlp", model, x[r * n:(r + 1) * n].double(), y[r * n:(r + 1) * n].double())
+            loss.backward()
+            o.step()
+        return {k: p.full_tensor() for k, p in model.named_parameters()}
+
+    ref = build("mlp").double()
+    o = torch.optim.Adam(ref.parameters(), lr=0.01)
+    for s in range(2):
+        x, y = batch("mlp", s)
+        o.zero_grad()
+        loss_fn("mlp", ref, x.double(), y.double()).backward()
+        o.step()
+    for got in run_spmd(body, WORLD):
+        for k, p in ref.named_parameters():
+            assert got[k].dtype == torch.float64
+            torch.testing.assert_close(got[k], p.detach(), rtol=1e-9, atol=1e-9, msg=k)
