@@ -3,9 +3,11 @@
 #
 # The release lives in one venv outside the repo, $SHARDTENSOR_CACHE (default
 # ~/.cache/shardtensor)/torch-VERSION, created on first use and reused after.  Registry builds
-# of torch are CUDA builds of ~5 GB, so at most one such venv is kept (another version's is
-# removed first), pip keeps no cache, and below 15 GB of free disk nothing is installed: the
-# script says so loudly and exits 0 without testing (exit 3 with SHARDTENSOR_REQUIRE_TORCH=1).
+# of torch are CUDA builds of ~5 GB, so only the releases CI tests are kept ($SHARDTENSOR_KEEP_TORCH,
+# default "2.11 2.15": the oldest and the newest; any other version's venv is removed first), pip
+# keeps no cache, and below 15 GB of free disk nothing is installed: the script says so loudly
+# and exits 0 without testing (exit 3 with SHARDTENSOR_REQUIRE_TORCH=1).  pip runs without the
+# constraints of this machine's pip config, which may cap torch below the release asked for.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ver="${1:?usage: scripts/test_torch.sh TORCH_VERSION [pytest args]}"
@@ -23,8 +25,9 @@ skip() {
 }
 
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  keep=" ${SHARDTENSOR_KEEP_TORCH:-2.11 2.15} $ver "
   for other in "$root"/torch-*; do
-    [ -d "$other" ] && [ "$other" != "$venv" ] && { echo "removing $other (one extra torch at a time)" >&2; rm -rf "$other"; }
+    [ -d "$other" ] && [[ "$keep" != *" ${other##*/torch-} "* ]] && { echo "removing $other (only the torch releases CI tests are kept)" >&2; rm -rf "$other"; }
   done
   if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
     free_gb=$(df -Pk "$root" | awk 'NR==2 {print int($4 / 1048576)}')
@@ -33,11 +36,11 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     rm -rf "$venv"
     python3 -m venv "$venv" || skip "python3 -m venv failed"
     start=$SECONDS
-    timeout 1200 "$venv/bin/python" -m pip install -q --no-cache-dir "torch==$ver.*" \
+    timeout 1200 env PIP_CONSTRAINT=/dev/null "$venv/bin/python" -m pip install -q --no-cache-dir "torch==$ver.*" \
       || { rm -rf "$venv"; skip "pip could not install torch==$ver within 20 minutes"; }
     echo "torch $ver installed in $((SECONDS - start)) s ($(du -sh "$venv" | cut -f1))" >&2
   fi
-  timeout 600 "$venv/bin/python" -m pip install -q --no-cache-dir -e '.[dev]' \
+  timeout 600 env PIP_CONSTRAINT=/dev/null "$venv/bin/python" -m pip install -q --no-cache-dir -e '.[dev]' \
     || { echo "installing the project into $venv failed" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi

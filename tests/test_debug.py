@@ -665,3 +665,32 @@ def test_recordings_opened_in_two_threads_keep_their_own_worlds():
         worlds, n_log, n_trace = results[n]
         assert len(worlds) == 1 and n_log == 4 * n and n_trace == 4 * n, (n, results[n])
     assert results[2][0] != results[5][0]
+
+
+def test_comm_debug_mode_counts_this_ranks_collectives_by_torchs_ops():
+    """torch's counter API: the calling rank's collectives keyed by torch's functional collectives."""
+    import torch.distributed.tensor  # noqa: F401  (registers torch.ops.c10d_functional, as torch users have it)
+
+    from shardtensor import Partial, Replicate, Shard, distribute_tensor, init_device_mesh, run_spmd
+    from shardtensor.debug import CommDebugMode
+
+    funcol = torch.ops.c10d_functional
+
+    def body():
+        mesh = init_device_mesh("cpu", (2, 2))
+        x = distribute_tensor(torch.arange(24.0).reshape(6, 4), mesh, [Shard(0), Shard(1)])
+        with CommDebugMode() as mode:
+            x.redistribute(mesh, [Replicate(), Replicate()])
+            y = distribute_tensor(torch.ones(4, 4), mesh, [Replicate(), Shard(0)])
+            (y.redistribute(mesh, [Replicate(), Shard(1)]) @ y).full_tensor()
+        line = init_device_mesh("cpu", (4,))
+        z = distribute_tensor(torch.ones(8), line, [Shard(0)])
+        with CommDebugMode() as gather:
+            z.redistribute(line, [Replicate()])
+        return mode.get_comm_counts(), mode.get_total_counts(), len(mode.trace.events), gather.get_comm_counts()
+
+    for counts, total, events, gather in run_spmd(body, 4):
+        assert total == sum(counts.values()) == events and total >= 3
+        assert set(counts) <= {funcol.all_gather_into_tensor, funcol.all_to_all_single, funcol.all_reduce,
+                               funcol.reduce_scatter_tensor, funcol.broadcast}
+        assert gather == {funcol.all_gather_into_tensor: 1}

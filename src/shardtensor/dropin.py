@@ -28,7 +28,7 @@ def _switched() -> dict[str, dict[str, Any]]:
     from . import (DTensor, DeviceMesh, Partial, Placement, Replicate, Shard, compute_local_shape_and_global_offset,
                    distribute_module, distribute_tensor, empty, full, init_device_mesh, ones, rand, randn, zeros)
     from .checkpoint import state_dict as sd
-    from .debug import visualize_sharding
+    from .debug import CommDebugMode, visualize_sharding
     from .experimental import implicit_replication, local_map
     from .fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
     from .parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput,
@@ -50,7 +50,7 @@ def _switched() -> dict[str, dict[str, Any]]:
                                               "loss_parallel": loss_parallel},
         "torch.distributed.tensor.parallel.style": styles,
         "torch.distributed.tensor.experimental": {"local_map": local_map, "implicit_replication": implicit_replication},
-        "torch.distributed.tensor.debug": {"visualize_sharding": visualize_sharding},
+        "torch.distributed.tensor.debug": {"visualize_sharding": visualize_sharding, "CommDebugMode": CommDebugMode},
         "torch.distributed.fsdp": {"fully_shard": fully_shard, "FSDPModule": FSDPModule,
                                    "MixedPrecisionPolicy": MixedPrecisionPolicy},
         "torch.distributed.checkpoint.state_dict": {

@@ -8,6 +8,7 @@ import os
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.testing._internal.common_utils import run_tests
 from torch.testing._internal.distributed._tensor.common_dtensor import (DTensorConverter, DTensorOpTestBase,
@@ -44,6 +45,19 @@ class DTensorBasics(DTensorOpTestBase):
         self.assertEqual(x.redistribute(mesh, [Shard(1)]).full_tensor(), full)
         p = DTensor.from_local(full, mesh, [Partial()])
         self.assertEqual(p.full_tensor(), full * 4)
+
+    def test_comm_debug_mode_counts(self) -> None:
+        mesh = self.build_device_mesh()
+        funcol = torch.ops.c10d_functional
+        x = distribute_tensor(torch.arange(24.0).reshape(8, 3), mesh, [Shard(0)])
+        with CommDebugMode() as comm_mode:
+            x.redistribute(mesh, [Replicate()])
+        self.assertEqual(comm_mode.get_comm_counts()[funcol.all_gather_into_tensor], 1)
+        self.assertEqual(comm_mode.get_total_counts(), 1)
+        p = DTensor.from_local(torch.ones(4), mesh, [Partial()])
+        with CommDebugMode() as comm_mode:
+            p.redistribute(mesh, [Replicate()])
+        self.assertEqual(comm_mode.get_comm_counts(), {funcol.all_reduce: 1})
 
     def test_ops_through_torchs_converter(self) -> None:
         mesh = self.build_device_mesh()
