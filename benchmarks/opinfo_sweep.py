@@ -42,9 +42,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
+import os
 import pathlib
+import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from collections import Counter, defaultdict
@@ -329,7 +333,7 @@ def sweep(ops: list[Any], n_samples: int, families: tuple[str, ...], sides: dict
     keeps a subset of each family's cases."""
     per_side: dict[str, dict[str, Counter]] = {side: defaultdict(Counter) for side in sides}
     for info in ops:
-        name = info.name + (f".{info.variant_test_name}" if info.variant_test_name else "")
+        name = _op_name(info)
         try:
             cases = [case_of(info, s) for s in samples(info, n_samples)]
         except Exception as e:  # noqa: BLE001 - the OpInfo cannot build samples on this torch
@@ -398,6 +402,30 @@ def summary(per_op: dict[str, Counter]) -> dict[str, Any]:
             **{f"cases {k}": sum(c[k] for c in per_op.values()) for k in ("even", "uneven", "random")}}
 
 
+def _op_name(info: Any) -> str:
+    return info.name + (f".{info.variant_test_name}" if info.variant_test_name else "")
+
+
+def _in_chunks(ops: list[Any], size: int, argv: list[str]) -> dict[str, dict[str, Counter]]:
+    """The sweep over ``ops``, ``size`` ops per subprocess: PyTorch's hung ranks are threads
+    that never end and keep spinning; a subprocess per chunk ends them, so the run stays fast."""
+    per_side: dict[str, dict[str, Counter]] = defaultdict(dict)
+    rest, skip = [], False
+    for a in argv:  # the caller's arguments less --chunk and --ops (each with its value)
+        if not skip and a not in ("--chunk", "--ops"):
+            rest.append(a)
+        skip = not skip and a in ("--chunk", "--ops")
+    with tempfile.TemporaryDirectory() as tmp:
+        for at in range(0, len(ops), size):
+            names = ",".join(_op_name(info) for info in ops[at:at + size])
+            dump = os.path.join(tmp, f"{at}.json")
+            subprocess.run([sys.executable, __file__, *rest, "--ops", names, "--dump", dump], check=True)
+            with open(dump) as f:
+                for side, per_op in json.load(f).items():
+                    per_side[side].update({op: Counter(c) for op, c in per_op.items()})
+    return per_side
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=4, help="samples per op (default 4; 0: every sample)")
@@ -407,6 +435,10 @@ def main() -> None:
     ap.add_argument("--quiet", action="store_true", help="totals only, no line per failing case")
     ap.add_argument("--torch-timeout", type=float, default=30.0,
                     help="seconds before a PyTorch DTensor case counts as a hang (default 30; its hangs dominate the run)")
+    ap.add_argument("--chunk", type=int, default=0,
+                    help="run the ops in subprocesses of this many ops each (use with --torch: it ends the threads "
+                         "of PyTorch's hung ranks, which otherwise keep spinning and slow the rest of the run)")
+    ap.add_argument("--dump", help=argparse.SUPPRESS)  # a chunk's subprocess: per-op outcomes as JSON
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
@@ -425,7 +457,14 @@ def main() -> None:
         if not args.quiet:
             print(f"{side:13s} {outcome:11s} {name:32s} {lay:24s} {msg}", flush=True)
 
-    per_side = sweep(ops, args.samples, families, sides, report)
+    if args.chunk > 0:
+        per_side = _in_chunks(ops, args.chunk, sys.argv[1:])
+    else:
+        per_side = sweep(ops, args.samples, families, sides, report)
+    if args.dump:
+        with open(args.dump, "w") as f:
+            json.dump(per_side, f)
+        return
     print(f"\ntorch {torch.__version__}; {len(ops)} OpInfos with CPU float32 samples; {args.samples} samples; "
           f"layouts {', '.join(families)}; {time.time() - t0:.0f} s\n")
     rows = {side: summary(per_op) for side, per_op in per_side.items()}
