@@ -419,7 +419,9 @@ def _in_chunks(ops: list[Any], size: int, argv: list[str]) -> dict[str, dict[str
         for at in range(0, len(ops), size):
             names = ",".join(_op_name(info) for info in ops[at:at + size])
             dump = os.path.join(tmp, f"{at}.json")
-            subprocess.run([sys.executable, __file__, *rest, "--ops", names, "--dump", dump], check=True)
+            done = subprocess.run([sys.executable, __file__, *rest, "--ops", names, "--dump", dump])
+            if not os.path.exists(dump):
+                raise RuntimeError(f"the chunk of ops {names} ended with exit code {done.returncode} and no results")
             with open(dump) as f:
                 for side, per_op in json.load(f).items():
                     per_side[side].update({op: Counter(c) for op, c in per_op.items()})
@@ -464,7 +466,8 @@ def main() -> None:
     if args.dump:
         with open(args.dump, "w") as f:
             json.dump(per_side, f)
-        return
+        sys.stdout.flush()
+        os._exit(0)  # without joining PyTorch's hung rank threads, which never end
     print(f"\ntorch {torch.__version__}; {len(ops)} OpInfos with CPU float32 samples; {args.samples} samples; "
           f"layouts {', '.join(families)}; {time.time() - t0:.0f} s\n")
     rows = {side: summary(per_op) for side, per_op in per_side.items()}
