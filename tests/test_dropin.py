@@ -76,17 +76,21 @@ def test_torchs_threaded_harness_and_test_models_run_unchanged():
     assert re.search(r"Ran 7 tests.*\n+OK", out), out[-3000:]
 
 
+def _script(name: str):
+    """A script of ``tests/torch_style`` as a module (its helpers build what one device runs)."""
+    spec = importlib.util.spec_from_file_location(name, HERE / "torch_style" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _dense_losses(world: int) -> list[float]:
-    g = torch.Generator().manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    script = _script("tp_train")
+    model = script.build()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     losses = []
     for step in range(3):
-        data = torch.Generator().manual_seed(10 + step)
-        x, y = torch.randn(4 * (world // 2), 8, generator=data), torch.randn(4 * (world // 2), 8, generator=data)
+        x, y = script.batch(step, world)
         loss = ((model(x) - y) ** 2).mean()
         loss.backward()
         opt.step()
@@ -131,9 +135,7 @@ def test_hugging_face_tensor_parallelism_runs_unchanged(kind, world, dtype, tmp_
     steps and save_pretrained, under the drop-in, equal to torch's DTensor and to one device."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    spec = importlib.util.spec_from_file_location("hf_tp", HERE / "torch_style" / "hf_tp.py")
-    hf_tp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hf_tp)
+    hf_tp = _script("hf_tp")
     path = str(tmp_path / kind)
     hf_tp.build(kind, path)
     runs = {}

@@ -1,8 +1,8 @@
 """The drop-in switch: torch's public DTensor names point at shardtensor's, for code imported after.
 
 ``install()`` (or ``python -m shardtensor.dropin script.py args``, also under ``torchrun``)
-replaces each module of ``SWITCHED`` (in ``sys.modules`` and as its parent's attribute) by a
-module holding shardtensor's object for every public name that has one.  A public name without
+replaces each torch module that ``_switched()`` names (in ``sys.modules`` and as its parent's
+attribute) by a module showing shardtensor's object for every public name that has one.  A public name without
 an equivalent raises a clear error when used (never torch's DTensor machinery on our tensors);
 private names fall through to torch's module.  torch's own modules are imported first and keep
 the objects they bound (their functions read their own globals), so torch's internals keep

@@ -14,23 +14,34 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 
-def main() -> None:
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+def build() -> nn.Module:
+    """The model, its values from a private generator (the same on every rank and on one device)."""
     g = torch.Generator().manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
+
+
+def batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s global batch: 4 rows per dp rank."""
+    data = torch.Generator().manual_seed(10 + step)
+    return torch.randn(4 * (world // 2), 8, generator=data), torch.randn(4 * (world // 2), 8, generator=data)
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    model = build()
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     fully_shard(model, mesh=mesh["dp"])
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     dp = mesh.get_local_rank("dp")
     losses = []
     for step in range(3):
-        data = torch.Generator().manual_seed(10 + step)
-        x, y = torch.randn(4 * (world // 2), 8, generator=data), torch.randn(4 * (world // 2), 8, generator=data)
+        x, y = batch(step, world)
         loss = ((model(x[4 * dp:4 * dp + 4]) - y[4 * dp:4 * dp + 4]) ** 2).mean()
         loss.backward()
         opt.step()

@@ -40,11 +40,9 @@ class CommDebugMode:
 
     def __init__(self) -> None:
         self._trace: CommTrace | None = None
-        self._rank = 0
 
     def __enter__(self) -> "CommDebugMode":
-        self._rank = comm.current_transport().rank
-        self._trace = CommTrace(rank=self._rank, modules=False)
+        self._trace = CommTrace(rank=comm.current_transport().rank, modules=False)
         self._trace.__enter__()
         return self
 

@@ -178,18 +178,15 @@ class FSDPParam:
         another device or dtype: ``padded`` is rebuilt there (a model built on the meta device
         gets its memory here).  True if it was rebuilt."""
         local = self.sharded._local_tensor
-        if local.device == self.padded.device and local.dtype == self.padded.dtype:
-            self.sync_padded()
-            return False
-        self.padded = torch.zeros((self.c, *self.rest), dtype=local.dtype, device=local.device)
-        with torch.no_grad():
-            self.padded[: self.rows].copy_(local)
+        moved = local.device != self.padded.device or local.dtype != self.padded.dtype
+        if moved:
+            self.padded = torch.zeros((self.c, *self.rest), dtype=local.dtype, device=local.device)
         if local.dtype != self.orig_dtype:
             self.orig_dtype = local.dtype
             self.spec = self.spec.with_dtype(local.dtype)
             self.tp_spec = self.tp_spec.with_dtype(local.dtype) if self.tp_spec is not None else None
-        self._point_at_padded()
-        return True
+        self.sync_padded()  # copies the local tensor into ``padded`` and points the parameter at it
+        return moved
 
     def _point_at_padded(self) -> None:
         local = self.sharded._local_tensor = self.padded.narrow(0, 0, self.rows)
