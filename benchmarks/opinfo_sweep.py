@@ -406,6 +406,9 @@ def _op_name(info: Any) -> str:
     return info.name + (f".{info.variant_test_name}" if info.variant_test_name else "")
 
 
+CHUNK_TIMEOUT = 3600  # seconds for one chunk's subprocess (its cases time out on their own long before)
+
+
 def _in_chunks(ops: list[Any], size: int, argv: list[str]) -> dict[str, dict[str, Counter]]:
     """The sweep over ``ops``, ``size`` ops per subprocess: PyTorch's hung ranks are threads
     that never end and keep spinning; a subprocess per chunk ends them, so the run stays fast."""
@@ -419,7 +422,11 @@ def _in_chunks(ops: list[Any], size: int, argv: list[str]) -> dict[str, dict[str
         for at in range(0, len(ops), size):
             names = ",".join(_op_name(info) for info in ops[at:at + size])
             dump = os.path.join(tmp, f"{at}.json")
-            done = subprocess.run([sys.executable, __file__, *rest, "--ops", names, "--dump", dump])
+            try:
+                done = subprocess.run([sys.executable, __file__, *rest, "--ops", names, "--dump", dump],
+                                      timeout=CHUNK_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"the chunk of ops {names} was still running after {CHUNK_TIMEOUT} s") from None
             if not os.path.exists(dump):
                 raise RuntimeError(f"the chunk of ops {names} ended with exit code {done.returncode} and no results")
             with open(dump) as f:
