@@ -14,7 +14,8 @@ import torch
 
 from distributed import gloo_available, run_multiprocess  # noqa: E402
 
-from shardtensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh, run_spmd  # noqa: E402
+from shardtensor import (DTensor, Partial, Replicate, Shard, StridedShard, distribute_tensor,  # noqa: E402
+                         init_device_mesh, run_spmd)
 
 WORLD = 4
 
@@ -34,6 +35,8 @@ LAYOUTS = {
     "(S0,S1) on (2,2)": ((2, 2), [Shard(0), Shard(1)], None),
     "(S0,S0) tp-first on (2,2)": ((2, 2), [Shard(0), Shard(0)], {0: [1, 0]}),
     "(R,S0) on (2,2)": ((2, 2), [Replicate(), Shard(0)], None),
+    "SS0 packed on (4,)": ((4,), [StridedShard(0, 2)], None),   # several blocks per rank
+    "(S1,SS0) on (2,2)": ((2, 2), [Shard(1), StridedShard(0, 3)], None),
 }
 
 
@@ -46,8 +49,7 @@ def _value(name: str) -> torch.Tensor:
 
 def _placements(layout: str, ndim: int):
     mesh_shape, pl, order = LAYOUTS[layout]
-    pl = [Shard(p.dim) if isinstance(p, Shard) and p.dim < ndim else (Replicate() if isinstance(p, Shard) else p)
-          for p in pl]
+    pl = [Replicate() if isinstance(p, (Shard, StridedShard)) and p.dim >= ndim else p for p in pl]
     if order is not None and not all(isinstance(p, Shard) and p.dim == 0 for p in pl):
         order = None
     return mesh_shape, pl, order
@@ -88,7 +90,8 @@ def _dcp_round_trip(rank: int, world: int, path: str, save_layout: str, load_lay
 
 
 PAIRS = [("S0 on (4,)", "(S0,S1) on (2,2)"), ("(S0,S0) tp-first on (2,2)", "S1 on (4,)"),
-         ("R on (4,)", "(S0,S0) tp-first on (2,2)"), ("(R,S0) on (2,2)", "R on (4,)")]
+         ("R on (4,)", "(S0,S0) tp-first on (2,2)"), ("(R,S0) on (2,2)", "R on (4,)"),
+         ("SS0 packed on (4,)", "(S1,SS0) on (2,2)"), ("(S1,SS0) on (2,2)", "S0 on (4,)")]
 
 
 @pytest.mark.skipif(not gloo_available(), reason="needs gloo")

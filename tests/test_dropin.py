@@ -128,7 +128,8 @@ def test_torch_compile_of_code_naming_torchs_dtensor():
     assert _run(["-m", "shardtensor.dropin", "tests/torch_style/compiled.py"]).rstrip().endswith("OK")
 
 
-CASES = [("llama", 2, "float32"), ("llama", 4, "float64"), ("qwen3", 2, "float64"), ("qwen3", 4, "float32")]
+CASES = [("llama", 2, "float32"), ("llama", 4, "float64"), ("qwen3", 2, "float64"), ("qwen3", 4, "float32"),
+         ("qwen3_moe", 2, "float64"), ("qwen3_moe", 4, "float32")]
 
 
 @pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
@@ -151,8 +152,10 @@ def test_hugging_face_tensor_parallelism_runs_unchanged(kind, world, dtype, tmp_
         runs[who] = lines
     assert {r["dtensor"] for r in runs["ours"]} == {"shardtensor.tensor"} and {r["dtype"] for r in runs["ours"]} == {
         f"torch.{dtype}"}
+    if kind.endswith("moe"):  # the fused experts' gate_up_proj is packed (torch's _StridedShard, ours under the drop-in)
+        assert {tuple(r["packed"]) for r in runs["ours"]} == {("(StridedShard(dim=1, split_factor=2),)",)}, runs
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == "float32" else dict(rtol=1e-12, atol=1e-12)
-    one = hf_tp.run(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)))
+    one = hf_tp.run(transformers.AutoModelForCausalLM.from_pretrained(path, **hf_tp.load_kwargs(path, dtype)))
     for ours, theirs in zip(runs["ours"], runs["torch"]):
         assert ours["generated"] == theirs["generated"] == one["generated"]
         for key in ("logits", "losses"):

@@ -1,7 +1,7 @@
 """shardtensor: an SPMD sharded tensor for PyTorch (API mirrors ``torch.distributed.tensor``)."""
 from .comm import run_spmd
 from .mesh import DeviceMesh, init_device_mesh
-from .placement import Partial, Placement, Replicate, Shard
+from .placement import Partial, Placement, Replicate, Shard, StridedShard
 from .spec import DTensorSpec, compute_local_shape_and_global_offset
 from .tensor import DTensor, distribute_tensor
 from .factories import empty, full, ones, rand, randn, zeros
@@ -17,7 +17,7 @@ from . import parallel
 from .parallel import distribute_module
 
 __all__ = [
-    "CommTrace", "DTensor", "DTensorSpec", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard",
+    "CommTrace", "DTensor", "DTensorSpec", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard", "StridedShard",
     "distribute_tensor", "explain_redistribute", "init_device_mesh", "run_spmd", "visualize_sharding",
     "MixedTensorError", "ShardingError", "errors", "implicit_replication", "strict_sharding",
 ]
@@ -33,8 +33,8 @@ def _allow_in_weights_only_load() -> None:
 
     from .placement import NormPartial, OrderedPlacements
 
-    torch.serialization.add_safe_globals([DTensor, DTensorSpec, DeviceMesh, Shard, Replicate, Partial, NormPartial,
-                                          OrderedPlacements])
+    torch.serialization.add_safe_globals([DTensor, DTensorSpec, DeviceMesh, Shard, StridedShard, Replicate, Partial,
+                                          NormPartial, OrderedPlacements])
 
 
 _allow_in_weights_only_load()

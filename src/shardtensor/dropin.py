@@ -25,8 +25,9 @@ KEEP = "torch's own"
 
 def _switched() -> dict[str, dict[str, Any]]:
     """torch module -> {public name: shardtensor's object, or KEEP}."""
-    from . import (DTensor, DeviceMesh, Partial, Placement, Replicate, Shard, compute_local_shape_and_global_offset,
-                   distribute_module, distribute_tensor, empty, full, init_device_mesh, ones, rand, randn, zeros)
+    from . import (DTensor, DeviceMesh, Partial, Placement, Replicate, Shard, StridedShard,
+                   compute_local_shape_and_global_offset, distribute_module, distribute_tensor, empty, full,
+                   init_device_mesh, ones, rand, randn, zeros)
     from .checkpoint import state_dict as sd
     from .debug import CommDebugMode, visualize_sharding
     from .experimental import implicit_replication, local_map
@@ -44,7 +45,7 @@ def _switched() -> dict[str, dict[str, Any]]:
             "DTensor": DTensor, "distribute_tensor": distribute_tensor, "distribute_module": distribute_module,
             "ones": ones, "empty": empty, "full": full, "rand": rand, "randn": randn, "zeros": zeros,
             "init_device_mesh": init_device_mesh, "DeviceMesh": DeviceMesh, **placements},
-        "torch.distributed.tensor.placement_types": placements,
+        "torch.distributed.tensor.placement_types": {**placements, "_StridedShard": StridedShard},
         "torch.distributed.device_mesh": {"DeviceMesh": DeviceMesh, "init_device_mesh": init_device_mesh},
         "torch.distributed.tensor.parallel": {**styles, "parallelize_module": parallelize_module,
                                               "loss_parallel": loss_parallel},

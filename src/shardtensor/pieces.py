@@ -15,7 +15,7 @@ import torch
 
 from . import comm
 from .mesh import DeviceMesh
-from .placement import Placement, Shard, display, local_shape_and_offset
+from .placement import Placement, Shard, StridedShard, display, local_shape_and_offset
 
 __all__ = ["check_shape", "check_pieces", "layout_stride", "with_strides"]
 
@@ -127,7 +127,7 @@ def _common_order(meta: list[dict[str, Any]], ranks: Sequence[int]) -> list[int]
 def _summed_size(d: int, shapes: list[list[int]], coords: list[tuple[int, ...]], mesh: DeviceMesh,
                  pl: tuple[Placement, ...]) -> int:
     """Global size of dim ``d``: the pieces' sizes along the mesh dims sharding it, else rank 0's size."""
-    mesh_dims = [j for j, p in enumerate(pl) if p == Shard(d)]
+    mesh_dims = [j for j, p in enumerate(pl) if isinstance(p, (Shard, StridedShard)) and p.dim == d]
     if not mesh_dims:
         return shapes[0][d]
     return sum(s[d] for s, c in zip(shapes, coords)

@@ -1,4 +1,5 @@
-"""Placements (Shard / Replicate / Partial) and the arithmetic of local shapes and offsets.
+"""Placements (Shard / Replicate / Partial; StridedShard for packed layouts) and the arithmetic
+of local shapes and offsets.
 
 A placement says how one mesh dimension holds a tensor.  The arithmetic here is pure: it
 maps (global shape, mesh shape, coordinate, placements, shard order) to the local shape and
@@ -7,6 +8,7 @@ and nested sharding (several mesh dims splitting one tensor dim, in an explicit 
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -52,6 +54,60 @@ class Shard(Placement):
 
     def __str__(self) -> str:
         return f"S({self.dim})"
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class StridedShard(Placement):
+    """Tensor dim ``dim`` is cut into ``split_factor`` groups and each group is split across the
+    mesh dim (both by the torch.chunk rule); a rank holds its piece of every group, in group order.
+
+    The layout of a fused weight (a packed gate/up projection: each rank holds its slice of both
+    halves) and torch's ``_StridedShard`` (also spelled with ``sf=``).  It applies after every
+    ``Shard`` of the same tensor dim, so it comes after them in the placements.  Ops other than
+    elementwise ones on matching layouts see it gathered first (``dispatch``): exact, never
+    guessed.  Not a ``Shard``: ``is_shard()`` is False, as for torch's.
+    """
+
+    dim: int
+    split_factor: int
+
+    def __init__(self, dim: int, split_factor: int = 1, *, sf: int | None = None) -> None:
+        if sf is not None:
+            if split_factor != 1:
+                raise TypeError("StridedShard: give split_factor or sf, not both")
+            split_factor = sf
+        for name, v in (("dim", dim), ("split_factor", split_factor)):
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise TypeError(f"StridedShard {name} must be an int, got {v!r}")
+        if split_factor < 1:
+            raise ValueError(f"StridedShard split_factor must be at least 1, got {split_factor}")
+        object.__setattr__(self, "dim", dim)
+        object.__setattr__(self, "split_factor", split_factor)
+
+    @property
+    def sf(self) -> int:
+        return self.split_factor
+
+    def __repr__(self) -> str:
+        return f"StridedShard(dim={self.dim}, split_factor={self.split_factor})"
+
+    def __str__(self) -> str:
+        return f"SS({self.dim},{self.split_factor})"
+
+
+def strided_runs(length: int, split_factor: int, k: int, r: int) -> list[tuple[int, int]]:
+    """``(size, offset)`` of each group's piece that rank ``r`` of ``k`` holds under a
+    ``StridedShard`` of ``split_factor`` groups of a dim of ``length`` (offsets within it)."""
+    runs = []
+    for g in range(split_factor):
+        g_size, g_off = chunk(length, split_factor, g)
+        size, off = chunk(g_size, k, r)
+        runs.append((size, g_off + off))
+    return runs
+
+
+def has_strided(placements: Sequence[Placement]) -> bool:
+    return any(type(p) is StridedShard for p in placements)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,13 +212,33 @@ def normalize_placements(placements: Sequence[Placement], ndim: int, mesh_ndim: 
     for p in placements:
         if not isinstance(p, Placement):
             raise TypeError(f"placement must be Shard, Replicate or Partial, got {p!r}")
-        if isinstance(p, Shard):
+        if isinstance(p, (Shard, StridedShard)):
             d = p.dim + ndim if p.dim < 0 else p.dim
             if not 0 <= d < ndim:
                 raise ValueError(f"{p!r} is out of range for a tensor with {ndim} dims")
-            p = Shard(d) if d != p.dim else p
+            if isinstance(p, StridedShard):
+                p = Shard(d) if p.split_factor == 1 else StridedShard(d, p.split_factor) if d != p.dim else p
+            else:
+                p = Shard(d) if d != p.dim else p
         out.append(p)
+    _check_strided(out)
     return tuple(out)
+
+
+def _check_strided(placements: Sequence[Placement]) -> None:
+    """A ``StridedShard`` splits its tensor dim last: one per dim, after every ``Shard`` of it."""
+    seen: set[int] = set()
+    for j, p in enumerate(placements):
+        if type(p) is not StridedShard:
+            continue
+        if p.dim in seen:
+            raise NotImplementedError(f"placements {tuple(placements)}: two StridedShard of tensor dim {p.dim}")
+        seen.add(p.dim)
+        if any(isinstance(q, Shard) and q.dim == p.dim for q in placements[j + 1:]):
+            raise NotImplementedError(
+                f"placements {tuple(placements)}: a Shard({p.dim}) after StridedShard({p.dim}) (torch's right-to-left "
+                "sharding) is written in shardtensor as Shard on both mesh dims with a shard_order that lists the "
+                "later mesh dim first")
 
 
 def default_shard_order(placements: Sequence[Placement]) -> ShardOrder:
@@ -228,7 +304,32 @@ def local_shape_and_offset(
         s, o = chunk(shape[d], mesh_shape[j], coordinate[j])
         shape[d] = s
         offset[d] = global_shape[d] if s == 0 else offset[d] + o
+    for j, p in enumerate(placements):  # a StridedShard splits last; its offset is its first element's
+        if type(p) is StridedShard and shape[p.dim]:
+            runs = [(s, o) for s, o in strided_runs(shape[p.dim], p.split_factor, mesh_shape[j], coordinate[j]) if s]
+            shape[p.dim] = sum(s for s, _ in runs)
+            offset[p.dim] = offset[p.dim] + runs[0][1] if runs else global_shape[p.dim]
     return tuple(shape), tuple(offset)
+
+
+def local_blocks(global_shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int],
+                 placements: Sequence[Placement], order: ShardOrder | None = None
+                 ) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    """The boxes of the global tensor that the rank at ``coordinate`` holds, none empty:
+    ``(sizes, global offsets, offsets in its local tensor)``.  One box, or with a StridedShard
+    one per group piece (per combination, when several dims are packed)."""
+    plain = [Replicate() if type(p) is StridedShard else p for p in placements]
+    sizes, offsets = local_shape_and_offset(global_shape, mesh_shape, coordinate, plain, order)
+    per_dim = [[(n, o, 0)] for n, o in zip(sizes, offsets)]
+    for j, p in enumerate(placements):
+        if type(p) is StridedShard:
+            runs, at = [], 0
+            for n, o in strided_runs(sizes[p.dim], p.split_factor, mesh_shape[j], coordinate[j]):
+                runs.append((n, offsets[p.dim] + o, at))
+                at += n
+            per_dim[p.dim] = runs
+    return [(tuple(r[0] for r in combo), tuple(r[1] for r in combo), tuple(r[2] for r in combo))
+            for combo in itertools.product(*per_dim) if all(r[0] for r in combo)]
 
 
 def compute_local_shape(global_shape, mesh_shape, coordinate, placements, order=None) -> tuple[int, ...]:

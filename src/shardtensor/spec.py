@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 
 from .mesh import DeviceMesh
-from .placement import (Placement, ShardOrder, default_shard_order, display, local_shape_and_offset,
+from .placement import (Placement, ShardOrder, default_shard_order, display, has_strided, local_shape_and_offset,
                         normalize_placements, unpartial, validate_shard_order)
 
 
@@ -25,8 +25,11 @@ class DTensorSpec:
     _locals: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     """Local shape and offset per mesh coordinate, computed once (views and factories ask per call)."""
     _default_order: bool = field(default=True, init=False, repr=False, compare=False)
+    strided: bool = field(default=False, init=False, repr=False, compare=False)
+    """Whether a placement is a StridedShard (no rule reads one: ``dispatch/strided.py``)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "strided", has_strided(self.placements))
         object.__setattr__(self, "_hash", hash((self.mesh, self.placements, tuple(self.shape), self.stride, self.dtype,
                                                 self.shard_order)))
         object.__setattr__(self, "_default_order", self.shard_order == default_shard_order(self.placements))

@@ -16,9 +16,10 @@ from .compile import keep_dynamo_out, rank_key, stable_hash
 from .implicit import TORCH_FUNCTION_CODES
 from .mesh import DeviceMesh, resolve_mesh
 from .pieces import check_pieces, check_shape, layout_stride, local_order
-from .placement import (OrderedPlacements, Partial, Placement, Replicate, Shard, chunk, display,
-                        normalize_placements, unpartial)
+from .placement import (OrderedPlacements, Partial, Placement, Replicate, Shard, StridedShard, chunk, display,
+                        has_strided, normalize_placements, unpartial)
 from .redistribute import redistribute_local
+from .redistribute import strided
 from .redistribute.execute import partition
 from .spec import DTensorSpec, interned
 from .submesh import empty_local
@@ -154,7 +155,7 @@ class DTensor(torch.Tensor):
         if placements is None:
             placements = [Replicate()] * device_mesh.ndim
         pl = normalize_placements(placements, local_tensor.ndim, device_mesh.ndim)
-        sharded = any(isinstance(p, Shard) for p in pl)
+        sharded = any(isinstance(p, (Shard, StridedShard)) for p in pl)
         order = None  # the global dim order, from the pieces when they are gathered
         if shape is not None:
             shape = check_shape(shape, local_tensor)
@@ -165,7 +166,7 @@ class DTensor(torch.Tensor):
         elif shape is None:
             g = list(local_tensor.shape)
             for j, p in enumerate(pl):
-                if isinstance(p, Shard):
+                if isinstance(p, (Shard, StridedShard)):
                     g[p.dim] *= device_mesh.size(j)
             shape = tuple(g)
         if stride is None:
@@ -456,6 +457,9 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
     if placements is None:
         placements = [Replicate()] * device_mesh.ndim
     spec = DTensorSpec.build(device_mesh, placements, tensor.shape, tensor.stride(), tensor.dtype)
+    packed = has_strided(spec.placements)
+    if packed:  # distributed as replicas on its StridedShard mesh dims, then packed (``redistribute/strided.py``)
+        spec, packed_spec = strided.plain(spec), spec
     if src_data_rank is not None and (not isinstance(src_data_rank, int) or isinstance(src_data_rank, bool)):
         raise TypeError(f"distribute_tensor: src_data_rank must be an int mesh coordinate or None, got {src_data_rank!r}")
     if src_data_rank is not None and not 0 <= src_data_rank < min(device_mesh.shape):
@@ -477,6 +481,9 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
         for j, p in enumerate(spec.placements):
             if isinstance(p, Partial):  # terms that reduce back to the value exactly (see partition)
                 local = partition(local, p, device_mesh.shape[j], coord[j])
+    if packed:
+        spec = packed_spec
+        local = strided.pack(local, spec) if coord is not None else empty_local(spec, local.device)
     return DTensor(local, spec, requires_grad=tensor.requires_grad)
 
 

@@ -10,6 +10,9 @@ for tensor subclasses; :class:`~shardtensor.DTensor` answers them here:
 * ``__get_tensor_shard__``: the local tensor itself, which DCP reads from when saving and copies
   into when loading.
 
+A ``StridedShard`` rank holds one block per group (its piece of each packed half, say): it
+answers with each block, and with the view of its local tensor that holds the block asked for.
+
 So the files are DCP's own format: each saved block is a chunk of a global tensor, and a load
 reads whatever chunks overlap the blocks of the target layout.  A checkpoint saved on one mesh,
 placement or nesting order loads into any other, or into plain tensors with DCP's tools.
@@ -27,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..placement import local_blocks
+
 if TYPE_CHECKING:
     from ..tensor import DTensor
 
@@ -42,26 +47,31 @@ def _values_only(t: "DTensor") -> None:
                          "e.g. t.redistribute(t.device_mesh, [Replicate()] * t.device_mesh.ndim)")
 
 
-def _block(t: "DTensor") -> tuple[torch.Size, torch.Size] | None:
-    """This rank's block (sizes, offsets) in the global tensor; None when it is empty."""
+def _blocks(t: "DTensor") -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    """This rank's blocks ``(sizes, global offsets, offsets in the local tensor)``, none empty:
+    one block, or one per group piece of each StridedShard dim (a packed layout holds several)."""
     _values_only(t)
     spec = t._spec
-    sizes, offsets = spec.local_shape_and_offset()
-    if math.prod(sizes) == 0 and math.prod(spec.shape) > 0:
-        return None
-    return torch.Size(sizes), torch.Size(offsets)
+    if not spec.strided or math.prod(spec.shape) == 0:  # an empty tensor: one (empty) block names it
+        sizes, offsets = spec.local_shape_and_offset()
+        if math.prod(sizes) == 0 and math.prod(spec.shape) > 0:
+            return []
+        return [(tuple(sizes), tuple(offsets), (0,) * len(sizes))]
+    coord = spec.mesh.get_coordinate()
+    if coord is None:  # a rank off the mesh holds nothing
+        return []
+    return local_blocks(spec.shape, spec.mesh.shape, coord, spec.placements, spec.shard_order)
 
 
 def chunk_list(t: "DTensor") -> list:
-    """DCP's ``__create_chunk_list__``: the block this rank holds, as DCP chunk metadata."""
+    """DCP's ``__create_chunk_list__``: the blocks this rank holds, as DCP chunk metadata."""
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-    block = _block(t)
-    return [] if block is None else [ChunkStorageMetadata(offsets=block[1], sizes=block[0])]
+    return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(n)) for n, o, _ in _blocks(t)]
 
 
 def write_items(fqn: str, t: "DTensor") -> list:
-    """DCP's ``__create_write_items__``: one shard write item for this rank's block."""
+    """DCP's ``__create_write_items__``: one shard write item per block of this rank."""
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
@@ -72,9 +82,19 @@ def write_items(fqn: str, t: "DTensor") -> list:
 
 
 def local_block(t: "DTensor", index: Any = None) -> torch.Tensor:
-    """DCP's ``__get_tensor_shard__``: the local tensor (saved from, loaded into in place)."""
+    """DCP's ``__get_tensor_shard__``: the local tensor, or (for a packed layout) the view of it
+    that holds the block at ``index.offset`` (saved from, loaded into in place)."""
     _values_only(t)
-    return t._local_tensor
+    if not t._spec.strided or math.prod(t._spec.shape) == 0:
+        return t._local_tensor
+    want = tuple(getattr(index, "offset", None) or ())
+    for sizes, offsets, starts in _blocks(t):
+        if offsets == want:
+            view = t._local_tensor
+            for d, (n, s) in enumerate(zip(sizes, starts)):
+                view = view.narrow(d, s, n)
+            return view
+    raise ValueError(f"checkpoint: this rank holds no block of {tuple(t.shape)} at offset {want}")
 
 
 from .saving import load, save  # noqa: E402  (DCP's save and load, the simulated world included)

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..placement import Partial, Replicate, display, local_shape_and_offset
+from ..placement import Partial, Replicate, display, local_blocks, local_shape_and_offset
 
 __all__ = ["visualize_sharding", "describe_sharding", "Piece", "pieces"]
 
@@ -57,6 +57,10 @@ def pieces(x: Any) -> list[Piece]:
     out = []
     for coord in itertools.product(*(range(k) for k in mesh.shape)):
         rank = int(mesh.mesh[coord])
+        if spec.strided:  # a packed layout: a piece per block
+            blocks = local_blocks(shape, mesh.shape, coord, spec.placements, spec.shard_order)
+            out.extend(Piece(rank, tuple(coord), s, o) for s, o, _ in blocks)
+            continue
         s, o = local_shape_and_offset(shape, mesh.shape, coord, spec.placements, spec.shard_order)
         out.append(Piece(rank, tuple(coord), tuple(s), tuple(o)))
     return sorted(out, key=lambda p: p.rank)

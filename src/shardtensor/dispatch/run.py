@@ -31,6 +31,7 @@ from ..tensor import DTensor
 from .decompose import DECOMPOSITIONS, find_decomposition
 from .fallback import (check_plain, fallback_allowed, replicate_plain, run_replicated, whole_local, wrap_replicated,
                        write_into)
+from .strided import dispatch_packed
 from .hit import MISSING, NO_WRITES, WRITES_LIST, WRITES_SELF, hit, keeps_placements, wrap
 
 __all__ = ["dispatch", "route"]
@@ -91,16 +92,15 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
 
 def _dispatch(func, args: tuple, kwargs: dict, view: bool, writes: tuple) -> Any:
     """The full path: route, propagate, redistribute, run, wrap."""
-    r = route(func)
-    if isinstance(r, tuple):
-        return _decompose(func, r[1], args, kwargs, view, writes)
     flat, treedef = flatten_call(args, kwargs)
     specs: list[DTensorSpec | None] = []
     plain: list[int] | None = None
     first: DTensor | None = None
+    packed = False
     for i, a in enumerate(flat):
         if isinstance(a, DTensor):
             specs.append(a._spec)
+            packed = packed or a._spec.strided
             if first is None:
                 first = a
         else:
@@ -109,6 +109,11 @@ def _dispatch(func, args: tuple, kwargs: dict, view: bool, writes: tuple) -> Any
             specs.append(None)
     if specs and specs[0] is None and type(flat[0]) is torch.Tensor and flat[0].ndim == 0 and _returns_self(func):
         plain = [0] + (plain or [])  # a plain 0-d self written in place (``total.add_(dt.sum())``) takes the value
+    if packed:  # no rule reads a StridedShard (``strided.py``)
+        return dispatch_packed(func, args, kwargs, flat, specs, treedef, view, dispatch)
+    r = route(func)
+    if isinstance(r, tuple):
+        return _decompose(func, r[1], args, kwargs, view, writes)
     if plain is not None:
         return _dispatch_with_plain(func, flat, specs, treedef, plain)
     try:

@@ -1,0 +1,116 @@
+"""Ops on StridedShard (packed) inputs, which no sharding rule reads.
+
+An elementwise op whose tensor operands all hold one layout (position by position for the
+``_foreach_`` ops; 0-d replicated scalars aside) runs on the pieces as they are: a packed weight,
+its gradient and its optimizer state stay packed through a training step with no communication.
+Any other op runs on its inputs with their StridedShard mesh dims gathered, through the normal
+dispatch, and what it writes is packed back into the tensor it wrote: exact, never a guess.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..aliasing import note_copies
+from ..propagation import unflatten_call
+from ..redistribute import redistribute_local, strided
+from ..spec import DTensorSpec
+from ..tensor import DTensor
+
+aten = torch.ops.aten
+_ALSO_ELEMENTWISE = {aten.copy_.default, aten._to_copy.default, aten.fill_.Scalar, aten.fill_.Tensor,
+                     aten.zero_.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default}
+_ELEMENTWISE: dict[int, bool] = {}
+
+
+def elementwise(func: Any) -> bool:
+    """Whether each output element of ``func`` depends only on the same element of its operands
+    (and no random stream): pointwise ops, their ``_foreach_`` forms, fills and copies."""
+    r = _ELEMENTWISE.get(id(func))
+    if r is None:
+        ops = [func]
+        name = func._schema.name.split("::")[-1]
+        if name.startswith("_foreach_"):  # as its one-tensor op (out of place or in place)
+            base = name[len("_foreach_"):].rstrip("_")
+            packets = [getattr(aten, n) for n in (base, base + "_") if hasattr(aten, n)]
+            ops = [o for p in packets for o in (getattr(p, n, None) for n in ("Tensor", "default")) if o is not None]
+        r = any(op in _ALSO_ELEMENTWISE or (torch.Tag.pointwise in op.tags and
+                                            torch.Tag.nondeterministic_seeded not in op.tags) for op in ops)
+        _ELEMENTWISE[id(func)] = r
+    return r
+
+
+def _layouts(args: tuple, kwargs: dict) -> list[DTensorSpec] | None:
+    """The one layout of the operands at each position (one position, or one per list element),
+    or None when operands differ, are plain tensors or are Partial (elementwise ops do not
+    commute with a pending sum)."""
+    values = [*args, *kwargs.values()]
+    lists = [v for v in values if isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v)]
+    singles = [v for v in values if isinstance(v, torch.Tensor)]
+    n = len(lists[0]) if lists else 1
+    if any(len(v) != n for v in lists):
+        return None
+    out = []
+    for i in range(n):
+        ref = None
+        for t in [*(v[i] for v in lists), *singles]:
+            if t is None:
+                continue
+            if not isinstance(t, DTensor):
+                return None
+            s = t._spec
+            if any(p.is_partial() for p in s.placements):
+                return None
+            if t.ndim == 0 and all(p.is_replicate() for p in s.placements):
+                continue
+            if ref is None:
+                ref = s
+            elif (s.placements, s.shard_order, s.shape, s.mesh) != (ref.placements, ref.shard_order, ref.shape,
+                                                                       ref.mesh):
+                return None
+        if ref is None:
+            return None
+        out.append(ref)
+    return out
+
+
+def _wrap(out: Any, layouts: list[DTensorSpec]) -> Any:
+    if isinstance(out, torch.Tensor):
+        return DTensor(out, layouts[0].with_dtype(out.dtype))
+    if isinstance(out, (list, tuple)) and len(layouts) > 1:
+        return type(out)(DTensor(o, s.with_dtype(o.dtype)) for o, s in zip(out, layouts))
+    if isinstance(out, (list, tuple)):
+        return type(out)(_wrap(o, layouts) for o in out)
+    return out
+
+
+def dispatch_packed(func: Any, args: tuple, kwargs: dict, flat: list, specs: list, treedef, view: bool,
+                    redispatch: Callable[..., Any]) -> Any:
+    """``func`` with StridedShard inputs (see the module docstring)."""
+    if elementwise(func):
+        layouts = _layouts(args, kwargs)
+        if layouts is not None:
+            local = [a._local_tensor if isinstance(a, DTensor) else a for a in flat]
+            largs, lkwargs = unflatten_call(local, treedef)
+            out = func(*largs, **lkwargs)
+            rets = func._schema.returns
+            if rets and rets[0].alias_info is not None and rets[0].alias_info.is_write:  # in place: self
+                return args[0]
+            return _wrap(out, layouts)
+    plain, versions = list(flat), {}
+    for i, (a, s) in enumerate(zip(flat, specs)):
+        if s is not None and strided.has(s):
+            plain[i] = DTensor(strided.unpack(a._local_tensor, s), strided.plain(s))
+            versions[i] = plain[i]._local_tensor._version
+    pargs, pkwargs = unflatten_call(plain, treedef)
+    out = redispatch(func, pargs, pkwargs)
+    for i, before in versions.items():  # what the op wrote goes back into the packed tensor
+        written = plain[i]
+        if written._local_tensor._version != before:
+            flat[i]._local_tensor.copy_(redistribute_local(written._local_tensor, written._spec, specs[i]))
+        if out is written:
+            out = flat[i]
+    if view and isinstance(flat[0], DTensor):
+        note_copies(func, flat[0], True, out, args[1:], kwargs)
+    return out
