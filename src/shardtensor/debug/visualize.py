@@ -54,7 +54,7 @@ def pieces(x: Any) -> list[Piece]:
     spec = _spec_of(x)
     mesh = spec.mesh
     shape = tuple(spec.shape)
-    out = []
+    out: list[Piece] = []
     for coord in itertools.product(*(range(k) for k in mesh.shape)):
         rank = int(mesh.mesh[coord])
         if spec.strided:  # a packed layout: a piece per block
