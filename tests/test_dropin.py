@@ -22,10 +22,13 @@ ENV = {k: v for k, v in os.environ.items() if k != "CI"}
 ENV["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")])
 
 
-def _run(args: list[str], timeout: int = 240, env: dict | None = None) -> str:
+def _run(args: list[str], timeout: int = 240, env: dict | None = None, may_fail: str | None = None) -> str | None:
+    """The output of ``python *args``, which must succeed; ``None`` when it failed with ``may_fail`` in its output."""
     out = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env or ENV,
                          cwd=HERE.parent)
     text = out.stdout + out.stderr
+    if out.returncode != 0 and may_fail is not None and may_fail in text:
+        return None
     assert out.returncode == 0, text[-6000:]
     return text
 
@@ -136,9 +139,14 @@ CASES = [("llama", 2, "float32"), ("llama", 4, "float64"), ("qwen3", 2, "float64
 @pytest.mark.parametrize("kind,world,dtype", CASES, ids=[f"{k}-{w}-{d}" for k, w, d in CASES])
 def test_hugging_face_tensor_parallelism_runs_unchanged(kind, world, dtype, tmp_path):
     """transformers' own TP (from_pretrained(tp_plan="auto")): forward, greedy generate, 3 AdamW
-    steps and save_pretrained, under the drop-in, equal to torch's DTensor and to one device."""
+    steps and save_pretrained, under the drop-in, equal to torch's DTensor and to one device.
+
+    torch 2.11's own DTensor cannot load the MoE (its ``_StridedShard`` has no shard order to turn
+    into): there one device alone is the reference."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
+    from safetensors.torch import load_file
+
     hf_tp = _script("hf_tp")
     path = str(tmp_path / kind)
     hf_tp.build(kind, path)
@@ -146,7 +154,10 @@ def test_hugging_face_tensor_parallelism_runs_unchanged(kind, world, dtype, tmp_
     for who, pre in (("torch", []), ("ours", ["-m", "shardtensor.dropin"])):
         save = str(tmp_path / f"saved-{who}")
         out = _run(["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", *pre,
-                    "tests/torch_style/hf_tp.py", path, dtype, save], timeout=300)
+                    "tests/torch_style/hf_tp.py", path, dtype, save], timeout=300,
+                   may_fail="use_strided_shard_as_shard_order" if who == "torch" and kind.endswith("moe") else None)
+        if out is None:
+            continue
         lines = sorted((json.loads(m) for m in re.findall(r'\{"rank".*?\}', out)), key=lambda r: r["rank"])
         assert [r["rank"] for r in lines] == list(range(world)), out[-3000:]
         runs[who] = lines
@@ -155,15 +166,22 @@ def test_hugging_face_tensor_parallelism_runs_unchanged(kind, world, dtype, tmp_
     if kind.endswith("moe"):  # the fused experts' gate_up_proj is packed (torch's _StridedShard, ours under the drop-in)
         assert {tuple(r["packed"]) for r in runs["ours"]} == {("(StridedShard(dim=1, split_factor=2),)",)}, runs
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == "float32" else dict(rtol=1e-12, atol=1e-12)
-    one = hf_tp.run(transformers.AutoModelForCausalLM.from_pretrained(path, **hf_tp.load_kwargs(path, dtype)))
-    for ours, theirs in zip(runs["ours"], runs["torch"]):
-        assert ours["generated"] == theirs["generated"] == one["generated"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, **hf_tp.load_kwargs(path, dtype))
+    one = hf_tp.run(model)
+    for i, ours in enumerate(runs["ours"]):
+        assert ours["generated"] == one["generated"]
         for key in ("logits", "losses"):
-            torch.testing.assert_close(torch.tensor(ours[key]), torch.tensor(theirs[key]), **tol)
             torch.testing.assert_close(torch.tensor(ours[key]), torch.tensor(one[key]), rtol=1e-4, atol=1e-5)
-    from safetensors.torch import load_file
-
-    mine, ref = (load_file(str(tmp_path / f"saved-{w}" / "model.safetensors")) for w in ("ours", "torch"))
-    assert mine.keys() == ref.keys()
+            if "torch" in runs:
+                assert runs["torch"][i]["generated"] == one["generated"]
+                torch.testing.assert_close(torch.tensor(ours[key]), torch.tensor(runs["torch"][i][key]), **tol)
+    model.save_pretrained(str(tmp_path / "saved-one"))
+    mine, trained = (load_file(str(tmp_path / f"saved-{w}" / "model.safetensors")) for w in ("ours", "one"))
+    assert mine.keys() == trained.keys()
     for k in mine:
-        torch.testing.assert_close(mine[k], ref[k], **tol, msg=k)
+        torch.testing.assert_close(mine[k], trained[k], rtol=1e-4, atol=1e-5, msg=k)
+    if "torch" in runs:
+        ref = load_file(str(tmp_path / "saved-torch" / "model.safetensors"))
+        assert mine.keys() == ref.keys()
+        for k in mine:
+            torch.testing.assert_close(mine[k], ref[k], **tol, msg=k)

@@ -235,3 +235,14 @@ def test_fully_shard_over_a_packed_tensor_parallel_weight_trains_as_on_one_devic
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref[0]))
         torch.testing.assert_close(w, ref[1])
         assert pl == (Shard(0), StridedShard(1, 2))
+
+
+def test_a_drawing_shows_each_block_of_a_packed_tensor():
+    from shardtensor.debug.visualize import pieces
+
+    def rank():
+        mesh = init_device_mesh("cpu", (2,))
+        d = distribute_tensor(torch.zeros(8, 4), mesh, [StridedShard(0, 2)])
+        return [(p.rank, p.shape, p.offset) for p in pieces(d)]
+
+    assert run_spmd(rank, 2)[0] == [(0, (2, 4), (0, 0)), (0, (2, 4), (4, 0)), (1, (2, 4), (2, 0)), (1, (2, 4), (6, 0))]
