@@ -21,7 +21,9 @@ evenly and unevenly).  Layout families (every other input ``Replicate``):
 * ``partial``: each floating input in turn ``Partial(sum)`` on (4,), its values rounded to
   multiples of 2**-10 so the random terms sum to it exactly (a discontinuous op must see the
   same input as one device);
-* ``2d``: each such input ``(Shard(0), Shard(last))`` and ``(Shard(last), Partial(sum))`` on (2, 2).
+* ``2d``: each such input ``(Shard(0), Shard(last))`` and ``(Shard(last), Partial(sum))`` on (2, 2);
+* ``strided``: each such input packed, ``StridedShard(d, 2)`` for each of its dims on (4,), and
+  ``(Shard(0), StridedShard(last, 2))`` on (2, 2).
 
 Random ops (an aten op tagged ``nondeterministic_seeded`` runs; OpInfo's reseeding wrapper is
 undone) are checked by property against 16 dense runs (``Random``): shapes, dtypes, replicas
@@ -61,10 +63,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 import opcheck  # noqa: E402
 
-from shardtensor import Partial, Replicate, Shard  # noqa: E402
+from shardtensor import Partial, Replicate, Shard, StridedShard  # noqa: E402
 from shardtensor.errors import CollectiveTimeoutError, StuckRanksError  # noqa: E402
 
-LAYOUTS = ("replicated", "shard", "partial", "2d")
+LAYOUTS = ("replicated", "shard", "partial", "2d", "strided")
 OUTCOMES = ("pass", "wrong", "unsupported", "crash", "hang")
 TOL = {"rtol": 1e-3, "atol": 1e-3}
 R = Replicate()
@@ -170,6 +172,13 @@ def layouts(name: str, tensors: list[torch.Tensor]) -> list[tuple[str, tuple, tu
                 out.append((f"in{i} (S(0),S({t.ndim - 1}))", *one(i, (2, 2), (Shard(0), Shard(t.ndim - 1)))))
             if t.ndim >= 1 and t.is_floating_point():
                 out.append((f"in{i} (S({t.ndim - 1}),P)", *one(i, (2, 2), (Shard(t.ndim - 1), Partial("sum")))))
+    elif name == "strided":  # packed: each rank holds its piece of both halves of a dim
+        for i in shardable:
+            t = tensors[i]
+            out += [(f"in{i} SS({d},2)", *one(i, (4,), (StridedShard(d, 2),))) for d in range(t.ndim)]
+            if t.ndim >= 2:
+                out.append((f"in{i} (S(0),SS({t.ndim - 1},2))",
+                            *one(i, (2, 2), (Shard(0), StridedShard(t.ndim - 1, 2)))))
     elif name not in LAYOUTS:
         raise ValueError(f"unknown layout {name!r}; known: {', '.join(LAYOUTS)}")
     return out

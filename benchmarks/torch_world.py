@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial as TPartial, Replicate as TReplicate, Shard as TShard
+from torch.distributed.tensor.placement_types import _StridedShard as TStridedShard
 
 import opcheck
-from shardtensor import Partial, Replicate, Shard
+from shardtensor import Partial, Replicate, Shard, StridedShard
 
 TIMEOUT = 30.0
 
@@ -32,17 +33,25 @@ logging.getLogger("torch.distributed").setLevel(logging.ERROR)  # per-call advic
 def _theirs(p: Any) -> Any:
     if isinstance(p, Shard):
         return TShard(p.dim)
+    if isinstance(p, StridedShard):
+        return TStridedShard(p.dim, split_factor=p.split_factor)
     if isinstance(p, Partial):
         return TPartial(p.reduce_op)
-    return TReplicate()
+    if isinstance(p, Replicate):
+        return TReplicate()
+    raise TypeError(f"no torch placement for {p!r}")
 
 
 def _ours(p: Any) -> Any:
+    if isinstance(p, TStridedShard):
+        return StridedShard(p.dim, int(p.split_factor))
     if isinstance(p, TShard):
         return Shard(p.dim)
     if isinstance(p, TPartial):
         return Partial(p.reduce_op)
-    return Replicate()
+    if isinstance(p, TReplicate):
+        return Replicate()
+    raise TypeError(f"no shardtensor placement for {p!r}")
 
 
 TORCH = opcheck.Api(

@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from shardtensor import DTensor, Partial, Replicate, Shard, comm, init_device_mesh, run_spmd
+from shardtensor import DTensor, Partial, Replicate, Shard, StridedShard, comm, init_device_mesh, run_spmd
 
 __all__ = ["check", "prepare", "make_dtensor", "Api", "SHARDTENSOR", "close", "run_recorded", "dyadic", "data", "local_piece", "partial_terms", "placement_combos", "MESHES", "gen", "Prepared"]
 
@@ -101,6 +101,11 @@ def local_piece(t: torch.Tensor, mesh_shape, coord, placements, order=None) -> t
         p = placements[j]
         off, size = _chunk(t.shape[p.dim], mesh_shape[j], coord[j])
         t = t.narrow(p.dim, off, size)
+    for j, p in enumerate(placements):  # a packed dim: this rank's piece of each of its groups, in order
+        if isinstance(p, StridedShard):
+            groups = [t.narrow(p.dim, *_chunk(t.shape[p.dim], p.split_factor, g)) for g in range(p.split_factor)]
+            t = torch.cat([grp.narrow(p.dim, *_chunk(grp.shape[p.dim], mesh_shape[j], coord[j])) for grp in groups],
+                          dim=p.dim)
     return t.clone()
 
 

@@ -20,11 +20,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks
 import opinfo_sweep  # noqa: E402
 
 @pytest.mark.timeout(1200)
-def test_opinfo_every_input_sharded_on_every_dim_partial_and_2d():
+def test_opinfo_every_input_sharded_on_every_dim_partial_2d_and_packed():
     failures: list[str] = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        per_side = opinfo_sweep.sweep(opinfo_sweep.float32_ops(), 1, ("shard", "partial", "2d"),
+        per_side = opinfo_sweep.sweep(opinfo_sweep.float32_ops(), 1, ("shard", "partial", "2d", "strided"),
                                       {"shardtensor": None},
                                       lambda side, name, lay, outcome, msg: failures.append(f"{outcome} {name} {lay}: {msg}"))
     s = opinfo_sweep.summary(per_side["shardtensor"])

@@ -106,11 +106,13 @@ def dispatch_packed(func: Any, args: tuple, kwargs: dict, flat: list, specs: lis
     pargs, pkwargs = unflatten_call(plain, treedef)
     out = redispatch(func, pargs, pkwargs)
     for i, before in versions.items():  # what the op wrote goes back into the packed tensor
-        written = plain[i]
-        if written._local_tensor._version != before:
-            flat[i]._local_tensor.copy_(redistribute_local(written._local_tensor, written._spec, specs[i]))
+        written, me = plain[i], flat[i]
+        if written._spec.shape != specs[i].shape:  # it changed the shape (``resize_``): it takes the result
+            me._local_tensor, me._spec = written._local_tensor, written._spec
+        elif written._local_tensor._version != before:
+            me._local_tensor.copy_(redistribute_local(written._local_tensor, written._spec, specs[i]))
         if out is written:
-            out = flat[i]
+            out = me
     if view and isinstance(flat[0], DTensor):
         note_copies(func, flat[0], True, out, args[1:], kwargs)
     return out
