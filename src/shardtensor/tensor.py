@@ -17,7 +17,7 @@ from .implicit import TORCH_FUNCTION_CODES
 from .mesh import DeviceMesh, resolve_mesh
 from .pieces import check_pieces, check_shape, layout_stride, local_order
 from .placement import (OrderedPlacements, Partial, Placement, Replicate, Shard, StridedShard, chunk, display,
-                        has_strided, normalize_placements, unpartial)
+                        normalize_placements, unpartial)
 from .redistribute import redistribute_local
 from .redistribute import strided
 from .redistribute.execute import partition
@@ -457,7 +457,7 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
     if placements is None:
         placements = [Replicate()] * device_mesh.ndim
     spec = DTensorSpec.build(device_mesh, placements, tensor.shape, tensor.stride(), tensor.dtype)
-    packed = has_strided(spec.placements)
+    packed = spec.strided
     if packed:  # distributed as replicas on its StridedShard mesh dims, then packed (``redistribute/strided.py``)
         spec, packed_spec = strided.plain(spec), spec
     if src_data_rank is not None and (not isinstance(src_data_rank, int) or isinstance(src_data_rank, bool)):

@@ -52,10 +52,8 @@ def _blocks(t: "DTensor") -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[
     one block, or one per group piece of each StridedShard dim (a packed layout holds several)."""
     _values_only(t)
     spec = t._spec
-    if not spec.strided or math.prod(spec.shape) == 0:  # an empty tensor: one (empty) block names it
+    if math.prod(spec.shape) == 0:  # an empty tensor: one (empty) block names it
         sizes, offsets = spec.local_shape_and_offset()
-        if math.prod(sizes) == 0 and math.prod(spec.shape) > 0:
-            return []
         return [(tuple(sizes), tuple(offsets), (0,) * len(sizes))]
     coord = spec.mesh.get_coordinate()
     if coord is None:  # a rank off the mesh holds nothing

@@ -110,7 +110,7 @@ def _dispatch(func, args: tuple, kwargs: dict, view: bool, writes: tuple) -> Any
     if specs and specs[0] is None and type(flat[0]) is torch.Tensor and flat[0].ndim == 0 and _returns_self(func):
         plain = [0] + (plain or [])  # a plain 0-d self written in place (``total.add_(dt.sum())``) takes the value
     if packed:  # no rule reads a StridedShard (``strided.py``)
-        return dispatch_packed(func, args, kwargs, flat, specs, treedef, view, dispatch)
+        return dispatch_packed(func, args, kwargs, flat, specs, treedef, view, _returns_self(func), dispatch)
     r = route(func)
     if isinstance(r, tuple):
         return _decompose(func, r[1], args, kwargs, view, writes)

@@ -20,7 +20,8 @@ from ..tensor import DTensor
 
 aten = torch.ops.aten
 _ALSO_ELEMENTWISE = {aten.copy_.default, aten._to_copy.default, aten.fill_.Scalar, aten.fill_.Tensor,
-                     aten.zero_.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default}
+                     aten.zero_.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
+                     aten.full_like.default}
 _ELEMENTWISE: dict[int, bool] = {}
 
 
@@ -86,21 +87,18 @@ def _wrap(out: Any, layouts: list[DTensorSpec]) -> Any:
 
 
 def dispatch_packed(func: Any, args: tuple, kwargs: dict, flat: list, specs: list, treedef, view: bool,
-                    redispatch: Callable[..., Any]) -> Any:
-    """``func`` with StridedShard inputs (see the module docstring)."""
+                    inplace: bool, redispatch: Callable[..., Any]) -> Any:
+    """``func`` with StridedShard inputs (see the module docstring); ``inplace``: it returns its self."""
     if elementwise(func):
         layouts = _layouts(args, kwargs)
         if layouts is not None:
             local = [a._local_tensor if isinstance(a, DTensor) else a for a in flat]
             largs, lkwargs = unflatten_call(local, treedef)
             out = func(*largs, **lkwargs)
-            rets = func._schema.returns
-            if rets and rets[0].alias_info is not None and rets[0].alias_info.is_write:  # in place: self
-                return args[0]
-            return _wrap(out, layouts)
+            return args[0] if inplace else _wrap(out, layouts)
     plain, versions = list(flat), {}
     for i, (a, s) in enumerate(zip(flat, specs)):
-        if s is not None and strided.has(s):
+        if s is not None and s.strided:
             plain[i] = DTensor(strided.unpack(a._local_tensor, s), strided.plain(s))
             versions[i] = plain[i]._local_tensor._version
     pargs, pkwargs = unflatten_call(plain, treedef)

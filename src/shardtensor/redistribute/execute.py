@@ -13,7 +13,7 @@ from .. import comm
 from ..async_tensor import AsyncLocalTensor
 from ..comm.base import Completed, Work
 from ..mesh import DeviceMesh
-from ..placement import NormPartial, Partial, Replicate, Shard, chunk, has_strided, local_shape_and_offset
+from ..placement import NormPartial, Partial, Replicate, Shard, chunk, local_shape_and_offset
 from ..spec import same_local
 from . import strided
 from .exchange import blocks
@@ -252,7 +252,7 @@ def redistribute_local(t: torch.Tensor, src_spec, dst_spec, async_op: bool = Fal
         return t
     if t.shape == src_spec.shape and same_local(src_spec, dst_spec.with_dtype(src_spec.dtype)):
         return t  # they differ only on mesh dims of one rank
-    if has_strided(src_spec.placements) or has_strided(dst_spec.placements):  # packed layouts: ``strided.py``
+    if src_spec.strided or dst_spec.strided:  # packed layouts: ``strided.py``
         t = redistribute_local(strided.unpack(t, src_spec), strided.plain(src_spec), strided.plain(dst_spec))
         return laid_out(strided.pack(t, dst_spec), dst_spec.stride)
     for j, (a, b) in enumerate(zip(src_spec.placements, dst_spec.placements)):

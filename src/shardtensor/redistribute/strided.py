@@ -17,11 +17,6 @@ def _strided(spec) -> list[tuple[int, StridedShard]]:
     return [(j, p) for j, p in enumerate(spec.placements) if type(p) is StridedShard]
 
 
-def has(spec) -> bool:
-    """Whether ``spec`` holds a StridedShard (a flag computed once per spec)."""
-    return spec.strided
-
-
 def plain(spec):
     """``spec`` with every StridedShard mesh dim replicated (the planner's view of it)."""
     pl = [Replicate() if type(p) is StridedShard else p for p in spec.placements]
