@@ -15,7 +15,9 @@ shift
 root="${SHARDTENSOR_CACHE:-$HOME/.cache/shardtensor}"
 venv="$root/torch-$ver"
 stamp="$venv/.shardtensor-installed"
-want="$(sha256sum < pyproject.toml | cut -d' ' -f1)"
+# the stamp names the build files and this checkout: an editable install points at one checkout,
+# so a venv last installed from another clone (CI clones afresh) installs this one again
+want="$(sha256sum < pyproject.toml | cut -d' ' -f1) $PWD"
 mkdir -p "$root"
 
 skip() {
@@ -44,6 +46,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     || { echo "installing the project into $venv failed" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi
+here="$("$venv/bin/python" -c 'import shardtensor, os; print(os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(shardtensor.__file__)))))' 2>/dev/null)"
+[ "$here" = "$(pwd -P)" ] || { echo "torch $ver venv imports shardtensor from '${here:-nowhere}', not $(pwd -P)" >&2; exit 1; }
 echo "tests on $("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)')" >&2
 "$venv/bin/python" -m pytest "$@"
 rc=$?
