@@ -8,14 +8,12 @@ non-contiguous local shards.
 from __future__ import annotations
 
 import functools
-import pathlib
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from opcheck import MESHES, check, data, gen  # noqa: E402
+from opcheck import MESHES, check, data, gen
 
 from shardtensor import (DTensor, Partial, Replicate, Shard, comm, distribute_tensor, init_device_mesh,  # noqa: E402
                          run_spmd)
@@ -336,7 +334,6 @@ def test_complex_from_parts(mesh_shape):
 
 def test_op_sweep_sample():
     """A small draw of benchmarks/op_sweep.py: no wrong value, crash, hang or missing rule."""
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
     import op_sweep
 
     failures: list[str] = []

@@ -10,14 +10,11 @@ and every layout, is in benchmarks/README.md).
 """
 from __future__ import annotations
 
-import pathlib
-import sys
 import warnings
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-import opinfo_sweep  # noqa: E402
+import opinfo_sweep
 
 @pytest.mark.timeout(1200)
 def test_opinfo_every_input_sharded_on_every_dim_partial_2d_and_packed():

@@ -1,4 +1,5 @@
 """shardtensor: an SPMD sharded tensor for PyTorch (API mirrors ``torch.distributed.tensor``)."""
+from .version import __version__
 from .comm import run_spmd
 from .mesh import DeviceMesh, init_device_mesh
 from .placement import Partial, Placement, Replicate, Shard, StridedShard
@@ -6,6 +7,7 @@ from .spec import DTensorSpec, compute_local_shape_and_global_offset
 from .tensor import DTensor, distribute_tensor
 from .factories import empty, full, ones, rand, randn, zeros
 from .implicit import implicit_replication
+from . import dispatch  # installs DTensor's op entry points
 from .dispatch.fallback import strict_sharding
 from . import errors
 from .errors import MixedTensorError, ShardingError
@@ -23,7 +25,6 @@ __all__ = [
 ]
 __all__ += ["distribute_module", "empty", "full", "ones", "rand", "randn", "zeros"]
 __all__ += ["MixedPrecisionPolicy", "fully_shard", "compute_local_shape_and_global_offset"]
-__version__ = "0.1.0"
 
 
 def _allow_in_weights_only_load() -> None:

@@ -28,6 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .comm import current_transport
+from .version import __version__
+
 if TYPE_CHECKING:
     from .spec import DTensorSpec
 
@@ -75,15 +78,11 @@ class _AfterDynamo(importlib.abc.MetaPathFinder):
 
 def rank_key() -> int:
     """The calling rank, part of a DTensor's compile metadata (see the module docstring)."""
-    from .comm import current_transport
-
     return current_transport().rank
 
 
 def stable_hash(spec: "DTensorSpec", local: torch.Tensor) -> str:
     """A digest of what a DTensor's traces depend on, the same in every process."""
-    from . import __version__
-
     m = spec.mesh
     key = (__version__, m.device_type, m.shape, m._all, m.mesh_dim_names, repr(spec.placements), spec.shard_order,
            tuple(spec.shape), spec.stride, str(spec.dtype), rank_key(), tuple(local.shape), local.stride(),

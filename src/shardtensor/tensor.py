@@ -7,11 +7,12 @@ are wrapped with the decided specs.  Autograd flows through ``from_local``, ``to
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-from . import comm
+from . import blocks, comm
+from .comm.generators import draws_itself
 from .compile import keep_dynamo_out, rank_key, stable_hash
 from .implicit import TORCH_FUNCTION_CODES
 from .mesh import DeviceMesh, resolve_mesh
@@ -24,7 +25,7 @@ from .redistribute.execute import partition
 from .spec import DTensorSpec, interned
 from .submesh import empty_local
 
-__all__ = ["DTensor", "distribute_tensor"]
+__all__ = ["DTensor", "distribute_tensor", "install_dispatch"]
 
 
 def _tensor_attribute(name: str, writable: bool = True, plain_to: Any = None) -> Any:
@@ -55,6 +56,32 @@ def _tensor_attribute(name: str, writable: bool = True, plain_to: Any = None) ->
 
 
 _NO_SUBCLASS_FUNCTIONS = torch._C.DisableTorchFunctionSubclass
+
+below: Callable[..., Any] = torch._C._disabled_torch_function_impl
+"""``below(func, types, args[, kwargs])``: ``func`` run with torch-function handling off for
+DTensors (torch's C++ implementation of exactly that; ``kwargs`` only when not empty, since a
+property getter takes none)."""
+
+
+def _not_installed(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("shardtensor's dispatch layer is not installed: import shardtensor (the package installs it)")
+
+
+# Where the layer that runs ops plugs into DTensor (``install_dispatch``): DTensor sits below that
+# layer, so it cannot import it.  The package imports the layer, so users never meet these.
+_dispatch: Callable[..., Any] = _not_installed
+_torch_function: Callable[..., Any] = _not_installed
+_finish: Callable[..., Any] = _not_installed
+_repaired: frozenset = frozenset()
+
+
+def install_dispatch(dispatch: Callable[..., Any], torch_function: Callable[..., Any], finish: Callable[..., Any],
+                     repaired: frozenset) -> None:
+    """Plug in the dispatch layer: ``dispatch(func, args, kwargs)`` runs every aten op on DTensors,
+    ``torch_function`` the torch functions in ``repaired`` (and calls mixing subclasses), and
+    ``finish`` repairs the result of the others."""
+    global _dispatch, _torch_function, _finish, _repaired
+    _dispatch, _torch_function, _finish, _repaired = dispatch, torch_function, finish, repaired
 
 
 def _as_dtensor_grad(param: "DTensor", g: Any) -> Any:
@@ -193,21 +220,15 @@ class DTensor(torch.Tensor):
             return self._local_tensor
         return _ToLocal.apply(self, grad_placements)
 
-    # torch.distributed.checkpoint's protocol for tensor subclasses (see checkpoint.py)
+    # torch.distributed.checkpoint's protocol for tensor subclasses (see blocks.py)
     def __create_write_items__(self, fqn: str, object: Any) -> list:
-        from .checkpoint import write_items
-
-        return write_items(fqn, self)
+        return blocks.write_items(fqn, self._spec, self._local_tensor)
 
     def __create_chunk_list__(self) -> list:
-        from .checkpoint import chunk_list
-
-        return chunk_list(self)
+        return blocks.chunk_list(self._spec)
 
     def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
-        from .checkpoint import local_block
-
-        return local_block(self, index)
+        return blocks.local_block(self._spec, self._local_tensor, index)
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """The whole global tensor on every rank (redistributes to Replicate)."""
@@ -246,18 +267,18 @@ class DTensor(torch.Tensor):
     # -- dispatch -----------------------------------------------------------------------
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return dispatch(func, args, kwargs or {})
+        return _dispatch(func, args, kwargs or {})
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         """torch's default handling, with repairs where torch's C++ works outside dispatch
         (``dispatch/functions.py``)."""
-        if func in REPAIRED or len(types) != 1 or types[0] is not cls:
+        if func in _repaired or len(types) != 1 or types[0] is not cls:
             if not all(issubclass(cls, t) for t in types):
                 return NotImplemented
-            return torch_function(func, types, args, kwargs)
+            return _torch_function(func, types, args, kwargs)
         out = below(func, types, args, kwargs) if kwargs else below(func, types, args)
-        return out if type(out) is DTensor else finish(func, out, args, kwargs)
+        return out if type(out) is DTensor else _finish(func, out, args, kwargs)
 
     # -- torch.compile (see compile.py): the metadata is the spec and the calling rank ----
     def __tensor_flatten__(self):
@@ -488,6 +509,4 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
 
 
 TORCH_FUNCTION_CODES.add(DTensor.__dict__["__torch_function__"].__func__.__code__)  # see implicit.built_by_torch
-
-from .dispatch import dispatch  # noqa: E402  (the dispatch layer wraps its results in DTensor)
-from .dispatch.functions import REPAIRED, below, finish, torch_function  # noqa: E402
+draws_itself(DTensor)  # a random op on a DTensor draws through its rule (rng.draw), not the rank's mode

@@ -13,11 +13,14 @@ from __future__ import annotations
 import os
 import threading
 from abc import ABC, abstractmethod
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
 Group = tuple[int, ...]
+
+MeshDims = int | tuple[int, ...] | None
+"""A mesh dim, a tuple of mesh dims (their flattened group, first dim most significant), or None (the mesh)."""
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("SHARDTENSOR_COMM_TIMEOUT", "120"))
 
@@ -183,3 +186,13 @@ class Transport(ABC):
 
     @abstractmethod
     def barrier(self, group: Group) -> None: ...
+
+
+class GroupSource(Protocol):
+    """What a collective needs of a mesh (``DeviceMesh`` is one): the group of a mesh dim, and the
+    calling rank's transport."""
+
+    def group_ranks(self, mesh_dim: MeshDims) -> Group: ...
+
+    @property
+    def transport(self) -> Transport: ...

@@ -21,7 +21,7 @@ import torch
 
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, RankAbortedError, StuckRanksError
 from .base import DEFAULT_TIMEOUT_S, Completed, Group, Transport, Work, reduce_stack
-from ..rng import rank_generators
+from .generators import rank_generators
 
 
 class _Slot:
@@ -235,7 +235,7 @@ def run_spmd(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float
 
     Inside ``fn`` the code is ordinary SPMD code: ``init_device_mesh("cpu", (2, 2))`` (or
     ``"cuda"``) builds a mesh over the simulated ranks.  Each rank has its own default random
-    generators, copies of the caller's (see :mod:`shardtensor.rng`), and runs its autograd
+    generators, copies of the caller's (see :mod:`shardtensor.comm.generators`), and runs its autograd
     backward on its own thread (torch would run every rank's CUDA backward on one shared engine
     thread, where a collective inside backward waits forever for ranks queued behind it).  On
     Python 3.11, ``functools.cached_property`` computes without its shared lock inside simulated

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from . import Group, MeshDims, issue, issue_all_to_all_v, issue_broadcast
+from .base import Group, MeshDims
+from .issue import issue, issue_all_to_all_v, issue_broadcast
 
 __all__ = ["traced", "traced_all_to_all_v"]
 

@@ -16,14 +16,12 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ..placement import Partial, Replicate, display, local_blocks, local_shape_and_offset
+from ..redistribute.drawing import PALETTE, ranks_label
 
 __all__ = ["visualize_sharding", "describe_sharding", "Piece", "pieces"]
 
 GRID_WIDTH = 48      # target interior width of a grid, in characters
 GRID_HEIGHT = 8      # target interior height of a 2-D grid, in lines (at most one per tensor row)
-
-_PALETTE = ["#8dd3c7", "#ffffb3", "#bebada", "#fb8072", "#80b1d3", "#fdb462", "#b3de69", "#fccde5",
-            "#d9d9d9", "#bc80bd", "#ccebc5", "#ffed6f"]
 
 
 @dataclass(frozen=True)
@@ -68,22 +66,6 @@ def pieces(x: Any) -> list[Piece]:
 
 # -- text pieces ------------------------------------------------------------------------------
 
-def _ranks_label(ranks: Sequence[int]) -> str:
-    """``[0]`` -> ``r0``; ``[0, 2]`` -> ``r0,r2``; ``[0, 1, 2, 3]`` -> ``r0-r3``."""
-    rs = sorted(set(ranks))
-    parts, i = [], 0
-    while i < len(rs):
-        j = i
-        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
-            j += 1
-        if j - i >= 2:
-            parts.append(f"r{rs[i]}-r{rs[j]}")
-        else:
-            parts.extend(f"r{r}" for r in rs[i:j + 1])
-        i = j + 1
-    return ",".join(parts)
-
-
 def _mesh_dim_name(mesh, j: int) -> str:
     names = mesh.mesh_dim_names
     return f"mesh dim {j} ({names[j]})" if names else f"mesh dim {j}"
@@ -114,7 +96,7 @@ def _notes(spec, ps: list[Piece], replicate_notes: bool = False) -> list[str]:
         if pc.empty:
             empty.setdefault(pc.shape, []).append(pc.rank)
     if empty:
-        items = [f"{_ranks_label(rs)} {shape}" for shape, rs in sorted(empty.items(), key=lambda kv: min(kv[1]))]
+        items = [f"{ranks_label(rs)} {shape}" for shape, rs in sorted(empty.items(), key=lambda kv: min(kv[1]))]
         out.append("empty pieces: " + "; ".join(items))
     return out
 
@@ -155,7 +137,7 @@ def _grid(spec, ps: list[Piece]) -> _Grid:
 
 
 def _cell_label(ranks: list[int], partial: bool) -> str:
-    return ("P " if partial else "") + _ranks_label(ranks)
+    return ("P " if partial else "") + ranks_label(ranks)
 
 
 def _iv(off: int, size: int) -> str:
@@ -221,7 +203,7 @@ def _render_rich(lines: list[str], owner: list[list[int | None]]) -> str:
         for key, grp in itertools.groupby(range(len(line)), key=lambda i: own[i] if i < len(own) else None):
             idx = list(grp)
             seg = line[idx[0]:idx[-1] + 1]
-            style = f"black on {_PALETTE[key % len(_PALETTE)]}" if key is not None else None
+            style = f"black on {PALETTE[key % len(PALETTE)]}" if key is not None else None
             text.append(seg, style=style)
     buf = io.StringIO()
     console = Console(file=buf, force_terminal=True, color_system="truecolor", width=max(len(x) for x in lines) + 1,
@@ -255,7 +237,7 @@ def _png(spec, g: _Grid | None, title: list[str], notes: list[str], path: str) -
         for (r, c), ranks in sorted(g.cells.items()):
             x0, w = g.cols[c]
             y0, h = (0, 1) if nd == 1 else g.rows[r]
-            ax.add_patch(Rectangle((x0, y0), w, h, facecolor=_PALETTE[(r * ncols + c) % len(_PALETTE)],
+            ax.add_patch(Rectangle((x0, y0), w, h, facecolor=PALETTE[(r * ncols + c) % len(PALETTE)],
                                    edgecolor="black", linewidth=1))
             ax.text(x0 + w / 2, y0 + h / 2, _cell_label(ranks, partial), ha="center", va="center", fontsize=9)
         width = spec.shape[nd - 1]

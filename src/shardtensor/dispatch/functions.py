@@ -14,16 +14,16 @@ outside dispatch, on memory or plain tensors a DTensor cannot stand for.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ..implicit import implicit_replication
-from ..tensor import DTensor
+from ..tensor import DTensor, below
 from .fallback import replicate_plain
 
-__all__ = ["torch_function", "REPAIRED", "below", "finish"]
+__all__ = ["torch_function", "REPAIRED", "finish"]
 
 _NOWRAP = torch.overrides.get_default_nowrap_functions()
 _TENSOR_SPLIT = torch.Tensor.tensor_split
@@ -33,12 +33,6 @@ _SDPA = F.scaled_dot_product_attention
 REPAIRED = frozenset({torch.tensor_split, _TENSOR_SPLIT, _GETITEM, _SETITEM, _SDPA})
 """The functions ``torch_function`` looks at before running them; every other function goes
 straight to ``below`` (``DTensor.__torch_function__`` checks this first: the hot path)."""
-
-below: Callable[..., Any] = torch._C._disabled_torch_function_impl
-"""``below(func, types, args[, kwargs])``: ``func`` run with torch-function handling off for
-DTensors (torch's C++ implementation of exactly that; ``kwargs`` only when not empty, since a
-property getter takes none)."""
-
 
 def torch_function(func: Any, types: tuple, args: tuple, kwargs: dict | None) -> Any:
     """Run ``func`` below torch-function handling; results are DTensors or plain Python values."""

@@ -23,7 +23,8 @@ small all-gather of the local sizes, so uneven shards (e.g. 14 features over 4 r
 ``loss_parallel()`` computes ``F.cross_entropy`` on class-sharded logits from per-row statistics
 (``loss.py``).
 """
-from .api import distribute_module, parallelize_module
+from .api import parallelize_module
+from .module import distribute_module
 from .loss import loss_parallel
 from .style import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput,
                     PrepareModuleOutput, RowwiseParallel, SequenceParallel)

@@ -20,6 +20,7 @@ from .. import comm
 from ..mesh import DeviceMesh
 from ..placement import Placement, Replicate, Shard, normalize_placements
 from ..tensor import DTensor, distribute_tensor
+from .module import distribute_module
 
 __all__ = ["ColwiseParallel", "ParallelStyle", "PrepareModuleInput", "PrepareModuleInputOutput",
            "PrepareModuleOutput", "RowwiseParallel", "SequenceParallel", "local_to_dtensor"]
@@ -132,8 +133,6 @@ class _LinearEmbeddingStyle(ParallelStyle):
         raise NotImplementedError
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        from .api import distribute_module
-
         name = type(self).__name__
         if not isinstance(module, (nn.Linear, nn.Embedding)):
             raise NotImplementedError(f"{name} supports nn.Linear and nn.Embedding, got {type(module).__name__}")
@@ -227,8 +226,6 @@ class SequenceParallel(ParallelStyle):
         self.use_local_output = use_local_output
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        from .api import distribute_module
-
         layout, use_local = self.sequence_sharding[0], self.use_local_output
 
         def partition(_: str, mod: nn.Module, mesh: DeviceMesh) -> None:

@@ -43,6 +43,7 @@ import torch
 
 from ..placement import Partial, Placement, Replicate, Shard, ShardOrder, display
 from .cost import LinkModel, logical_shape, normalize_links, step_comm, step_link
+from .drawing import draw_plan
 from .exchange import exchange_dims, exchange_loads
 from .planner import plan
 from .spec_text import (_jnum, _order_from_json, _order_json, _pl_str, format_bytes, format_time, parse_dtype,
@@ -255,8 +256,6 @@ class Explanation:
         on the arrow.  1-D/2-D tensors are drawn as blocks labelled with the ranks holding them
         (rank = row-major index of the mesh coordinate); higher ranks get a per-dim description.
         Uses matplotlib's Agg canvas only (no pyplot state).  Returns ``png_path``."""
-        from ..debug.plan_drawing import draw_plan
-
         draw_plan(self, png_path, dpi)
         return png_path
 

@@ -1,15 +1,39 @@
 """Pictures of a redistribution plan (``Explanation.draw``): one row per step, the layout before
-and after it, the collective and its bytes on the arrow.  matplotlib's Agg canvas only."""
+and after it, the collective and its bytes on the arrow.  matplotlib's Agg canvas only.
+
+``explain.py`` imports this module and hands it an ``Explanation``, read by its fields here
+(typed ``Any``: importing the class back would close an import circle)."""
 from __future__ import annotations
 
 import itertools
 import math
 
-from ..placement import Partial, display, local_shape_and_offset
-from ..redistribute.explain import ExplainedStep, Explanation, format_bytes, format_time
-from .visualize import _PALETTE, _ranks_label
+from typing import Any, Sequence
 
-__all__ = ["draw_plan"]
+from ..placement import Partial, display, local_shape_and_offset
+from .spec_text import format_bytes, format_time
+
+__all__ = ["PALETTE", "draw_plan", "ranks_label"]
+
+PALETTE = ["#8dd3c7", "#ffffb3", "#bebada", "#fb8072", "#80b1d3", "#fdb462", "#b3de69", "#fccde5",
+           "#d9d9d9", "#bc80bd", "#ccebc5", "#ffed6f"]
+"""Block colours, by rank (also the sharding drawings' of ``debug.visualize``)."""
+
+
+def ranks_label(ranks: Sequence[int]) -> str:
+    """``[0]`` -> ``r0``; ``[0, 2]`` -> ``r0,r2``; ``[0, 1, 2, 3]`` -> ``r0-r3``."""
+    rs = sorted(set(ranks))
+    parts, i = [], 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        if j - i >= 2:
+            parts.append(f"r{rs[i]}-r{rs[j]}")
+        else:
+            parts.extend(f"r{r}" for r in rs[i:j + 1])
+        i = j + 1
+    return ",".join(parts)
 
 
 def _state_blocks(shape, mesh_shape, pl, order):
@@ -46,7 +70,7 @@ def _dims_text(shape, mesh_shape, pl, order) -> list[str]:
     return out
 
 
-def _draw_state(ax, ex: Explanation, pl, order, palette) -> None:
+def _draw_state(ax, ex: Any, pl, order, palette) -> None:
     from matplotlib.patches import Rectangle
 
     shape, mesh_shape = ex.shape, ex.mesh_shape
@@ -62,7 +86,7 @@ def _draw_state(ax, ex: Explanation, pl, order, palette) -> None:
             (r0, rs), (c0, cs) = ((0, 1), key[0]) if nd == 1 else key
             ax.add_patch(Rectangle((c0, r0), cs, rs, facecolor=palette[min(ranks) % len(palette)], edgecolor="black",
                                    linewidth=0.8))
-            ax.text(c0 + cs / 2, r0 + rs / 2, ("P " if partial else "") + _ranks_label(ranks), ha="center",
+            ax.text(c0 + cs / 2, r0 + rs / 2, ("P " if partial else "") + ranks_label(ranks), ha="center",
                     va="center", fontsize=fs)
         width, rows = shape[-1], (1 if nd == 1 else shape[0])
         ax.set_xlim(0, width)
@@ -77,7 +101,7 @@ def _draw_state(ax, ex: Explanation, pl, order, palette) -> None:
             yt = sorted({k[0][0] for k in blocks} | {rows})
             ax.set_yticks(yt if len(yt) <= 9 else [0, rows])
         if empty:
-            notes.append("empty: " + _ranks_label(empty))
+            notes.append("empty: " + ranks_label(empty))
         ax.set_xlabel("\n".join(notes), fontsize=7)
     else:
         ax.axis("off")
@@ -86,14 +110,13 @@ def _draw_state(ax, ex: Explanation, pl, order, palette) -> None:
                 transform=ax.transAxes)
 
 
-def draw_plan(ex: Explanation, path: str, dpi: int = 100) -> None:
-    """Draw ``ex`` to a PNG at ``path``: one row per step, the layouts before and after it."""
+def draw_plan(ex: Any, path: str, dpi: int = 100) -> None:
+    """Draw ``ex`` (an ``Explanation``) to a PNG at ``path``: one row per step, the layouts before and after it."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-
     nd = len(ex.shape)
-    rows: list[ExplainedStep | None] = list(ex.steps) or [None]
+    rows: list[Any] = list(ex.steps) or [None]
     row_h = 1.5 if nd == 1 else 2.4 if nd == 2 else 0.6 + 0.22 * max(nd, 2)
     nranks = math.prod(ex.mesh_shape)
     footer = ""
@@ -109,12 +132,12 @@ def draw_plan(ex: Explanation, path: str, dpi: int = 100) -> None:
     for i, st in enumerate(rows):
         left, mid, right = (fig.add_subplot(gs[i, c]) for c in range(3))
         if st is None:
-            _draw_state(left, ex, ex.src_placements, ex.src_order, _PALETTE)
-            _draw_state(right, ex, ex.dst_placements, ex.dst_order, _PALETTE)
+            _draw_state(left, ex, ex.src_placements, ex.src_order, PALETTE)
+            _draw_state(right, ex, ex.dst_placements, ex.dst_order, PALETTE)
             label = "no steps\n(same spec)"
         else:
-            _draw_state(left, ex, st.placements_before, st.order_before, _PALETTE)
-            _draw_state(right, ex, st.placements_after, st.order_after, _PALETTE)
+            _draw_state(left, ex, st.placements_before, st.order_before, PALETTE)
+            _draw_state(right, ex, st.placements_after, st.order_after, PALETTE)
             what = ("direct exchange" if st.collective == "all_to_all" and st.mesh_dims else f"{st.src} -> {st.dst}")
             label = (f"step {st.index}: mesh dim {st.dims_label} (k={st.group_size})\n{what}\n"
                      f"{st.collective}\n{format_bytes(st.bytes)} per rank\n{format_time(st.time)}")
