@@ -285,6 +285,28 @@ def test_op_without_rule_names_op_and_placements():
         spmd(body)
 
 
+def test_the_engine_refuses_a_plain_tensor_where_a_rule_needs_a_dtensor():
+    """A rule declares the DTensors it reads (``register(needs=...)``); the engine raises the one
+    error, naming the argument, before the rule runs -- and the rule never sees the call."""
+    from shardtensor.errors import UnsupportedOpError
+    from shardtensor.propagation import propagate
+    from shardtensor.propagation.registry import needs_of
+
+    aten = torch.ops.aten
+    assert needs_of(aten.gather.default) == ("self", "index")
+    assert needs_of(aten.addmm.default) == ("mat1", "mat2", "self")
+
+    def body():
+        mesh = init_device_mesh("cpu", (4,))
+        x = distribute_tensor(torch.ones(8, 4), mesh, [S0])
+        index = torch.zeros(8, 4, dtype=torch.long)
+        flat, treedef = flatten_call((x, 1, index), {})
+        with pytest.raises(UnsupportedOpError, match=r"gather.*plain tensor \(or none\) as 'index'.*S\(0\)"):
+            propagate(aten.gather.default, flat, [x._spec, None, None], treedef)
+
+    spmd(body)
+
+
 def test_two_meshes_raise():
     """#19: cross-mesh operations raise RuntimeError."""
     def body():

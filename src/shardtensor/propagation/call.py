@@ -13,7 +13,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..spec import DTensorSpec, contiguous_stride
+from ..errors import UnsupportedOpError
+from ..spec import DTensorSpec, contiguous_stride, placements_text
 
 __all__ = ["Call", "Decision", "FlatCall", "flatten_call", "unflatten_call"]
 
@@ -192,6 +193,24 @@ class Call:
         i = _arg_index(self.op).get(name)
         return args[i] if i is not None and i < len(args) else None
 
+    def refuse(self, why: str) -> UnsupportedOpError:
+        """The one error of a rule that cannot decide this call: ``raise call.refuse("with ...")``."""
+        return unsupported(self.op, self.specs, why)
+
+    def need(self, names: Sequence[str]) -> None:
+        """Refuse the call unless every tensor argument in ``names`` is a DTensor (the ``needs`` a
+        rule declares with ``register``; the engine checks them before the rule runs)."""
+        for name in names:
+            if self.pos(name) is None:
+                raise self.refuse(f"with a plain tensor (or none) as {name!r}")
+
+    def spec(self, name: str) -> DTensorSpec:
+        """The spec of tensor argument ``name``, a DTensor the rule needs (see ``need``)."""
+        pos = self.pos(name)
+        if pos is None:
+            raise self.refuse(f"with a plain tensor (or none) as {name!r}")
+        return self.specs[pos]  # type: ignore[return-value]
+
     def pos(self, name: str) -> int | None:
         """Flat position of the top-level tensor argument ``name`` (None when absent or not a DTensor)."""
         where = self.slots(name)
@@ -344,3 +363,7 @@ def _pointwise_meta(op, flat, specs, treedef) -> torch.Tensor | None:
                               for a, s in zip(flat, specs)])
     return None if out is None else torch.empty_strided(shape, stride, dtype=out[0], device=_META)
 
+
+def unsupported(op: Any, specs: Sequence[DTensorSpec | None], why: str = "has no sharding rule") -> UnsupportedOpError:
+    """The error of an op no rule decides for these placements (``Call.refuse`` inside a rule)."""
+    return UnsupportedOpError(f"shardtensor: {op} {why} (input placements: {placements_text(list(specs))})", op)

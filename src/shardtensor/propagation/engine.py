@@ -17,7 +17,7 @@ from ..errors import MeshMismatchError, PropagationError, ShardingError
 from ..observe import LISTENERS, note
 from ..spec import DTensorSpec, placements_text
 from .call import Call, Decision
-from .registry import _BY_SIGN, rule_for, unsupported
+from .registry import _BY_SIGN, needs_of, rule_for, unsupported
 from .strategy import Candidate, decide
 
 __all__ = ["propagate", "freezer", "clear_cache", "cache_info", "one_mesh", "HOT", "HOT_HITS", "remember"]
@@ -135,6 +135,7 @@ def propagate(op, flat: list[Any], specs: list[DTensorSpec | None], treedef) -> 
     call = Call(op, flat, specs, treedef)
     t0 = time.perf_counter() if LISTENERS else 0.0
     try:
+        call.need(needs_of(op))
         d = rule(call)
     except (ShardingError, NotImplementedError):
         raise

@@ -10,11 +10,9 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import UnsupportedOpError
-from ..spec import DTensorSpec, placements_text
-from .call import Call, Decision
+from .call import Call, Decision, unsupported
 
-__all__ = ["register", "rule_for", "unsupported", "RULES", "TAG_RULES", "SCALARS_BY_SIGN", "Rule"]
+__all__ = ["register", "rule_for", "needs_of", "unsupported", "RULES", "TAG_RULES", "SCALARS_BY_SIGN", "Rule"]
 
 
 Rule = Callable[[Call], "Decision | list"]
@@ -26,16 +24,23 @@ _BY_SIGN: set[int] = set()  # ids of SCALARS_BY_SIGN (OpOverload hashes in Pytho
 key holds ``(type, sign)`` so ``x * 2.0`` and ``x * 3.0`` share an entry."""
 
 
-def register(*ops: Any, scalars_by_sign: bool = False) -> Callable[[Rule], Rule]:
+NEEDS: dict[Any, tuple[str, ...]] = {}
+"""op -> the tensor arguments its rule needs as DTensors (checked before the rule runs)."""
+
+
+def register(*ops: Any, scalars_by_sign: bool = False, needs: tuple[str, ...] = ()) -> Callable[[Rule], Rule]:
     """Decorator: ``@register(aten.add.Tensor, ...)`` makes ``fn`` the rule of those overloads.
 
     A rule returns a :class:`Decision` or a list of :class:`Candidate` (selected by cost).
     ``scalars_by_sign=True`` declares that only the type and sign of scalar arguments matter.
+    ``needs`` names the tensor arguments the rule reads as DTensors (``call.spec(name)``): a
+    call with a plain tensor there is refused before the rule runs, with the one error.
     """
 
     def deco(fn: Rule) -> Rule:
         for op in ops:
             RULES[op] = fn
+            NEEDS[op] = needs
             if scalars_by_sign:
                 SCALARS_BY_SIGN.add(op)
                 _BY_SIGN.add(id(op))
@@ -45,8 +50,9 @@ def register(*ops: Any, scalars_by_sign: bool = False) -> Callable[[Rule], Rule]
     return deco
 
 
-def unsupported(op: Any, specs: list[DTensorSpec | None], why: str = "has no sharding rule") -> UnsupportedOpError:
-    return UnsupportedOpError(f"shardtensor: {op} {why} (input placements: {placements_text(specs)})", op)
+def needs_of(op: Any) -> tuple[str, ...]:
+    """The tensor arguments ``op``'s registered rule needs as DTensors."""
+    return NEEDS.get(op, ())
 
 
 def _is_out_overload(op) -> bool:

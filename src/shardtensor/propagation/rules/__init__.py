@@ -1,3 +1,9 @@
-"""One module per op family; importing this package registers every rule."""
-from . import (attention, conv, embedding, factory, fft, foreach, histogram, indexing, linalg,  # noqa: F401
-               matrix, misc, nn, norm, pointwise, reduction, scatter, shaping, slicing, view)
+"""One module per op family; importing this package registers every rule.
+
+The modules are found by listing the package (in name order), so a new op family is one new file.
+"""
+import importlib
+import pkgutil
+
+for _info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+    importlib.import_module(f"{__name__}.{_info.name}")

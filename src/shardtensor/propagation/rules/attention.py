@@ -22,7 +22,7 @@ import torch
 
 from ...placement import Placement, Replicate, Shard
 from ..call import Call, Decision
-from ..registry import register, unsupported
+from ..registry import register
 from ..strategy import Candidate, decide
 
 aten = torch.ops.aten
@@ -48,11 +48,11 @@ def attention_rule(call: Call) -> Decision:
     """Batch or heads sharded alike in every (batch, heads, ...) operand and output."""
     dropout = call.arg("dropout_p", 0.0)
     if isinstance(dropout, (int, float)) and dropout > 0:
-        raise unsupported(call.op, call.specs, f"with dropout_p={dropout} (random per element)")
+        raise call.refuse(f"with dropout_p={dropout} (random per element)")
     pos = call.tensor_positions
     first = call.specs[pos[0]]
     if first.ndim < 3:
-        raise unsupported(call.op, call.specs, "with operands of fewer than 3 dims")
+        raise call.refuse("with operands of fewer than 3 dims")
     ref = tuple(first.shape[:2])
     four_d = [call.specs[i].shape for i in pos if call.specs[i].ndim == 4]
     options: list[Placement] = [Replicate(), Shard(0)]

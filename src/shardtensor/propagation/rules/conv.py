@@ -41,7 +41,7 @@ import torch
 
 from ...placement import Partial, Placement, Replicate, Shard
 from ..call import Call, Decision
-from ..registry import register, unsupported
+from ..registry import register
 from ..strategy import Candidate, decide, expand, linear_partial, replicate, select
 from .matrix import label_decision, label_options
 from .misc import _ops
@@ -64,15 +64,15 @@ def _conv_labels(call: Call, spatial: int) -> tuple[tuple, tuple, tuple, list[st
     return (N, C) + sp_x, w, (N, O) + sp_o, shardable
 
 
-@register(aten.convolution.default)
+@register(aten.convolution.default, needs=("input", "weight"))
 def convolution_rule(call: Call) -> Decision:
     """Batch, out-channel, in-channel (partial) or partial-operand candidates; cheapest wins."""
     xp, wp, bp = call.pos("input"), call.pos("weight"), call.pos("bias")
-    if xp is None or wp is None or (bp is None and call.arg("bias") is not None):
-        raise unsupported(call.op, call.specs, "with a plain-tensor input, weight or bias")
+    if bp is None and call.arg("bias") is not None:
+        raise call.refuse("with a plain-tensor bias")
     x, w = call.specs[xp], call.specs[wp]
     if x.ndim != w.ndim:
-        raise unsupported(call.op, call.specs, "with an unbatched input")
+        raise call.refuse("with an unbatched input")
     xl, wl, ol, shardable = _conv_labels(call, x.ndim - 2)
     operands = [(xp, xl), (wp, wl)]
     options = label_options(call, operands, [(ol, [xp, wp])], shardable)
@@ -100,12 +100,10 @@ def _conv_kernel(meta: torch.Tensor, transposed: bool, groups: int) -> Callable:
     return kernel
 
 
-@register(aten.convolution_backward.default)
+@register(aten.convolution_backward.default, needs=("grad_output", "input", "weight"))
 def convolution_backward_rule(call: Call) -> Decision:
     """The three gradients from one labelled product; ``bias_sizes`` made local."""
     gp, xp, wp = call.pos("grad_output"), call.pos("input"), call.pos("weight")
-    if gp is None or xp is None or wp is None:
-        raise unsupported(call.op, call.specs, "with a plain-tensor grad_output, input or weight")
     x = call.specs[xp]
     xl, wl, ol, shardable = _conv_labels(call, x.ndim - 2)
     operands = [(gp, ol), (xp, xl), (wp, wl)]
@@ -164,12 +162,10 @@ def pool_rule(call: Call) -> Decision:
     return decide(call, [Candidate({0: pl}, out)], kernel=_empty_pool(call.op, spatial))
 
 
-@register(*_ops([n + "_backward" for n in POOLS]))
+@register(*_ops([n + "_backward" for n in POOLS]), needs=("grad_output", "self"))
 def pool_backward_rule(call: Call) -> Decision:
     """grad_output, self (and indices) at one placement; a linear partial grad stays partial."""
     gp, xp = call.pos("grad_output"), call.pos("self")
-    if gp is None or xp is None:
-        raise unsupported(call.op, call.specs, "with a plain-tensor grad_output or self")
     spatial = POOLS[call.op._schema.name.split("::")[-1][:-len("_backward")]][0]
     others = [p for p in call.tensor_positions if p != gp]
     cands = []
@@ -219,12 +215,10 @@ def _local_n(call: Call) -> Callable[[list], list]:
     return local_args
 
 
-@register(aten.native_group_norm.default)
+@register(aten.native_group_norm.default, needs=("input",))
 def group_norm_rule(call: Call) -> Decision:
     """Each sample normalised alone: the batch keeps its shards; mean/rstd follow it."""
     xp = call.pos("input")
-    if xp is None:
-        raise unsupported(call.op, call.specs, "with a plain-tensor input")
     batch = _batch_only(call.specs[xp].placements)
     rep = replicate(len(batch))
     inputs = {xp: batch, **{p: rep for p in call.tensor_positions if p != xp}}
@@ -232,12 +226,10 @@ def group_norm_rule(call: Call) -> Decision:
                   kernel=_contiguous(call.op))
 
 
-@register(aten.native_group_norm_backward.default)
+@register(aten.native_group_norm_backward.default, needs=("grad_out", "input"))
 def group_norm_backward_rule(call: Call) -> Decision:
     """d_input follows the batch; d_weight/d_bias are ``P(sum)`` where the batch is sharded."""
     gp, xp = call.pos("grad_out"), call.pos("input")
-    if gp is None or xp is None:
-        raise unsupported(call.op, call.specs, "with a plain-tensor grad_out or input")
     wpos = call.pos("weight")
     cands = []
     for src in (call.specs[xp], call.specs[gp]):

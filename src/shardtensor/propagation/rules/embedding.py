@@ -45,7 +45,7 @@ import torch
 from ...placement import Partial, Replicate, Shard
 from ...spec import DTensorSpec
 from ..call import Call, Decision
-from ..registry import register, unsupported
+from ..registry import register
 from ..strategy import Option, decide, expand, linear_partial, select
 from .matrix import label_decision
 
@@ -58,15 +58,13 @@ def _labels(nd: int) -> tuple:
     return tuple(("i", d) for d in range(nd))
 
 
-@register(aten.embedding.default)
+@register(aten.embedding.default, needs=("weight", "indices"))
 def embedding_rule(call: Call) -> Decision:
     """Lookup: replicate / batch / column-wise / row-wise (masked, P(sum)) / partial weight."""
     wpos, ipos = call.pos("weight"), call.pos("indices")
-    if wpos is None or ipos is None:
-        raise unsupported(call.op, call.specs, "with a plain-tensor weight or indices")
     w, idx = call.specs[wpos], call.specs[ipos]
     if w.ndim != 2:
-        raise unsupported(call.op, call.specs, f"with a {w.ndim}-D weight")
+        raise call.refuse(f"with a {w.ndim}-D weight")
     n = idx.ndim
     options: list[list[Option]] = []
     for j in range(call.mesh.ndim):
@@ -105,12 +103,10 @@ def _rowwise_lookup(wspec: DTensorSpec) -> Callable:
     return kernel
 
 
-@register(aten.embedding_dense_backward.default)
+@register(aten.embedding_dense_backward.default, needs=("grad_output", "indices"))
 def embedding_dense_backward_rule(call: Call) -> Decision:
     """Grad weight: R, P(sum) from a batch-sharded grad, S(1) from an emb-sharded grad, or a linear P."""
     gpos, ipos = call.pos("grad_output"), call.pos("indices")
-    if gpos is None or ipos is None:
-        raise unsupported(call.op, call.specs, "with a plain-tensor grad_output or indices")
     g, idx = call.specs[gpos], call.specs[ipos]
     n = idx.ndim
     scale = bool(call.arg("scale_grad_by_freq", False))
@@ -131,14 +127,13 @@ def embedding_dense_backward_rule(call: Call) -> Decision:
 
 # -- embedding_bag ---------------------------------------------------------------------------
 
-@register(aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
+@register(aten._embedding_bag.default, aten._embedding_bag_forward_only.default,
+          needs=("weight", "indices", "offsets"))
 def embedding_bag_rule(call: Call) -> Decision:
     """Bags of rows: column-wise, or a linear Partial weight (or per-sample weights) in sum/mean."""
     wpos, ipos, opos, ppos = (call.pos(n) for n in ("weight", "indices", "offsets", "per_sample_weights"))
-    if wpos is None or ipos is None or opos is None:
-        raise unsupported(call.op, call.specs, "with a plain-tensor weight, indices or offsets")
     if bool(call.arg("sparse", False)):
-        raise unsupported(call.op, call.specs, "with sparse=True")
+        raise call.refuse("with sparse=True")
     mode = int(call.arg("mode", 0))
     r = Replicate()
     max_cols = Shard(1) if call.out_meta[3].ndim == 2 else r
@@ -154,14 +149,12 @@ def embedding_bag_rule(call: Call) -> Decision:
     return decide(call, expand(options, positions))
 
 
-@register(aten._embedding_bag_backward.default, aten._embedding_bag_dense_backward.default)
+@register(aten._embedding_bag_backward.default, aten._embedding_bag_dense_backward.default, needs=("grad",))
 def embedding_bag_backward_rule(call: Call) -> Decision:
     """Grad weight rows are sums of grad rows: the emb dim's shards and linear partials pass."""
     gpos, mpos = call.pos("grad"), call.pos("maximum_indices")
-    if gpos is None:
-        raise unsupported(call.op, call.specs, "with a plain-tensor grad")
     if bool(call.arg("sparse", False)):
-        raise unsupported(call.op, call.specs, "with sparse=True")
+        raise call.refuse("with sparse=True")
     g = call.specs[gpos]
     cols = {gpos: Shard(1)}
     if mpos is not None and call.specs[mpos].ndim == 2:
@@ -176,12 +169,10 @@ def embedding_bag_backward_rule(call: Call) -> Decision:
     return decide(call, expand(options, positions))
 
 
-@register(aten._embedding_bag_per_sample_weights_backward.default)
+@register(aten._embedding_bag_per_sample_weights_backward.default, needs=("grad", "weight"))
 def embedding_bag_psw_backward_rule(call: Call) -> Decision:
     """Per-sample grads are dots of grad rows with weight rows: split D gives P(sum) terms."""
     gpos, wpos = call.pos("grad"), call.pos("weight")
-    if gpos is None or wpos is None:
-        raise unsupported(call.op, call.specs, "with a plain-tensor grad or weight")
     positions = [i for i, s in enumerate(call.specs) if s is not None]
     options: list[list[Option]] = []
     for j in range(call.mesh.ndim):

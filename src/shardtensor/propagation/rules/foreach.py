@@ -40,7 +40,7 @@ from ...errors import PropagationError
 from ...placement import Partial, Placement, Replicate, Shard
 from ...spec import DTensorSpec
 from ..call import Call, Decision, unflatten_call
-from ..registry import register, rule_for, unsupported
+from ..registry import register, rule_for
 from ..strategy import decide, finish
 from .pointwise import PARTIAL_ROWS
 
@@ -165,10 +165,10 @@ def foreach_rule(call: Call) -> Decision:
     """
     elem_op = _element_op(call.op)
     if elem_op is None:
-        raise unsupported(call.op, call.specs, "has no element op known to shardtensor")
+        raise call.refuse("has no element op known to shardtensor")
     rule = rule_for(elem_op)
     if rule is None:
-        raise unsupported(call.op, call.specs, f"(element op {elem_op} has no sharding rule)")
+        raise call.refuse(f"(element op {elem_op} has no sharding rule)")
     elements = _element_calls(call, elem_op)
     seen: set[int] = set()
     shared: set[int] = set()
@@ -182,7 +182,7 @@ def foreach_rule(call: Call) -> Decision:
             return _foreach_decision(call, elem_op, rule, elements, shared, attempt)
         except _Conflict as e:
             last = e
-    raise unsupported(call.op, call.specs, str(last))
+    raise call.refuse(str(last))
 
 
 def _foreach_decision(call: Call, elem_op, rule, elements, shared: set[int], attempt: int) -> Decision:
@@ -201,7 +201,7 @@ def _foreach_decision(call: Call, elem_op, rule, elements, shared: set[int], att
         ecall = Call(elem_op, ecall0.flat, specs, ecall0.treedef)
         self_spec = call.specs[leaves[0]] if leaves else None
         if inplace and self_spec is None:
-            raise unsupported(call.op, call.specs, f"writes into a plain tensor at index {k}")
+            raise call.refuse(f"writes into a plain tensor at index {k}")
         if inplace and elem_op not in NATIVE_INPLACE:
             keep = PARTIAL_ROWS.get(elem_op) == "terms"
             ecall.specs = [s if e == 0 or s is None else _aligned(self_spec, s, keep) for e, s in enumerate(ecall.specs)]
@@ -209,7 +209,7 @@ def _foreach_decision(call: Call, elem_op, rule, elements, shared: set[int], att
         if not isinstance(d, Decision):
             d = decide(ecall, d)
         if d.kernel is not None:
-            raise unsupported(call.op, call.specs, f"(element op {elem_op} needs a custom kernel)")
+            raise call.refuse(f"(element op {elem_op} needs a custom kernel)")
         if inplace:
             out = d.output
             want = d.inputs[0] if d.inputs[0] is not None else self_spec
@@ -304,7 +304,7 @@ def fused_optimizer_rule(call: Call) -> Decision:
     lists = FUSED_LISTS[name.rstrip("_")]
     params = call.positions("self")
     if any(p is None for p in params):
-        raise unsupported(call.op, call.specs, "with plain-tensor params mixed with DTensors")
+        raise call.refuse("with plain-tensor params mixed with DTensors")
     required = list(call.specs)
     for i, pos in enumerate(params):
         s = call.specs[pos]
@@ -320,19 +320,19 @@ def fused_optimizer_rule(call: Call) -> Decision:
             raise PropagationError(f"shardtensor: {call.op}: {lname} has {len(pos_list)} tensors, params {len(params)}")
         for i, (pp, pos) in enumerate(zip(params, pos_list)):
             if pos is None:
-                raise unsupported(call.op, call.specs, f"with a plain tensor in {lname}[{i}]")
+                raise call.refuse(f"with a plain tensor in {lname}[{i}]")
             ps, s = call.specs[pp], call.specs[pos]
             want = s.with_placements(ps.placements, ps.shard_order)
             if want == s:
                 continue
             if inplace and lname != "grads" and name.rstrip("_") in MOVABLE_STATE:
-                raise unsupported(call.op, call.specs, f"with {lname}[{i}] placed {s.placements} unlike its param "
+                raise call.refuse(f"with {lname}[{i}] placed {s.placements} unlike its param "
                                   f"{ps.placements} in the fused kernel")
             if inplace and lname != "grads":
                 raise PropagationError(f"shardtensor: {call.op}: {lname}[{i}] has placements {s.placements} but its param "
                                    f"{ps.placements}; the optimizer state is updated in place and cannot move")
             if inplace and grad_scale is not None:
-                raise unsupported(call.op, call.specs, f"with grad_scale and grads[{i}] placed {s.placements} unlike "
+                raise call.refuse(f"with grad_scale and grads[{i}] placed {s.placements} unlike "
                                   f"its param {ps.placements} (the kernel unscales grads in place)")
             required[pos] = want
     for aname in REPLICATED_ARGS:

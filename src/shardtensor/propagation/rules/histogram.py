@@ -24,7 +24,7 @@ from ... import comm
 from ...placement import Partial, Placement, Replicate, Shard
 from ...spec import DTensorSpec
 from ..call import Call, Decision
-from ..registry import register, unsupported
+from ..registry import register
 from ... import rng
 from ..strategy import Option, decide, expand, finish, no_partial
 from .misc import gather_dims
@@ -82,13 +82,11 @@ def _check_probabilities(rows: torch.Tensor, num_samples: int, replacement: bool
                            "(not enough non-zero categories on some rank)")
 
 
-@register(aten.searchsorted.Tensor)
+@register(aten.searchsorted.Tensor, needs=("sorted_sequence", "self"))
 def searchsorted_rule(call: Call) -> Decision:
     """Each value's position in its own row of the sequence: values split freely over a 1-D
     sequence, and with an N-D one over the batch dims they share with it."""
     qp, vp, sp = call.pos("sorted_sequence"), call.pos("self"), call.pos("sorter")
-    if qp is None or vp is None:
-        raise unsupported(call.op, call.specs, "needs DTensors for sorted_sequence and self")
     q, v = call.specs[qp], call.specs[vp]
     batch = q.ndim > 1
     dims = range(q.ndim - 1) if batch else range(v.ndim)
@@ -102,12 +100,10 @@ def searchsorted_rule(call: Call) -> Decision:
     return decide(call, expand([opt] * call.mesh.ndim, positions))
 
 
-@register(aten.bucketize.Tensor)
+@register(aten.bucketize.Tensor, needs=("self", "boundaries"))
 def bucketize_rule(call: Call) -> Decision:
     """Each value's bucket among replicated boundaries: the values' shards kept."""
     vp, bp = call.pos("self"), call.pos("boundaries")
-    if vp is None or bp is None:
-        raise unsupported(call.op, call.specs, "needs DTensors for self and boundaries")
     v = call.specs[vp]
     opt: list[Option] = [({}, Replicate())] + [({vp: Shard(d)}, Shard(d)) for d in range(v.ndim)]
     return decide(call, expand([opt] * call.mesh.ndim, [vp, bp]))

@@ -29,7 +29,7 @@ import torch
 from ...placement import NormPartial, Partial, Placement, Replicate, Shard
 from ...spec import DTensorSpec
 from ..call import Call, Decision
-from ..registry import register, unsupported
+from ..registry import register
 from ..strategy import Candidate, decide, finish
 
 aten = torch.ops.aten
@@ -180,10 +180,8 @@ def _inplace(op: Any) -> bool:
 
 
 def _self(call: Call) -> tuple[int, DTensorSpec]:
-    pos = call.pos("self")
-    if pos is None:
-        raise unsupported(call.op, call.specs, "needs a DTensor self")
-    return pos, call.specs[pos]
+    """Where ``self`` is, and its spec (a DTensor the rule needs)."""
+    return call.pos("self"), call.spec("self")
 
 
 def _int_list(v: Any) -> list[int]:
@@ -212,14 +210,11 @@ def roll_rule(call: Call) -> Decision:
 
 # -- gather ----------------------------------------------------------------------------------
 
-@register(aten.gather.default)
+@register(aten.gather.default, needs=("self", "index"))
 def gather_rule(call: Call) -> Decision:
     """``out[p] = self[p with dim := index[p]]``: index-shaped, so the output follows the index."""
     sp, s = _self(call)
-    ip = call.pos("index")
-    if ip is None:
-        raise unsupported(call.op, call.specs, "needs a DTensor index")
-    ix = call.specs[ip]
+    ip, ix = call.pos("index"), call.spec("index")
     dim = _norm(call.arg("dim"), s.ndim)
     opts = _index_shaped(dim, s, ix)
     if ix.ndim:
@@ -274,14 +269,14 @@ def _layout(ndim: int, dims: list[int], bnd: int) -> tuple[dict[int, int], int]:
 def _index_info(call: Call, s: DTensorSpec) -> tuple[list[tuple[int, int | None, Any]], bool]:
     slots = _index_slots(call)
     if not slots:
-        raise unsupported(call.op, call.specs, "with no index tensor")
+        raise call.refuse("with no index tensor")
     masks = False
     for _, pos, leaf in slots:
         dt = call.specs[pos].dtype if pos is not None else getattr(leaf, "dtype", None)
         if dt in (torch.bool, torch.uint8):
             masks = True
         elif dt not in _INDEX_DTYPES:
-            raise unsupported(call.op, call.specs, f"with an index of dtype {dt}")
+            raise call.refuse(f"with an index of dtype {dt}")
     return slots, masks
 
 
@@ -296,8 +291,8 @@ def index_rule(call: Call) -> Decision:
     sp, s = _self(call)
     slots, masks = _index_info(call, s)
     if masks:
-        raise unsupported(call.op, call.specs, "with a boolean mask has a data-dependent output shape; "
-                                               "call .full_tensor() first and index the plain tensor")
+        raise call.refuse("with a boolean mask has a data-dependent output shape; "
+                          "call .full_tensor() first and index the plain tensor")
     dims = [d for d, _, _ in slots]
     bshape = _bshape(call, slots)
     dmap, start = _layout(s.ndim, dims, len(bshape))
@@ -326,7 +321,7 @@ def index_put_rule(call: Call) -> Decision:
     args, kwargs = call.args_kwargs()
     vleaf = kwargs.get("values", args[2] if len(args) > 2 else None)
     if vp is None and isinstance(vleaf, torch.Tensor) and vleaf.ndim > 0:
-        raise unsupported(call.op, call.specs, "with a plain (non-DTensor) values tensor")
+        raise call.refuse("with a plain (non-DTensor) values tensor")
     v = call.specs[vp] if vp is not None else None
     vshape = tuple(v.shape) if v is not None else tuple(getattr(vleaf, "shape", ()))
     accumulate = bool(call.arg("accumulate", False))
@@ -395,5 +390,5 @@ def _values_kernel(call: Call, vp: int | None) -> Callable[[Candidate], Callable
 @register(aten.nonzero.default, aten.masked_select.default)
 def data_dependent_rule(call: Call) -> Decision:
     """The output length depends on the values: no sharding rule can state it ahead of the kernel."""
-    raise unsupported(call.op, call.specs, "has a data-dependent output shape; call .full_tensor() on the "
-                                           "inputs first and run it on plain tensors")
+    raise call.refuse("has a data-dependent output shape; call .full_tensor() on the "
+                      "inputs first and run it on plain tensors")

@@ -19,7 +19,7 @@ import torch
 
 from ...spec import DTensorSpec
 from ..call import Call, Decision
-from ..registry import register, unsupported
+from ..registry import register
 from ..strategy import decide, expand, finish, no_partial, replicate
 from .matrix import label_options
 from .misc import _ops, _renumbered, _replicate, gather_dims
@@ -69,30 +69,26 @@ def check_errors_rule(call: Call) -> Decision:
 B, P, R_, M = "b", "p", "r", "m"
 
 
-@register(aten._cdist_forward.default)
+@register(aten._cdist_forward.default, needs=("x1", "x2"))
 def cdist_rule(call: Call) -> Decision:
     """Distances row by row: batch, ``x1``'s rows or ``x2``'s rows shard; the feature dim never."""
     x1, x2 = call.pos("x1"), call.pos("x2")
-    if x1 is None or x2 is None:
-        raise unsupported(call.op, call.specs, "with a plain-tensor x1 or x2")
     nb = call.specs[x1].ndim - 2
     if call.specs[x2].ndim - 2 != nb or tuple(call.specs[x1].shape[:nb]) != tuple(call.specs[x2].shape[:nb]):
-        raise unsupported(call.op, call.specs, "with broadcast batch dims")
+        raise call.refuse("with broadcast batch dims")
     batch = tuple((B, d) for d in range(nb))
     operands = [(x1, batch + (P, M)), (x2, batch + (R_, M))]
     options = label_options(call, operands, [(batch + (P, R_), [x1, x2])], batch + (P, R_), linear=[])
     return decide(call, expand(options, [x1, x2]))
 
 
-@register(aten._cdist_backward.default)
+@register(aten._cdist_backward.default, needs=("grad", "x1", "x2", "cdist"))
 def cdist_backward_rule(call: Call) -> Decision:
     """Grad of ``x1``: summed over ``x2``'s rows, so ``P(sum)`` where those are sharded."""
     g, x1, x2, c = call.pos("grad"), call.pos("x1"), call.pos("x2"), call.pos("cdist")
-    if None in (g, x1, x2, c):
-        raise unsupported(call.op, call.specs, "with a plain-tensor argument")
     nb = call.specs[x1].ndim - 2
     if call.specs[x2].ndim - 2 != nb or tuple(call.specs[x1].shape[:nb]) != tuple(call.specs[x2].shape[:nb]):
-        raise unsupported(call.op, call.specs, "with broadcast batch dims")
+        raise call.refuse("with broadcast batch dims")
     batch = tuple((B, d) for d in range(nb))
     operands = [(g, batch + (P, R_)), (x1, batch + (P, M)), (x2, batch + (R_, M)), (c, batch + (P, R_))]
     options = label_options(call, operands, [(batch + (P, M), [g, x1, x2, c])], batch + (P, R_), linear=[g])

@@ -44,7 +44,7 @@ import torch
 from ...placement import Partial, Placement, Replicate, Shard
 from ...spec import DTensorSpec
 from ..call import Call, Decision
-from ..registry import register, unsupported
+from ..registry import register
 from ..strategy import Candidate, Option, expand, finish, linear_partial, select
 
 aten = torch.ops.aten
@@ -168,32 +168,15 @@ OUT_LABELS = {aten.mm.default: "mn", aten.bmm.default: "bmn", aten.mv.default: "
 BIASED = {aten.addmm.default, aten.baddbmm.default, aten.addmv.default}
 
 
-@register(aten.mm.default, aten.bmm.default, aten.mv.default, aten.dot.default)
 def product_rule(call: Call) -> Decision:
-    """mm / bmm / mv / dot: the einsum candidates, cheapest by modeled cost."""
-    return _product(call)
-
-
-@register(aten.addmm.default, aten.baddbmm.default, aten.addmv.default, scalars_by_sign=True)
-def biased_product_rule(call: Call) -> Decision:
-    """addmm / baddbmm / addmv: the product's candidates with the bias following the output."""
-    return _product(call)
-
-
-def _product(call: Call) -> Decision:
-    operands = []
-    for name, labs in SIGNATURES[call.op]:
-        pos = call.pos(name)
-        if pos is None:
-            raise unsupported(call.op, call.specs, f"with a plain-tensor {name!r} operand")
-        operands.append((pos, tuple(labs)))
+    """mm / bmm / mv / dot: the einsum candidates, cheapest by modeled cost; addmm / baddbmm /
+    addmv: the same with the bias (``self``) following the output."""
+    operands = [(call.pos(name), tuple(labs)) for name, labs in SIGNATURES[call.op]]
     out_labels = tuple(OUT_LABELS[call.op])
     bias = None
     labels = dict(operands)
     if call.op in BIASED:
         bpos = call.pos("self")
-        if bpos is None:
-            raise unsupported(call.op, call.specs, "with a plain-tensor bias")
         blabs = _bias_labels(call.specs[bpos], call.out_meta.shape, out_labels)
         bias = (bpos, blabs)
         labels[bpos] = blabs
@@ -202,6 +185,11 @@ def _product(call: Call) -> Decision:
     broadcast = bias is not None and (len(bias[1]) < len(out_labels) or None in bias[1])
     kernel = (lambda targets, op=call.op: _broadcast_bias(op)) if broadcast else None
     return label_decision(call, select(call, cands), labels, out_labels, kernel=kernel)
+
+
+for _op, _sig in SIGNATURES.items():  # each operand of the signature (and a bias) must be a DTensor
+    register(_op, scalars_by_sign=_op in BIASED,
+             needs=tuple(name for name, _ in _sig) + (("self",) if _op in BIASED else ()))(product_rule)
 
 
 def _broadcast_bias(op: Any) -> Callable:

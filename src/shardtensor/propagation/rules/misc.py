@@ -31,7 +31,7 @@ from ...placement import Partial, Placement, Replicate, Shard, unpartial
 from ...redistribute import redistribute_local
 from ...spec import DTensorSpec
 from ..call import Call, Decision, unflatten_call
-from ..registry import register, unsupported
+from ..registry import register
 from ..strategy import any_partial, finish, linear_partial
 
 aten = torch.ops.aten
@@ -72,7 +72,7 @@ def triangle_rule(call: Call) -> Decision:
     """Every placement passes; a row/column-sharded block shifts its diagonal by ``r0 - c0``."""
     s = call.specs[0]
     if s.ndim < 2:
-        raise unsupported(call.op, call.specs, "needs at least 2 dims")
+        raise call.refuse("needs at least 2 dims")
     meta = call.out_meta
     out = DTensorSpec.build(s.mesh, s.placements, meta.shape, meta.stride(), meta.dtype, s.shard_order)
     rows, cols = s.ndim - 2, s.ndim - 1
@@ -217,12 +217,10 @@ def _replicate(s: DTensorSpec) -> DTensorSpec:
     return s.with_placements([Replicate()] * s.mesh.ndim)
 
 
-@register(aten.equal.default)
+@register(aten.equal.default, needs=("self", "other"))
 def equal_rule(call: Call) -> Decision:
     """``torch.equal``: shard-wise comparison plus a min all-reduce, or both gathered first."""
-    a, b = call.specs[0], call.specs[1]
-    if a is None or b is None:
-        raise unsupported(call.op, call.specs, "with a plain tensor")
+    a, b = call.spec("self"), call.spec("other")
     if tuple(a.shape) != tuple(b.shape):
         return finish(call, {}, None, kernel=lambda *args, **kw: False)
     if (a.placements == b.placements and a.shard_order == b.shard_order
@@ -322,19 +320,15 @@ def random_fill_rule(call: Call) -> Decision:
     return finish(call, {}, s, kernel=kernel)
 
 
-@register(aten.bernoulli_.Tensor)
+@register(aten.bernoulli_.Tensor, needs=("self", "p"))
 def bernoulli_rule(call: Call) -> Decision:
     """``x.bernoulli_(p)``: ``u < p`` with ``u`` this rank's block of one global uniform draw;
     ``p`` is placed like ``x``.  (``bernoulli.p``, ``bernoulli.default`` and ``bernoulli_.float``
     are the dropout family, in ``rules.nn``.)"""
     s = call.specs[0]
-    op = call.op
-    ppos = call.pos("p")
-    if ppos is None:
-        raise unsupported(op, call.specs, "with a plain probability tensor")
-    ps = call.specs[ppos]
+    ppos, ps = call.pos("p"), call.spec("p")
     if tuple(ps.shape) != tuple(s.shape):
-        raise unsupported(op, call.specs, "with a broadcast probability tensor")
+        raise call.refuse("with a broadcast probability tensor")
 
     whole = s.unpartial()
 

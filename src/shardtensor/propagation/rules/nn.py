@@ -59,7 +59,7 @@ from ...errors import PropagationError
 from ...placement import Partial, Placement, Replicate, Shard, unpartial
 from ...spec import DTensorSpec, contiguous_stride
 from ..call import Call, Decision
-from ..registry import register, unsupported
+from ..registry import register
 from ..strategy import Candidate, Pl, decide, finish
 
 aten = torch.ops.aten
@@ -115,12 +115,10 @@ def softmax_rule(call: Call) -> Decision:
     return decide(call, [Candidate({0: pl}, pl)], meta=call.shaped_meta(x.shape))
 
 
-@register(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)
+@register(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default, needs=("grad_output", "output"))
 def softmax_backward_rule(call: Call) -> Decision:
     """grad and output both at ``gather(src, [dim])``, src the more sharded of the two."""
     g, o = call.pos("grad_output"), call.pos("output")
-    if g is None or o is None:
-        raise unsupported(call.op, call.specs, "needs DTensor grad_output and output")
     gs, os_ = call.specs[g], call.specs[o]
     dim = _dim(call.arg("dim"), gs.ndim)
     src = os_ if _shards(os_, os_.placements) > _shards(gs, gs.placements) else gs
@@ -157,12 +155,10 @@ def _nll_layouts(call: Call, backward: bool = False) -> list[tuple[Pl, Pl, Pl]]:
     return res
 
 
-@register(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+@register(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default, needs=("self", "target"))
 def nll_loss_forward_rule(call: Call) -> Decision:
     """Class dim gathered, target follows; mean all-reduces the total weight (exact, uneven ok)."""
     xp, tp, wp = call.pos("self"), call.pos("target"), call.pos("weight")
-    if xp is None or tp is None:
-        raise unsupported(call.op, call.specs, "needs DTensor self and target")
     reduction = call.arg("reduction")
     rep = (Replicate(),) * call.mesh.ndim
     cands = []
@@ -196,13 +192,11 @@ def _nll_mean_kernel(op, mesh, dims: list[int]):
     return kernel
 
 
-@register(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
+@register(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default, needs=("grad_output", "self", "target"))
 def nll_loss_backward_rule(call: Call) -> Decision:
     """grad_input follows self's required layout; mean needs the global total weight (``R``)."""
     gp, xp, tp = call.pos("grad_output"), call.pos("self"), call.pos("target")
     wp, twp = call.pos("weight"), call.pos("total_weight")
-    if xp is None or tp is None or gp is None:
-        raise unsupported(call.op, call.specs, "needs DTensor grad_output, self and target")
     reduction = call.arg("reduction")
     rep = (Replicate(),) * call.mesh.ndim
     cands = []
@@ -269,13 +263,11 @@ def _norm_meta(call: Call, x: DTensorSpec, axis: int) -> tuple[torch.Tensor, ...
     return (out, stat, stat) if layer else (out, stat)
 
 
-@register(aten.native_layer_norm_backward.default, aten._fused_rms_norm_backward.default)
+@register(aten.native_layer_norm_backward.default, aten._fused_rms_norm_backward.default, needs=("grad_out", "input"))
 def layer_norm_backward_rule(call: Call) -> Decision:
     """d_input ``A``; d_weight/d_bias ``P(sum)`` only where ``A`` shards a batch dim."""
     layer = call.op is aten.native_layer_norm_backward.default
     gp, xp = call.pos("grad_out"), call.pos("input")
-    if gp is None or xp is None:
-        raise unsupported(call.op, call.specs, "needs DTensor grad_out and input")
     x, g = call.specs[xp], call.specs[gp]
     axis = _norm_axis(call, x)
     mask = list(call.arg("output_mask"))

@@ -25,7 +25,7 @@ import torch
 
 from ...placement import NormPartial, Partial, Shard
 from ..call import Call, Decision
-from ..registry import register, unsupported
+from ..registry import register
 from ..strategy import finish, keep_order, kept_order, pick
 from .reduction import check_dims, choices, empty_safe, out_order, out_spec, reduce_out, reduced_dims
 
@@ -41,7 +41,7 @@ def norm_partial(call: Call, ord: Any) -> NormPartial:
     try:
         return NormPartial(ord)
     except (NotImplementedError, TypeError) as e:
-        raise unsupported(call.op, call.specs, f"with ord={ord!r}: {e}") from None
+        raise call.refuse(f"with ord={ord!r}: {e}") from None
 
 
 def norm_identity(p: float) -> float | None:
@@ -90,7 +90,7 @@ def foreach_norm_rule(call: Call) -> Decision:
     """One independent choice per list element; each output a 0-d ``PN(ord)``/``R`` tensor."""
     positions = call.positions("self")
     if any(p is None for p in positions):
-        raise unsupported(call.op, call.specs, "with a list mixing DTensors and plain tensors")
+        raise call.refuse("with a list mixing DTensors and plain tensors")
     pn = norm_partial(call, call.arg("ord", 2))
     metas = call.out_meta
     required = {}

@@ -23,7 +23,7 @@ from ...errors import PropagationError
 from ...placement import Partial, Placement, Replicate, Shard, unpartial
 from ...spec import DTensorSpec
 from ..call import Call, Decision
-from ..registry import TAG_RULES, register, unsupported
+from ..registry import TAG_RULES, register
 from ..strategy import LINEAR_KINDS, finish, linear_partial
 
 aten = torch.ops.aten
@@ -148,7 +148,7 @@ def pointwise_rule(call: Call) -> Decision:
     out_list = isinstance(out, (tuple, list))
     out0 = out[0] if out_list else out
     if not isinstance(out0, torch.Tensor):
-        raise unsupported(call.op, call.specs, "returns no tensor")
+        raise call.refuse("returns no tensor")
     nd = out0.ndim
     pos = call.tensor_positions
     specs = {i: call.specs[i] for i in pos}
@@ -277,7 +277,7 @@ def copy_rule(call: Call) -> Decision:
     """
     dst, src = call.specs[0], call.specs[1]
     if dst is None:
-        raise unsupported(call.op, call.specs, "into a plain tensor")
+        raise call.refuse("into a plain tensor")
     lead = dst.ndim - (src.ndim if src is not None else 0)
     need: list[Placement] = []
     for p, q in zip(dst.placements, src.placements if src is not None else dst.placements):

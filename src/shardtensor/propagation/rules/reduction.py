@@ -44,7 +44,7 @@ from ...errors import PropagationError
 from ...placement import Partial, Placement, Replicate, Shard
 from ...spec import DTensorSpec
 from ..call import Call, Decision
-from ..registry import register, unsupported
+from ..registry import register
 from ..strategy import Pl, finish, keep_order, kept_order, pick
 
 aten = torch.ops.aten
@@ -81,8 +81,8 @@ def check_dims(call: Call, spec: DTensorSpec, D: Sequence[int], keepdim: bool, m
         meta = meta[0]
     want = spec.ndim if keepdim else spec.ndim - len(D)
     if meta.ndim != want:
-        raise unsupported(call.op, call.specs, f"reduces dims {list(D)} (keepdim={keepdim}) but the output has "
-                                               f"{meta.ndim} dims, not {want}")
+        raise call.refuse(f"reduces dims {list(D)} (keepdim={keepdim}) but the output has "
+                          f"{meta.ndim} dims, not {want}")
 
 
 def require_nonempty(op: Any, spec: DTensorSpec, D: Sequence[int], all_dims: bool) -> None:

@@ -28,7 +28,7 @@ import torch
 
 from ...placement import Partial, Shard
 from ..call import Call, Decision
-from ..registry import register, unsupported
+from ..registry import register
 from ..strategy import Candidate, decide
 from .indexing import (R, Opt, _candidates, _dedupe, _first, _index_shaped, _inplace, _norm, _partial_kinds, _plain,
                        _self, _term_kernel)
@@ -62,13 +62,11 @@ def _reduce_of(call: Call) -> str | None:
     return None
 
 
-@register(*_SCATTER_SRC)
+@register(*_SCATTER_SRC, needs=("self", "index", "src"))
 def scatter_rule(call: Call) -> Decision:
     """Scatter dim gathered on self/index/src; other dims sharded alike where all three sizes agree."""
     sp, s = _self(call)
     ip, rp = call.pos("index"), call.pos("src")
-    if ip is None or rp is None:
-        raise unsupported(call.op, call.specs, "needs DTensors for index and src")
     ix, src = call.specs[ip], call.specs[rp]
     dim = _norm(call.arg("dim"), s.ndim)
     reduce = _reduce_of(call)
@@ -88,14 +86,11 @@ def scatter_rule(call: Call) -> Decision:
     return decide(call, _candidates([sp, ip, rp], per_dim, pairs))
 
 
-@register(aten.scatter.value, aten.scatter_.value)
+@register(aten.scatter.value, aten.scatter_.value, needs=("self", "index"))
 def scatter_value_rule(call: Call) -> Decision:
     """Scatter a scalar: self and index sharded alike off ``dim``; a Partial self keeps its kind."""
     sp, s = _self(call)
-    ip = call.pos("index")
-    if ip is None:
-        raise unsupported(call.op, call.specs, "needs a DTensor index")
-    ix = call.specs[ip]
+    ip, ix = call.pos("index"), call.spec("index")
     dim = _norm(call.arg("dim"), s.ndim)
     opts = _index_shaped(dim, s, ix)
     for p in _partial_kinds(s):
@@ -115,13 +110,13 @@ def scatter_value_rule(call: Call) -> Decision:
 
 # -- index_add, index_reduce ----------------------------------------------------------------
 
-@register(aten.index_add.default, aten.index_add_.default)
+@register(aten.index_add.default, aten.index_add_.default, needs=("self", "index", "source"))
 def index_add_rule(call: Call) -> Decision:
     """``dim`` gathered on self/source, index R; self + source jointly P(sum|avg); sharded index -> P(sum)."""
     return _index_decision(call, "sum")
 
 
-@register(aten.index_reduce.default, aten.index_reduce_.default)
+@register(aten.index_reduce.default, aten.index_reduce_.default, needs=("self", "index", "source"))
 def index_reduce_rule(call: Call) -> Decision:
     """As ``index_add``; the joint Partial is the kind the reduce keeps."""
     return _index_decision(call, call.arg("reduce"))
@@ -133,8 +128,6 @@ def _index_decision(call: Call, reduce: str) -> Decision:
     for a sum each rank adding its index piece's rows into a ``P(sum)`` term."""
     sp, s = _self(call)
     ip, rp = call.pos("index"), call.pos("source")
-    if ip is None or rp is None:
-        raise unsupported(call.op, call.specs, "needs DTensors for index and source")
     ix, src = call.specs[ip], call.specs[rp]
     dim = _norm(call.arg("dim"), s.ndim)
     opts: list[Opt] = [((R, R, R), R)]
@@ -154,14 +147,12 @@ def _index_decision(call: Call, reduce: str) -> Decision:
 
 # -- put, masked_scatter ---------------------------------------------------------------------
 
-@register(aten.put.default, aten.put_.default)
+@register(aten.put.default, aten.put_.default, needs=("self", "index", "source"))
 def put_rule(call: Call) -> Decision:
     """``self.flatten()[index] = source`` (``+=`` with accumulate): partials only, or a sharded index
     whose pieces each rank adds into its own term."""
     sp, s = _self(call)
     ip, rp = call.pos("index"), call.pos("source")
-    if ip is None or rp is None:
-        raise unsupported(call.op, call.specs, "needs DTensors for index and source")
     ix, src = call.specs[ip], call.specs[rp]
     accumulate = bool(call.arg("accumulate", False))
     opts: list[Opt] = [((R, R, R), R)]
@@ -177,13 +168,11 @@ def put_rule(call: Call) -> Decision:
     return decide(call, _candidates([sp, ip, rp], per_dim, [(1, d, 2, d) for d in range(ix.ndim)]))
 
 
-@register(aten.masked_scatter.default, aten.masked_scatter_.default)
+@register(aten.masked_scatter.default, aten.masked_scatter_.default, needs=("self", "mask", "source"))
 def masked_scatter_rule(call: Call) -> Decision:
     """Each output element is self's or one source element: self + source jointly Partial, mask R."""
     sp, s = _self(call)
     mp, rp = call.pos("mask"), call.pos("source")
-    if mp is None or rp is None:
-        raise unsupported(call.op, call.specs, "needs DTensors for mask and source")
     m, src = call.specs[mp], call.specs[rp]
     opts: list[Opt] = [((R, R, R), R)]
     for p in _partial_kinds(s, src):
@@ -194,12 +183,10 @@ def masked_scatter_rule(call: Call) -> Decision:
     return decide(call, _candidates([sp, mp, rp], per_dim))
 
 
-@register(aten.masked_scatter_backward.default)
+@register(aten.masked_scatter_backward.default, needs=("grad_output", "mask"))
 def masked_scatter_backward_rule(call: Call) -> Decision:
     """The source's gradient selects grad elements (zeros past the mask's count): a Partial grad stays."""
     gp, mp = call.pos("grad_output"), call.pos("mask")
-    if gp is None or mp is None:
-        raise unsupported(call.op, call.specs, "needs DTensors for grad_output and mask")
     g, m = call.specs[gp], call.specs[mp]
     opts: list[Opt] = [((R, R), R)]
     opts += [((p, R), p) for p in _partial_kinds(g) if _plain(p)]

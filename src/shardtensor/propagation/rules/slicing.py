@@ -25,7 +25,7 @@ from ... import comm
 from ...placement import Partial, Placement, Shard, chunk
 from ...spec import DTensorSpec
 from ..call import Call, Decision
-from ..registry import register, unsupported
+from ..registry import register
 from ..strategy import finish
 from .view import R, follow, local_sizes, norm_dim, plain_partial, spec_of
 
@@ -88,7 +88,7 @@ def slice_rule(call: Call) -> Decision:
     s = call.specs[0]
     out = call.out_meta
     if s.ndim == 0:
-        raise unsupported(call.op, call.specs, "on a 0-d tensor")
+        raise call.refuse("on a 0-d tensor")
     dim = norm_dim(call.arg("dim", 0), s.ndim)
     identity = {d: d for d in range(s.ndim)}
     if out.shape[dim] == s.shape[dim]:
@@ -171,9 +171,7 @@ def _scatter_target(self_spec: DTensorSpec, src_spec: DTensorSpec, cut: set[int]
 def _scatter_decision(call: Call, cut: set[int], src_to_self: dict[int, int], whole: bool,
                       kernel: Callable | None = None) -> Decision:
     sp, rp = call.pos("self"), call.pos("src")
-    if sp is None or rp is None:
-        raise unsupported(call.op, call.specs, "needs DTensors for both self and src")
-    s, r = call.specs[sp], call.specs[rp]
+    s, r = call.spec("self"), call.spec("src")
     target = _scatter_target(s, r, cut, src_to_self, whole)
     back = {v: k for k, v in src_to_self.items()}
     src_pl = [Shard(back[p.dim]) if isinstance(p, Shard) else p for p in target]
@@ -181,14 +179,12 @@ def _scatter_decision(call: Call, cut: set[int], src_to_self: dict[int, int], wh
     return finish(call, {sp: s.with_placements(target), rp: r.with_placements(src_pl)}, out_spec, kernel=kernel)
 
 
-@register(aten.slice_scatter.default)
+@register(aten.slice_scatter.default, needs=("self", "src"))
 def slice_scatter_rule(call: Call) -> Decision:
-    s = call.specs[call.pos("self")] if call.pos("self") is not None else None
-    if s is None:
-        raise unsupported(call.op, call.specs, "needs a DTensor self")
+    s = call.spec("self")
     dim = norm_dim(call.arg("dim", 0), s.ndim)
-    r = call.specs[call.pos("src")] if call.pos("src") is not None else None
-    whole = r is not None and r.shape[dim] == s.shape[dim]
+    r = call.spec("src")
+    whole = r.shape[dim] == s.shape[dim]
     kernel = None
     if whole:
         op = call.op
@@ -199,21 +195,17 @@ def slice_scatter_rule(call: Call) -> Decision:
     return _scatter_decision(call, {dim}, {d: d for d in range(s.ndim)}, whole, kernel)
 
 
-@register(aten.select_scatter.default)
+@register(aten.select_scatter.default, needs=("self", "src"))
 def select_scatter_rule(call: Call) -> Decision:
-    s = call.specs[call.pos("self")] if call.pos("self") is not None else None
-    if s is None:
-        raise unsupported(call.op, call.specs, "needs a DTensor self")
+    s = call.spec("self")
     dim = norm_dim(call.arg("dim"), s.ndim)
     return _scatter_decision(call, {dim}, {d: d + (d >= dim) for d in range(s.ndim - 1)}, False)
 
 
-@register(aten.diagonal_scatter.default)
+@register(aten.diagonal_scatter.default, needs=("self", "src"))
 def diagonal_scatter_rule(call: Call) -> Decision:
     """src holds self's other dims in order, then the diagonal: those dims shard alike."""
-    s = call.specs[call.pos("self")] if call.pos("self") is not None else None
-    if s is None:
-        raise unsupported(call.op, call.specs, "needs a DTensor self")
+    s = call.spec("self")
     d1, d2 = norm_dim(call.arg("dim1", 0), s.ndim), norm_dim(call.arg("dim2", 1), s.ndim)
     rest = [d for d in range(s.ndim) if d not in (d1, d2)]
     return _scatter_decision(call, {d1, d2}, dict(enumerate(rest)), False)

@@ -29,7 +29,7 @@ from ...pieces import with_strides
 from ...placement import NormPartial, Partial, Placement, Replicate, Shard, ShardOrder, chunk, unpartial
 from ...spec import DTensorSpec
 from ..call import Call, Decision
-from ..registry import register, unsupported
+from ..registry import register
 from ..strategy import Candidate, any_partial, finish, select
 from .factory import put_sizes
 
@@ -96,7 +96,7 @@ def local_sizes(call: Call, name: str, out_spec: DTensorSpec) -> Callable[[list]
         return None
     slots = call.slots(name)
     if slots is None:
-        raise unsupported(call.op, call.specs, f"has no size argument {name!r} to make local")
+        raise call.refuse(f"has no size argument {name!r} to make local")
 
     def local_args(flat: list) -> list:
         return put_sizes(flat, slots, out_spec.local_shape)
@@ -336,7 +336,7 @@ def cat_rule(call: Call) -> Decision:
                                "concatenated, as in torch; use torch.stack, or unsqueeze it first")
     out = call.out_meta
     if any(p is None for p in all_pos):
-        raise unsupported(call.op, call.specs, "with a list mixing DTensors and plain tensors")
+        raise call.refuse("with a list mixing DTensors and plain tensors")
     legacy = [i for i in all_pos if call.specs[i].ndim == 1 and call.specs[i].shape[0] == 0 and out.ndim != 1]
     positions = [i for i in all_pos if i not in legacy] or all_pos[:1]
     dim = norm_dim(call.arg("dim", 0), out.ndim)
@@ -349,7 +349,7 @@ def stack_rule(call: Call) -> Decision:
     """Common placements (``S(dim)`` legal), output ``insert(pi, dim)``; partials pass."""
     positions = call.positions("tensors")
     if not positions or any(p is None for p in positions):
-        raise unsupported(call.op, call.specs, "with a list mixing DTensors and plain tensors")
+        raise call.refuse("with a list mixing DTensors and plain tensors")
     nd = call.specs[positions[0]].ndim
     dim = norm_dim(call.arg("dim", 0), nd + 1)
     common = _common(call, positions, None)
