@@ -276,21 +276,17 @@ class _Problem:
         dim that would land in its final place, whether an entry is still pending; the bound's
         six numbers and each mesh dim's share of them; which pushes are pruned and the open
         tensor dims; the misplaced shards headed for another tensor dim as ``(from, to,
-        weight)`` edges (waiting-cycle candidates)."""
-        m, N, ks, CD, CP, T, TL = self.m, self.N, self.ks, self.CD, self.CP, self.T, self.TL
-        MASK = self.MASK
-        codes = [(st >> s) & MASK for s in self.SH]
-        Kd = [1] * N
-        H = [0] * N
-        at = [-1] * (N * m)
+        weight)`` edges (waiting-cycle candidates).  One pass per loop, inline: it runs once per
+        expansion (benchmarks/README.md, "The search's inner loop")."""
+        m, N, ks, CD, CP = self.m, self.N, self.ks, self.CD, self.CP
+        codes = [(st >> s) & self.MASK for s in self.SH]
+        Kd, H, at = [1] * N, [0] * N, [-1] * (N * m)
         # the bound's numbers: products of sizes of sharding (Kf), replicated-to-shard (KC),
         # partial-to-reduce (KP) and free (KO) mesh dims; move weights A2 and latency LT
         tS, TD, LU, AU, AU2, CYW, compat = self.tS, self.TD, self.LAT1, self.AU, self.AU2, self.CYW, self.compat
         Kf = KC = KP = KO = 1
         A2 = LT = 0
-        own = [0] * m
-        ownl = [0] * m
-        shards = []
+        own, ownl, shards = [0] * m, [0] * m, []
         for j in range(m):
             c, k = codes[j], ks[j]
             if c >= 2:
@@ -317,19 +313,7 @@ class _Problem:
         if vol is None:
             vol = self.volumes[split] = self._volume(split)
         n, phi, pn, skip, open_dims = vol
-        TN = [-1] * N  # the mesh dim whose push onto d lands in its final place
-        FL = [0] * N  # length of d's final prefix
-        PD = [0] * N  # 1 if d still waits for a target entry above its final prefix
-        for d in self.TDIMS:  # a dim with no target entries has FL 0, PD 0, TN -1
-            t, h, base, tl = T[d], H[d], d * m, TL[d]
-            p = 0
-            while p < h and p < tl and at[base + p] == t[p]:
-                p += 1
-            FL[d] = p
-            if p < tl:
-                PD[d] = self.PK[d][p]
-                if p == h:
-                    TN[d] = t[h]
+        FL, TN, PD = self._final_prefixes(H, at)
         cyc = []
         for j in shards:
             c = codes[j]
@@ -354,6 +338,24 @@ class _Problem:
                 open_dims = [b for b in open_dims if b != d]
         return codes, H, n, phi, pn, FL, TN, PD, (Kf, KC, KP, KO, A2, LT), own, ownl, at, skip, open_dims, cyc
 
+    def _final_prefixes(self, H: list[int], at: list[int]) -> tuple[list[int], list[int], list[int]]:
+        """Per tensor dim: the length of its list's prefix already in its final place (FL), the
+        mesh dim whose push would land in its final place (TN, -1: none) and whether a target
+        entry still waits above the prefix (PD, its weight)."""
+        m, N, T, TL = self.m, self.N, self.T, self.TL
+        TN, FL, PD = [-1] * N, [0] * N, [0] * N
+        for d in self.TDIMS:  # a dim with no target entries has FL 0, PD 0, TN -1
+            t, h, base, tl = T[d], H[d], d * m, TL[d]
+            p = 0
+            while p < h and p < tl and at[base + p] == t[p]:
+                p += 1
+            FL[d] = p
+            if p < tl:
+                PD[d] = self.PK[d][p]
+                if p == h:
+                    TN[d] = t[h]
+        return FL, TN, PD
+
     def _volume(self, split: tuple[int, ...]) -> tuple:
         """Facts of the local volume when tensor dim ``d`` is split ``split[d]`` ways: padded
         sizes, the volume, the volume over one piece of each dim, the dims a push cannot help (a
@@ -373,7 +375,11 @@ class _Problem:
         The bound (docs/redistribution.md), written out in place (this is the search's inner
         loop): with ``A = XS / Kf``, the volume terms ``x1 = PHIEND + A/KC - 2 A/(KC KP)`` (free
         mesh dims sharded meanwhile) and ``x2``, the same with ``KC KO`` for ``KC`` (not); the
-        bound is ``min(x1 + KO A2, x2 + A2)`` in bandwidth units, plus the latency ``LT``."""
+        bound is ``min(x1 + KO A2, x2 + A2)`` in bandwidth units, plus the latency ``LT``.
+
+        Its ~80 lines stay one function on purpose: with the bound's size products and volume
+        terms as helper functions the planner's cold p99 rose about 8%, past its 1 ms target
+        (benchmarks/README.md, "The search's inner loop")."""
         codes, H, n, phi, pn, FL, TN, PD, (Kf, KC, KP, KO, A2, LT), own, ownl, at, skip, open_dims, _ = dec
         m, N, CD, CP, rows = self.m, self.N, self.CD, self.CP, self.rows
         push, get = heapq.heappush, best.get
