@@ -173,6 +173,15 @@ def test_rules_never_import_the_layers_that_execute():
     assert not bad, f"rules decide, the dispatch layer runs things: {bad}"
 
 
+def test_every_collective_a_rule_runs_is_in_propagation_kernels():
+    """Rule modules name kernels that talk to other ranks (``propagation/kernels.py``); they do
+    not import collectives, random draws or the redistribution executor themselves."""
+    talk = ("shardtensor.comm", "shardtensor.rng", "shardtensor.redistribute")
+    bad = [i for i in IMPORTS if i.source.startswith("shardtensor.propagation.rules")
+           and (i.target in talk or i.target.startswith("shardtensor.comm."))]
+    assert not bad, f"import it in propagation/kernels.py and name the kernel from there: {bad}"
+
+
 @pytest.mark.parametrize("path", sorted((SRC / "propagation" / "rules").rglob("*.py")),
                          ids=lambda p: str(p.relative_to(SRC)))
 def test_rules_build_decisions_one_way(path):

@@ -16,38 +16,20 @@ Gumbel noise (the same distribution as torch's sequential draws).
 """
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 
-from ... import comm
 from ...placement import Partial, Placement, Replicate, Shard
 from ...spec import DTensorSpec
+from .. import kernels
 from ..call import Call, Decision
 from ..registry import register
-from ... import rng
 from ..strategy import Option, decide, expand, finish, no_partial
 from .misc import gather_dims
 
 aten = torch.ops.aten
 
 __all__ = ["histc_rule", "searchsorted_rule", "bucketize_rule", "multinomial_rule"]
-
-
-def _bounds(x: torch.Tensor, lo: float, hi: float, mesh: Any, sharded: bool) -> tuple[float, float]:
-    """torch's bounds: the data's global min and max when ``min == max``, widened by 1 if still equal.
-
-    One all-reduce (max of ``(-min, max)``) over the mesh when the data is sharded: replicated mesh
-    dims hold the same values, so the whole mesh gives the same extremes."""
-    if lo == hi:
-        ends = (torch.stack([-x.min(), x.max()]).to(torch.float64) if x.numel()
-                else torch.full((2,), -float("inf"), dtype=torch.float64, device=x.device))
-        if sharded:
-            ends = comm.all_reduce(ends, "max", mesh, None)
-        lo, hi = (-float(ends[0]), float(ends[1])) if torch.isfinite(ends[0]) else (0.0, 0.0)
-    if lo == hi:
-        lo, hi = lo - 1, hi + 1
-    return lo, hi
 
 
 @register(aten.histc.default)
@@ -59,27 +41,7 @@ def histc_rule(call: Call) -> Decision:
     meta = call.out_meta
     out = DTensorSpec.build(mesh, out_pl, meta.shape, meta.stride(), meta.dtype)
 
-    def kernel(x: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0) -> torch.Tensor:
-        lo, hi = _bounds(x, float(min), float(max), mesh, bool(dims))
-        return torch.histc(x, bins, lo, hi)
-
-    return finish(call, {0: s}, out, kernel=kernel)
-
-
-def _check_probabilities(rows: torch.Tensor, num_samples: int, replacement: bool, spec: DTensorSpec) -> None:
-    """torch's checks, agreed over the mesh so that every rank raises together."""
-    bad = 0
-    if rows.numel() and (not torch.isfinite(rows).all() or (rows < 0).any() or (rows.sum(-1) <= 0).any()):
-        bad = 1
-    elif rows.numel() and not replacement and int((rows > 0).sum(-1).min()) < num_samples:
-        bad = 2
-    flag = comm.all_reduce(torch.tensor(bad, dtype=torch.int64, device=rows.device), "max", spec.mesh, None)
-    if int(flag) == 1:
-        raise RuntimeError("multinomial: probability tensor contains either inf, nan or element < 0, or a row "
-                           "sums to 0 (on some rank)")
-    if int(flag) == 2:
-        raise RuntimeError("multinomial: cannot sample n_sample > prob_dist.size(-1) samples without replacement "
-                           "(not enough non-zero categories on some rank)")
+    return finish(call, {0: s}, out, kernel=kernels.histc(mesh, bool(dims)))
 
 
 @register(aten.searchsorted.Tensor, needs=("sorted_sequence", "self"))
@@ -118,22 +80,5 @@ def multinomial_rule(call: Call) -> Decision:
     meta = call.out_meta
     out = DTensorSpec.build(s.mesh, keep, meta.shape, meta.stride(), meta.dtype)
     shape = tuple(s.shape) if s.ndim == 2 else (1, s.shape[0])
-    one_row = s.ndim == 1
-
-    def kernel(p: torch.Tensor, num_samples: int, replacement: bool = False, *,
-               generator: torch.Generator | None = None) -> torch.Tensor:
-        rows = p.reshape(-1, p.shape[-1]).to(torch.float64)
-        _check_probabilities(rows, num_samples, replacement, need)
-        (n, *_), (o, *_) = ((1,), (0,)) if one_row else need.local_shape_and_offset()
-        u_shape = (shape[0], num_samples) if replacement else shape
-        u = rng.draw(s.mesh, generator, p.device,
-                     lambda g: torch.rand(u_shape, generator=g, dtype=torch.float64, device=p.device)).narrow(0, o, n)
-        if replacement:
-            cdf = rows.cumsum(-1)
-            idx = torch.searchsorted(cdf, (u * cdf[:, -1:]).contiguous(), right=True).clamp_(max=shape[1] - 1)
-        else:
-            keys = rows.log() - (-u.clamp_min(1e-300).log()).log()
-            idx = keys.topk(num_samples, dim=-1).indices
-        return idx.reshape(meta.shape if one_row else (p.shape[0], num_samples))
-
+    kernel = kernels.multinomial(s.mesh, need, shape, s.ndim == 1, meta.shape)
     return finish(call, {0: need}, out, kernel=kernel)

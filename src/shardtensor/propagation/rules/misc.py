@@ -26,10 +26,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ... import rng
 from ...placement import Partial, Placement, Replicate, Shard, unpartial
-from ...redistribute import redistribute_local
 from ...spec import DTensorSpec
+from .. import kernels
 from ..call import Call, Decision, unflatten_call
 from ..registry import register
 from ..strategy import any_partial, finish, linear_partial
@@ -225,17 +224,9 @@ def equal_rule(call: Call) -> Decision:
         return finish(call, {}, None, kernel=lambda *args, **kw: False)
     if (a.placements == b.placements and a.shard_order == b.shard_order
             and not any(p.is_partial() for p in a.placements)):
-        mesh = a.mesh
         if all(p.is_replicate() for p in a.placements):
             return finish(call, {}, None)
-
-        def kernel(x: torch.Tensor, y: torch.Tensor) -> bool:
-            from ... import comm
-
-            same = torch.tensor([1 if torch.equal(x, y) else 0], dtype=torch.int32, device=x.device)
-            return bool(comm.all_reduce(same, "min", mesh, None).item())
-
-        return finish(call, {}, None, kernel=kernel)
+        return finish(call, {}, None, kernel=kernels.equal(a.mesh))
     return finish(call, {0: _replicate(a), 1: _replicate(b)}, None)
 
 
@@ -254,25 +245,6 @@ def item_rule(call: Call) -> Decision:
 
 # -- random --------------------------------------------------------------------------------
 
-def _piece(full: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
-    shape, off = spec.local_shape_and_offset()
-    for d, (n, o) in enumerate(zip(shape, off)):
-        if n != full.shape[d]:
-            full = full.narrow(d, min(o, full.shape[d]), n)
-    return full
-
-
-def _global_fill(spec: DTensorSpec, like: torch.Tensor, dtype: torch.dtype, generator: torch.Generator | None,
-                 fill: Callable[[torch.Tensor, torch.Generator], Any]) -> torch.Tensor:
-    """This rank's block of ``fill`` run on the global tensor, drawn as one device would (see ``rng``)."""
-    def one_device(g: torch.Generator) -> torch.Tensor:
-        full = torch.empty_strided(tuple(spec.shape), tuple(spec.stride), dtype=dtype, device=like.device)
-        fill(full, g)
-        return full
-
-    return _piece(rng.draw(spec.mesh, generator, like.device, one_device), spec)
-
-
 def _random_out(s: DTensorSpec, meta: torch.Tensor) -> DTensorSpec:
     return DTensorSpec.build(s.mesh, unpartial(s.placements), meta.shape, meta.stride(), meta.dtype, s.shard_order)
 
@@ -285,21 +257,8 @@ RANDINT_LIKE = [op for op in (getattr(aten.randint_like, o, None) for o in
 @register(*LIKE_FILL, *RANDINT_LIKE)
 def random_like_rule(call: Call) -> Decision:
     """``rand_like`` & co. are ``empty_like`` plus a fill (as in ATen): the global fill's block."""
-    s = call.specs[0]
-    out = _random_out(s, call.out_meta)
-    op = call.op
-
-    def kernel(x: torch.Tensor, *args: Any, generator: torch.Generator | None = None, **kw: Any) -> torch.Tensor:
-        def fill(full: torch.Tensor, g: torch.Generator) -> None:
-            if op in LIKE_FILL:
-                getattr(full, LIKE_FILL[op])(generator=g)
-            else:
-                low, high = (0, args[0]) if len(args) == 1 else args[:2]
-                full.random_(low, high, generator=g)
-
-        return _global_fill(out, x, out.dtype, generator, fill).clone()
-
-    return finish(call, {}, out, kernel=kernel)
+    out = _random_out(call.specs[0], call.out_meta)
+    return finish(call, {}, out, kernel=kernels.random_like(call.op, out, LIKE_FILL))
 
 
 RANDOM_FILL = [aten.uniform_.default, aten.normal_.default, aten.exponential_.default, aten.geometric_.default,
@@ -309,15 +268,8 @@ RANDOM_FILL = [aten.uniform_.default, aten.normal_.default, aten.exponential_.de
 @register(*RANDOM_FILL)
 def random_fill_rule(call: Call) -> Decision:
     """In-place random fills: this rank's block of the fill of the global tensor."""
-    s = call.specs[0]
-    whole = s.unpartial()  # the fill's value; a Partial self keeps its placements, as terms of it
-    op = call.op
-
-    def kernel(x: torch.Tensor, *args: Any, generator: torch.Generator | None = None, **kw: Any) -> torch.Tensor:
-        u = _global_fill(s, x, x.dtype, generator, lambda full, g: op(full, *args, generator=g, **kw))
-        return x.copy_(redistribute_local(u, whole, s))
-
-    return finish(call, {}, s, kernel=kernel)
+    s = call.specs[0]  # a Partial self keeps its placements, as terms of the fill's value
+    return finish(call, {}, s, kernel=kernels.random_fill(call.op, s))
 
 
 @register(aten.bernoulli_.Tensor, needs=("self", "p"))
@@ -331,9 +283,4 @@ def bernoulli_rule(call: Call) -> Decision:
         raise call.refuse("with a broadcast probability tensor")
 
     whole = s.unpartial()
-
-    def kernel(x: torch.Tensor, p: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        u = _global_fill(s, x, torch.float64, generator, lambda full, g: full.uniform_(generator=g))
-        return x.copy_(redistribute_local((u < p).to(x.dtype), whole, s))
-
-    return finish(call, {ppos: ps.with_placements(whole.placements, whole.shard_order)}, s, kernel=kernel)
+    return finish(call, {ppos: ps.with_placements(whole.placements, whole.shard_order)}, s, kernel=kernels.bernoulli(s))

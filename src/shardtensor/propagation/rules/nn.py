@@ -54,17 +54,17 @@ from typing import Sequence
 
 import torch
 
-from ... import comm, rng
 from ...errors import PropagationError
 from ...placement import Partial, Placement, Replicate, Shard, unpartial
 from ...spec import DTensorSpec, contiguous_stride
+from .. import kernels
 from ..call import Call, Decision
 from ..registry import register
 from ..strategy import Candidate, Pl, decide, finish
 
 aten = torch.ops.aten
 
-__all__ = ["unpartial", "gather", "gather_from", "drop", "insert", "mask_piece", "draw_seed"]
+__all__ = ["unpartial", "gather", "gather_from", "drop", "insert", "mask_piece"]
 
 
 # -- placement transforms --------------------------------------------------------------------
@@ -178,18 +178,7 @@ def nll_loss_forward_rule(call: Call) -> Decision:
     dims = [j for j, p in enumerate(d.inputs[tp].placements) if isinstance(p, Shard)]
     if reduction != 1 or not dims:
         return d
-    return replace(d, kernel=_nll_mean_kernel(call.op, call.mesh, dims))
-
-
-def _nll_mean_kernel(op, mesh, dims: list[int]):
-    """Local summed loss over the all-reduced total weight: a ``P(sum)`` term of the mean."""
-    def kernel(self, target, weight=None, reduction=1, ignore_index=-100):
-        s, tw = op(self, target, weight, 2, ignore_index)
-        total = tw
-        for j in dims:
-            total = comm.all_reduce(total, "sum", mesh, j)
-        return s / total, total
-    return kernel
+    return replace(d, kernel=kernels.nll_mean(call.op, call.mesh, dims))
 
 
 @register(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default, needs=("grad_output", "self", "target"))
@@ -343,14 +332,6 @@ def _lowbias32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def draw_seed(mesh, generator: torch.Generator | None = None,
-              device: torch.device | None = None) -> tuple[int, int]:
-    """One seed per call, the same on every rank of ``mesh``, drawn as ``shardtensor.rng`` draws."""
-    t = rng.draw(mesh, generator, device, lambda g: torch.randint(0, 2 ** 31, (2,), generator=g, dtype=torch.int64,
-                                                                  device=g.device))
-    return int(t[0]), int(t[1])
-
-
 def mask_piece(spec: DTensorSpec, seed: tuple[int, int], device: torch.device | None = None) -> torch.Tensor:
     """This rank's piece of a global uniform [0, 1) field (float64) keyed by ``seed``."""
     shape, offset = spec.local_shape_and_offset()
@@ -389,7 +370,7 @@ def native_dropout_rule(call: Call) -> Decision:
     def kernel(inp, p, train=None):
         q = 1.0 - p
         scale = 0.0 if q == 0 else 1.0 / q
-        mask = mask_piece(want, draw_seed(mesh, None, inp.device), inp.device) < q
+        mask = mask_piece(want, kernels.draw_seed(mesh, None, inp.device), inp.device) < q
         return inp.mul(mask).mul_(scale), mask
 
     return decide(call, [Candidate({0: pl}, [pl, pl])], kernel=kernel)
@@ -403,7 +384,7 @@ def bernoulli_inplace_rule(call: Call) -> Decision:
     mesh = call.mesh
 
     def kernel(self, p=0.5, *, generator=None):
-        u = mask_piece(s, draw_seed(mesh, generator, self.device), self.device)
+        u = mask_piece(s, kernels.draw_seed(mesh, generator, self.device), self.device)
         fill = _identity_term(s) if any(q.is_partial() for q in s.placements) else None
         if fill is not None:
             return self.fill_(fill)
@@ -423,7 +404,7 @@ def bernoulli_rule(call: Call) -> Decision:
 
     def kernel(self, *args, generator=None):
         p = self if probs else (args[0] if args else 0.5)
-        u = mask_piece(want, draw_seed(mesh, generator, self.device), self.device)
+        u = mask_piece(want, kernels.draw_seed(mesh, generator, self.device), self.device)
         return (u < p).to(self.dtype)
 
     return decide(call, [Candidate({0: pl}, pl)], kernel=kernel)

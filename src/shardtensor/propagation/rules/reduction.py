@@ -39,10 +39,10 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from ... import comm
 from ...errors import PropagationError
 from ...placement import Partial, Placement, Replicate, Shard
 from ...spec import DTensorSpec
+from .. import kernels
 from ..call import Call, Decision
 from ..registry import register
 from ..strategy import Pl, finish, keep_order, kept_order, pick
@@ -349,7 +349,7 @@ def var_std_rule(call: Call) -> Decision:
     order = out_order(kept_order(s, req), out_pl, D, keepdim)
     kernel = None
     if J:
-        kernel = _var_kernel(s.mesh, J, D, keepdim, n_global, denom, is_std, partial_out, meta.dtype)
+        kernel = kernels.variance(s.mesh, J, D, keepdim, n_global, denom, is_std, partial_out, meta.dtype)
     return finish(call, {pos: req}, out_spec(call, meta, out_pl, order), kernel=kernel, order=keep_order)
 
 
@@ -359,33 +359,6 @@ def _var_meta(spec: DTensorSpec, D: Sequence[int], keepdim: bool) -> torch.Tenso
     if not (dtype.is_floating_point or dtype.is_complex):
         raise RuntimeError(f"std and var only support floating point and complex dtypes, got {spec.dtype}")
     return torch.empty(reduced_local_shape(spec.shape, D, keepdim), dtype=dtype, device="meta")
-
-
-def _var_kernel(mesh, J: list[int], D: Sequence[int], keepdim: bool, n_global: int, denom: int, is_std: bool,
-                partial_out: bool, out_dtype: torch.dtype) -> Callable:
-    """Two-pass variance over a sharded ``D``: all-reduce ``sum x`` for the mean, then the
-    local ``sum |x - mean|^2 / denom`` is a Partial(sum) term (all-reduced for std)."""
-    dims = list(D)
-
-    def kernel(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-        xa = x.to(acc)
-        total = xa.sum(dim=dims, keepdim=True)
-        for j in J:
-            total = comm.all_reduce(total, "sum", mesh, j)
-        mu = total / n_global
-        dev = xa - mu
-        sq = (dev.real.square() + dev.imag.square()) if dev.is_complex() else dev.square()
-        m2 = sq.sum(dim=dims, keepdim=keepdim)
-        if not partial_out:
-            for j in J:
-                m2 = comm.all_reduce(m2, "sum", mesh, j)
-        var = m2 / denom if denom > 0 else m2 / 0.0
-        if is_std:
-            var = var.sqrt()
-        return var.to(out_dtype)
-
-    return kernel
 
 
 # -- cumulative ops --------------------------------------------------------------------------

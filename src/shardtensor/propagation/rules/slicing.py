@@ -17,13 +17,13 @@ The ``*_copy`` variants share their rules.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
-from ... import comm
 from ...placement import Partial, Placement, Shard, chunk
 from ...spec import DTensorSpec
+from .. import kernels
 from ..call import Call, Decision
 from ..registry import register
 from ..strategy import finish
@@ -66,19 +66,7 @@ def select_rule(call: Call) -> Decision:
                    else p for p in s.placements)
     out_order = tuple(sorted((dim_map[d], js2) for d, js2 in s.shard_order if d != dim))
     out_spec = spec_of(call, call.out_meta, out_pl, out_order)
-    def kernel(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        coord = mesh.get_coordinate()
-        shape = list(x.shape)
-        del shape[dim]
-        if all(coord[j] == r for j, r in owners):
-            row = x.select(dim, local_index).contiguous()
-        else:
-            row = x.new_empty(shape)
-        wire = row.to(torch.uint8) if row.dtype == torch.bool else row
-        for j, r in reversed(owners):
-            wire = comm.broadcast(wire, r, mesh, j)
-        return wire.to(torch.bool) if row.dtype == torch.bool else wire
-
+    kernel = kernels.select_row(mesh, dim, owners, local_index)
     return replace(finish(call, {0: s}, out_spec, kernel=kernel), copies=True)
 
 
