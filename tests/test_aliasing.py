@@ -370,3 +370,49 @@ def test_a_copy_taken_every_step_does_not_grow_its_family():
 
     for n, first in run_recorded((4,), body)[0]:
         assert n <= 8 and first == 1.0
+
+
+def test_resize_of_a_sharded_tensor_with_views_is_refused_before_anything_changes():
+    """resize_ gathers a sharded self into new memory; a view of the old memory would keep the old
+    placements, so it raises first (dispatch's check, from the decomposition's declared fact) and
+    the tensor and its view are as they were.  Without views, or replicated, it resizes."""
+    def body(mesh):
+        a = torch.arange(24.0).reshape(8, 3)
+        x = distribute_tensor(a, mesh, [Shard(0)])
+        v = x.view(24)
+        with pytest.raises(RuntimeError, match="shares storage with views"):
+            x.resize_(4, 3)
+        kept = (x.placements, tuple(x.shape), torch.equal(x.full_tensor(), a), torch.equal(v.full_tensor(), a.view(24)))
+        r = distribute_tensor(a, mesh, [Replicate()])
+        rv = r.view(24)
+        r.resize_(4, 3)
+        lone = distribute_tensor(a, mesh, [Shard(0)]).resize_(4, 3)
+        return kept, torch.equal(r.full_tensor(), a[:4]), rv.shape, torch.equal(lone.full_tensor(), a[:4])
+
+    out = run_recorded((4,), body)[0]
+    assert out == [(((Shard(0),), (8, 3), True, True), True, torch.Size([24]), True)] * 4
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
+def test_views_of_packed_and_fallback_results_are_copies(mesh_shape):
+    """A view of a StridedShard tensor, and a view op run on replicated inputs (``unfold``'s
+    ``as_strided`` of a sharded tensor), return copies of the gathered input: a write through
+    them reaches the base, as on one device."""
+    from shardtensor import StridedShard
+
+    def body(mesh):
+        a = torch.arange(48.0).reshape(8, 6)
+        pl = [StridedShard(1, 2)] if mesh.ndim == 1 else [Shard(0), StridedShard(1, 2)]
+        x = distribute_tensor(a, mesh, pl)
+        x[2].fill_(-1.0)
+        x.diagonal().mul_(10)
+        want = a.clone()
+        want[2] = -1.0
+        want.diagonal().mul_(10)
+        y = distribute_tensor(a, mesh, [Shard(1)] * mesh.ndim)
+        y.unfold(0, 2, 3).fill_(0.0)
+        dense = a.clone()
+        dense.unfold(0, 2, 3).fill_(0.0)
+        return torch.equal(x.full_tensor(), want), x.placements == tuple(pl), torch.equal(y.full_tensor(), dense)
+
+    assert run_recorded(mesh_shape, body)[0] == [(True, True, True)] * 4

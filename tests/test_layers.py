@@ -182,6 +182,29 @@ def test_every_collective_a_rule_runs_is_in_propagation_kernels():
     assert not bad, f"import it in propagation/kernels.py and name the kernel from there: {bad}"
 
 
+def test_dispatch_calls_aliasing_once_before_and_once_after_the_kernel():
+    """Dispatch's aliasing bookkeeping is ``check`` before anything runs and ``record`` after,
+    in ``dispatch/run.py`` alone (at most 4 call sites: the detach shortcut records too); the
+    hit path, decompositions, the fallback and the packed path return facts instead."""
+    calls: dict[str, list[tuple[str, int]]] = {}
+    for path in sorted((SRC / "dispatch").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        names = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                 and (n.module or "").endswith("aliasing") for a in n.names}
+        names -= {"op_kind", "NOTHING", "VIEWS", "COPIES", "OWN"}  # a schema fact and the fact names
+        modules = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+                   for a in n.names if a.name.endswith("aliasing")}
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Call):
+                f = n.func
+                if (isinstance(f, ast.Name) and f.id in names) or (
+                        isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in modules):
+                    calls.setdefault(path.name, []).append((ast.unparse(f), n.lineno))
+    assert set(calls) <= {"run.py"}, f"aliasing is called outside dispatch/run.py: {calls}"
+    assert len(calls.get("run.py", [])) <= 4, calls
+    assert {c for c, _ in calls["run.py"]} == {"check", "record"}, calls
+
+
 @pytest.mark.parametrize("path", sorted((SRC / "propagation" / "rules").rglob("*.py")),
                          ids=lambda p: str(p.relative_to(SRC)))
 def test_rules_build_decisions_one_way(path):

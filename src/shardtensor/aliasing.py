@@ -37,7 +37,7 @@ import torch
 from .errors import PropagationError
 from .placement import display
 
-__all__ = ["op_kind", "note_copies", "forget_copies", "check_writes", "check_placement_change", "note_writes"]
+__all__ = ["op_kind", "check", "record", "NOTHING", "VIEWS", "COPIES", "OWN"]
 
 aten = torch.ops.aten
 
@@ -55,6 +55,36 @@ def op_kind(func: Any) -> tuple[bool, tuple[int, ...]]:
         writes = tuple(i for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write)
         k = _KIND[id(func)] = (view, writes)
     return k
+
+
+def check(func: Any, writes: tuple[int, ...], args: tuple, kwargs: dict, me: Any = None, new_spec: Any = None,
+          moved: bool = False) -> None:
+    """Before ``func`` runs or writes anything: raise where a write would silently not reach where
+    it should (``check_writes``), or where it gives ``me`` -- the DTensor self of an in-place op --
+    the placements ``new_spec`` (``moved``: new local memory) while views share its storage
+    (``check_placement_change``).  Raising then loses nothing."""
+    if writes:
+        check_writes(func, writes, args, kwargs)
+    if me is not None:
+        check_placement_change(func, me, new_spec, moved)
+
+
+NOTHING, VIEWS, COPIES, OWN = 0, 1, 2, 3
+"""What an op's results are to its first argument, for ``record``: nothing to mark (new results,
+or marked by the ops that built them); views of its storage; copies of it (they needed other
+ranks' data); its own new memory although built by views of temporaries (their marks dropped)."""
+
+
+def record(func: Any, args: tuple, kwargs: dict, out: Any, made: int, writes: tuple[int, ...]) -> Any:
+    """After ``func`` ran: mark its results as ``made`` says and tell autograd what it wrote
+    (``writes``: the positions); returns ``out``.  The one call dispatch makes after a kernel."""
+    if made == VIEWS or made == COPIES:
+        note_copies(func, args[0], made == COPIES, out, args[1:], kwargs)
+    elif made == OWN:
+        forget_copies(out)
+    if writes:
+        note_writes(func, args, kwargs)
+    return out
 
 
 def note_copies(func: Any, base: Any, moved: bool, out: Any, args: tuple = (), kwargs: dict | None = None) -> None:

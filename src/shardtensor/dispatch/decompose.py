@@ -21,7 +21,6 @@ from typing import Any, Callable
 
 import torch
 
-from ..aliasing import check_placement_change
 from ..errors import PropagationError
 from ..placement import Replicate, Shard
 from ..propagation.registry import unsupported
@@ -31,9 +30,14 @@ from .fallback import whole_local, wrap_replicated
 
 aten = torch.ops.aten
 
-__all__ = ["DECOMPOSITIONS", "decomposition", "find_decomposition"]
+__all__ = ["DECOMPOSITIONS", "SELF_BECOMES", "Gathered", "decomposition", "find_decomposition"]
 
 DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {}
+
+
+class Gathered(tuple):
+    """A view decomposition's results that are views of a gathered copy of its input, not of the
+    input: dispatch records them as copies (a write into one goes back through the view's scatter)."""
 
 
 def decomposition(*ops: Any) -> Callable[[Callable], Callable]:
@@ -204,16 +208,10 @@ def _resize_wrapper(x, shape: tuple[int, ...], stride: tuple[int, ...]) -> None:
 
 def _resize(x, size, memory_format=None):
     """``resize_`` keeps the storage's first elements in row-major order: on the whole tensor,
-    replicated, every rank does what one device does.  A sharded self is gathered first (only
-    when contiguous: the gathered copy is then the global memory in order).  Every refusal comes
-    before any change."""
+    replicated, every rank does what one device does.  A sharded self is gathered first
+    (``_gathered``).  Every refusal comes before any change."""
     spec = x._spec
-    whole = spec.with_placements([Replicate()] * spec.mesh.ndim)
-    if whole != spec:
-        if not x.is_contiguous():
-            raise unsupported(aten.resize_.default, [spec], "on a sharded non-contiguous tensor (its storage "
-                                                            "order is not the gathered copy's); call .contiguous() first")
-        check_placement_change(aten.resize_.default, x, whole, True)
+    whole = _gathered(x)
     meta = torch.empty(0, dtype=x.dtype, device="meta").resize_(size, memory_format=memory_format)
     _resize_wrapper(x, tuple(meta.shape), meta.stride())
     local = x._local_tensor if whole == spec else whole_local(x)  # contiguous, as x is
@@ -223,8 +221,24 @@ def _resize(x, size, memory_format=None):
     return x
 
 
+def _gathered(x) -> DTensorSpec:
+    """The spec ``resize_`` gives ``x``: its whole tensor, replicated.  A sharded self must be
+    contiguous (the gathered copy is then the global memory in order)."""
+    spec = x._spec
+    whole = spec.with_placements([Replicate()] * spec.mesh.ndim)
+    if whole != spec and not x.is_contiguous():
+        raise unsupported(aten.resize_.default, [spec], "on a sharded non-contiguous tensor (its storage "
+                                                        "order is not the gathered copy's); call .contiguous() first")
+    return whole
+
+
 DECOMPOSITIONS[aten.resize_.default] = _resize
 DECOMPOSITIONS[aten.resize_as_.default] = lambda x, t, memory_format=None: _resize(x, tuple(t.shape), memory_format)
+SELF_BECOMES: dict[Any, Callable[[Any], DTensorSpec]] = {aten.resize_.default: _gathered,
+                                                         aten.resize_as_.default: _gathered}
+"""In-place decompositions that give their DTensor self new placements and memory: the spec it
+will take (a refusal raises there).  Dispatch checks, before they run, that no view shares the
+old storage (the view would keep the old placements)."""
 
 
 @decomposition(aten.allclose.default)
@@ -270,16 +284,13 @@ def _unsafe_split_with_sizes(x, sizes, dim=0):
 
 @decomposition(aten.unbind.int)
 def _unbind(x, dim=0):
-    from ..aliasing import note_copies
     from ..tensor import DTensor
 
     d = dim % x.ndim
     if isinstance(x, DTensor) and any(isinstance(p, Shard) and p.dim == d for p in x.placements):
         gathered = x.redistribute(x.device_mesh, [Replicate() if isinstance(p, Shard) and p.dim == d else p
                                                   for p in x.placements])
-        rows = tuple(aten.select.int(gathered, d, i) for i in range(x.shape[d]))
-        note_copies(aten.unbind.int, x, True, rows, (d,))  # the rows are views of the gathered copy, not of x
-        return rows
+        return Gathered(aten.select.int(gathered, d, i) for i in range(x.shape[d]))  # views of the copy, not of x
     return tuple(aten.select.int(x, d, i) for i in range(x.shape[d]))
 
 

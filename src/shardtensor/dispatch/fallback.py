@@ -30,7 +30,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .. import comm, rng
-from ..aliasing import note_copies, op_kind
+from ..aliasing import op_kind
 from ..errors import ReplicateFallbackWarning
 from ..implicit import implicit_allowed, plain_tensor_error
 from ..pieces import with_strides
@@ -96,7 +96,8 @@ def _generator_position(func: Any) -> int:
 
 
 def run_replicated(func: Any, args: tuple, kwargs: dict, returns_self: bool) -> Any:
-    """Run ``func`` on the whole tensors of its DTensor arguments; outputs are ``Replicate``."""
+    """Run ``func`` on the whole tensors of its DTensor arguments; outputs are ``Replicate`` (a view
+    op's are views of the gathered copy, not of its input: dispatch records them so)."""
     flat, treedef = tree_flatten((args, kwargs))
     dts = [a for a in flat if isinstance(a, DTensor)]
     mesh = one_mesh(func, [a._spec for a in dts])
@@ -126,10 +127,7 @@ def run_replicated(func: Any, args: tuple, kwargs: dict, returns_self: bool) -> 
     _write_back(func, args, kwargs, flat, full)
     if returns_self:
         return args[0]
-    result = tree_map(lambda t: wrap_replicated(t, mesh) if isinstance(t, torch.Tensor) else t, out)
-    if op_kind(func)[0] and isinstance(args[0], DTensor):
-        note_copies(func, args[0], True, result, args[1:], kwargs)  # views of the gathered copy, not of the input
-    return result
+    return tree_map(lambda t: wrap_replicated(t, mesh) if isinstance(t, torch.Tensor) else t, out)
 
 
 def check_plain(func: Any, flat: list) -> None:

@@ -4,14 +4,14 @@ kernel, wrap.
 The key holds each DTensor argument's spec by id (the cache entry holds the specs, so no id is
 reused while it lives) and every other argument frozen as propagation freezes it; a call of flat
 positional arguments (the common case) is keyed and run without building its argument tree.
-Anything else -- plain tensors, a decision that redistributes, a rank outside the mesh, a write
-into a copied view or one that would change placements, an error -- returns ``MISSING`` and
-takes the full path (``run.py``), which does the same work in full.
+Anything else -- plain tensors, a decision that redistributes or whose view results are copies, a
+rank outside the mesh, a write into a copied view or one that would change placements, an error
+-- returns ``MISSING`` and takes the full path (``run.py``), which does the same work in full.
 
 In-place ops take this path too when they write only into their first argument (``x.add_(y)``,
 ``torch._foreach_mul_(xs, s)``) and keep its placements: the kernel writes into the local
-tensors, as the full path would.  Wrapping is shared with the full path: a result reports the
-dtype its local data has (``retyped``).
+tensors, as the full path would.  The last step, ``finish``, is shared with the full path: a
+result reports the dtype its local data has (``retyped``), an in-place op returns its self.
 """
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from ..aliasing import note_copies
 from ..placement import Partial
 from ..propagation import flatten_call, propagate, unflatten_call
 from ..propagation.engine import HOT, HOT_HITS, remember
@@ -29,7 +28,7 @@ from ..tensor import DTensor
 from .bindings import local_kernel
 from .fallback import write_into
 
-__all__ = ["MISSING", "hit", "wrap", "keeps_placements"]
+__all__ = ["MISSING", "hit", "finish", "wrap", "keeps_placements"]
 
 MISSING = object()
 LEAVES = frozenset({int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.memory_format,
@@ -41,16 +40,12 @@ NO_WRITES, WRITES_SELF, WRITES_LIST = 0, 1, 2
 its first argument, a list (``_foreach_mul_``)."""
 
 
-def hit(func: Any, args: tuple, kwargs: dict, view: bool, writes: int, written: tuple, freeze: Any) -> Any:
+def hit(func: Any, args: tuple, kwargs: dict, writes: int, written: tuple, freeze: Any) -> Any:
     """``func`` on a cached decision that moves nothing, or ``MISSING`` (``writes``: the kind of
     in-place op, ``written``: the positions of the arguments it writes)."""
-    if kwargs:  # keyword arguments are keyed after the positional ones, behind their names
-        names = tuple(kwargs)
-        key: list = [id(func), _KWARGS, names]
-        items = (*args, *kwargs.values())
-    else:
-        key = [id(func)]
-        items = args
+    names = tuple(kwargs) if kwargs else ()  # keyword arguments are keyed after the positional ones, by name
+    key: list = [id(func), _KWARGS, names] if kwargs else [id(func)]
+    items = (*args, *kwargs.values()) if kwargs else args
     local: list = []
     first = None
     for a in items:
@@ -63,40 +58,15 @@ def hit(func: Any, args: tuple, kwargs: dict, view: bool, writes: int, written: 
         elif t in LEAVES or (t is torch.Tensor and a.ndim == 0):  # 0-d: a fused step's counters
             key.append(freeze(a))
             local.append(a)
-        elif (t is list or t is tuple) and a and type(a[0]) is DTensor:  # a tensor list (foreach ops)
-            try:
-                key.append((t, len(a)))
-                key.extend(map(id, map(_SPEC, a)))
-                local.append(t(map(_LOCAL, a)))
-            except AttributeError:  # a plain tensor or a number among DTensors
-                return MISSING
+        elif t is list or t is tuple:
+            f = _sequence(a, t, key, local, freeze)
+            if f is MISSING or f is _FLAT:
+                return _run_flat(func, args, kwargs, writes, written, freeze) if f is _FLAT else MISSING
             if first is None:
-                first = a[0]
-        elif (t is list or t is tuple) and a and type(a[0]) is torch.Tensor:  # 0-d counters (fused steps)
-            a0 = a[0]
-            dtype, device = a0.dtype, a0.device
-            if not all(type(x) is torch.Tensor and x.ndim == 0 and x.dtype is dtype and x.device == device
-                       for x in a):
-                return MISSING
-            key.append((t, len(a), dtype, device))
-            local.append(a)
-        elif t is list or t is tuple:  # sizes and dims keyed by value, scalar lists as scalars
-            for v in a:
-                if type(v) is not int:
-                    if not all(type(v) in _SCALARS for v in a):  # anything else runs in flat form
-                        return _run_flat(func, args, kwargs, view, writes, written, freeze)
-                    key.append((t, *map(freeze, a)))
-                    break
-            else:
-                key.append((t, *a))
-            local.append(a)
+                first = f
         else:
             return MISSING
-    if kwargs:
-        n = len(args)
-        largs, lkwargs = local[:n], dict(zip(names, local[n:]))
-    else:
-        largs, lkwargs = local, None
+    largs, lkwargs = (local[:len(args)], dict(zip(names, local[len(args):]))) if kwargs else (local, None)
     entry = _decision(func, args, kwargs, tuple(key), writes, written, first, largs, lkwargs)
     if entry is None or first is None:
         return MISSING
@@ -104,18 +74,50 @@ def hit(func: Any, args: tuple, kwargs: dict, view: bool, writes: int, written: 
     if decision.local_args is not None:  # it rewrites the flat arguments: run in flat form
         flat, treedef = flatten_call(args, kwargs)
         return _run_decided(func, decision, flat, treedef, [a._local_tensor if type(a) is DTensor else a for a in flat],
-                            first, view, writes, args, kwargs)
+                            first, writes)
     out = kernel(*largs, **lkwargs) if lkwargs is not None else kernel(*largs)
-    return _finish(func, out, decision, first, view, writes, local[0], args, kwargs)
+    if writes == WRITES_LIST:  # the op returns nothing (a binding of ``_foreach_add_`` returns its list)
+        return None
+    return finish(out, decision.output, first if writes else None, local[0], True)
+
+
+def _sequence(a: Any, t: type, key: list, local: list, freeze: Any) -> Any:
+    """Key and unwrap a list or tuple argument of ``hit``: the first DTensor in it (or ``None``),
+    ``MISSING`` where the hit path does not take it, ``_FLAT`` where it runs in flat form."""
+    if a and type(a[0]) is DTensor:  # a tensor list (foreach ops)
+        try:
+            key.append((t, len(a)))
+            key.extend(map(id, map(_SPEC, a)))
+            local.append(t(map(_LOCAL, a)))
+        except AttributeError:  # a plain tensor or a number among DTensors
+            return MISSING
+        return a[0]
+    if a and type(a[0]) is torch.Tensor:  # 0-d counters (fused steps)
+        a0 = a[0]
+        dtype, device = a0.dtype, a0.device
+        if not all(type(x) is torch.Tensor and x.ndim == 0 and x.dtype is dtype and x.device == device for x in a):
+            return MISSING
+        key.append((t, len(a), dtype, device))
+    else:  # sizes and dims keyed by value, scalar lists as scalars
+        for v in a:
+            if type(v) is not int:
+                if not all(type(v) in _SCALARS for v in a):  # anything else runs in flat form
+                    return _FLAT
+                key.append((t, *map(freeze, a)))
+                break
+        else:
+            key.append((t, *a))
+    local.append(a)
+    return None
 
 
 _SCALARS = frozenset({int, float, bool})
-_KWARGS = object()
-"""Marks where a key's keyword arguments begin (their names follow)."""
+_KWARGS, _FLAT = object(), object()
+"""Marks where a key's keyword arguments begin (their names follow); a call to run in flat form."""
 _SPEC, _LOCAL, _COPIED = attrgetter("_spec"), attrgetter("_local_tensor"), attrgetter("_copied_view")
 
 
-def _run_flat(func: Any, args: tuple, kwargs: dict, view: bool, writes: int, written: tuple, freeze: Any) -> Any:
+def _run_flat(func: Any, args: tuple, kwargs: dict, writes: int, written: tuple, freeze: Any) -> Any:
     """The hit path for calls with keyword arguments or lists of sizes: keyed on the flat leaves."""
     flat, treedef = flatten_call(args, kwargs)
     key: list = [id(func), treedef]
@@ -135,17 +137,18 @@ def _run_flat(func: Any, args: tuple, kwargs: dict, view: bool, writes: int, wri
     entry = _decision(func, args, kwargs, tuple(key), writes, written, first, None, None)
     if entry is None or first is None:
         return MISSING
-    return _run_decided(func, entry[0], flat, treedef, local, first, view, writes, args, kwargs)
+    return _run_decided(func, entry[0], flat, treedef, local, first, writes)
 
 
-def _run_decided(func: Any, decision: Any, flat: list, treedef: Any, local: list, first: DTensor, view: bool,
-                 writes: int, args: tuple, kwargs: dict) -> Any:
-    """The kernel on the flat local arguments (rewritten by the decision's ``local_args``), wrapped."""
+def _run_decided(func: Any, decision: Any, flat: list, treedef: Any, local: list, first: DTensor, writes: int) -> Any:
+    """The kernel on the flat local arguments (rewritten by the decision's ``local_args``), finished."""
     if decision.local_args is not None:
         local = decision.local_args(local)
     largs, lkwargs = unflatten_call(local, treedef)
     out = (decision.kernel or func)(*largs, **lkwargs)
-    return _finish(func, out, decision, first, view, writes, local[0], args, kwargs)
+    if writes == WRITES_LIST:
+        return None
+    return finish(out, decision.output, first if writes else None, local[0], True)
 
 
 def _decision(func: Any, args: tuple, kwargs: dict, key: tuple, writes: int, written: tuple,
@@ -164,21 +167,22 @@ def _decision(func: Any, args: tuple, kwargs: dict, key: tuple, writes: int, wri
     return entry
 
 
-def _finish(func: Any, out: Any, decision: Any, first: DTensor, view: bool, writes: int, local0: Any,
-            args: tuple, kwargs: dict) -> Any:
-    """The kernel's result as the full path returns it: self for an in-place op, else DTensors
-    (``args``, ``kwargs``: the call's, which a view's copy remembers)."""
-    if writes == WRITES_SELF:  # the kernel wrote into self's local tensor (as in the full path)
-        if local0 is not first._local_tensor:
-            write_into(first, local0, decision.output)
-        return first
-    if writes == WRITES_LIST:  # the op returns nothing (a binding of ``_foreach_add_`` returns its list)
-        return None
-    spec = decision.output
-    out = DTensor(out, spec) if type(spec) is DTensorSpec and out.dtype is spec.dtype else wrap(out, spec)
-    if view:
-        note_copies(func, args[0], decision.copies, out, args[1:], kwargs)
-    return out
+def finish(out: Any, spec: Any, me: DTensor | None, local0: Any, keep: bool) -> Any:
+    """The kernel's result as dispatch returns it, on the hit path and the full path alike: for an
+    in-place op, its DTensor self ``me`` (the kernel wrote ``local0``), which either keeps its
+    placements and memory (``keep``: the result is written into them) or takes ``local0`` and the
+    decided ``spec``; else the results wrapped as DTensors of ``spec``."""
+    if me is None:
+        return DTensor(out, spec) if type(spec) is DTensorSpec and out.dtype is spec.dtype else wrap(out, spec)
+    if keep:
+        if local0 is not me._local_tensor or spec is not me._spec:
+            write_into(me, local0, spec)
+        return me
+    if local0 is not me._local_tensor:
+        me._local_tensor = local0
+    if isinstance(spec, DTensorSpec) and spec != me._spec:
+        me._spec = spec
+    return me
 
 
 def _writable(args: tuple, writes: int, written: tuple, first: DTensor) -> bool:
@@ -214,8 +218,10 @@ def _decide(func: Any, args: tuple, kwargs: dict, key: tuple, writes: int, largs
         decision = propagate(func, flat, specs, treedef)
     except Exception:  # noqa: BLE001
         return None
-    if decision.redistribute or (writes == WRITES_SELF and not keeps_placements(args[0]._spec, decision.output)):
-        return None  # (``_writable`` made sure a WRITES_SELF call's first argument is its DTensor self)
+    if decision.redistribute or decision.copies or (writes == WRITES_SELF and
+                                                    not keeps_placements(args[0]._spec, decision.output)):
+        return None  # (``_writable`` made sure a WRITES_SELF call's first argument is its DTensor self;
+        # a view's results are views of its argument on this path, never copies: ``run.py`` records them so)
     kernel = decision.kernel or func
     if kernel is func and largs is not None and decision.local_args is None:
         # the choice depends on the arguments' types and structure, not on the specs: kept per

@@ -1,12 +1,19 @@
-"""Dispatch: every aten op on DTensors, top-down.
+"""Dispatch: every aten op on DTensors, top-down, as one pipeline.
 
-``dispatch`` routes the op (:func:`route`: its sharding rule, else a decomposition into ops that
-have rules), asks propagation for the decision, redistributes the inputs it requires, runs the
-local kernel and wraps the result.  An op whose rule declines its inputs' placements takes our own
-decomposition when it has one (``_fused_sgd_`` with misplaced momentum buffers); an op with no
-rule for its inputs runs on replicated inputs
-(``fallback.py``: visible, exact, off under ``strict_sharding``).  Plain tensors met on the way are replicated values where
-``implicit_replication`` allows them, and an error naming the argument elsewhere.
+1. **Hit** (``hit.py``): a call whose cached decision moves nothing runs as unwrap, kernel, wrap.
+2. Else the **full path** chooses how the op runs (``_choose``, where only propagation runs): its
+   rule's decision; a decomposition into ops that have rules (an op without a rule, or whose rule
+   declines these placements and has ours: ``_fused_sgd_`` with misplaced momentum buffers); the
+   inputs' packed mesh dims gathered (``strided.py``); plain tensors as replicated values where
+   ``implicit_replication`` allows them (an error naming the argument elsewhere); on replicated
+   inputs (``fallback.py``: visible, exact, off under ``strict_sharding``).
+3. **Check** (``aliasing.check``) what the op will write, before anything runs.
+4. **Run**: redistribute the inputs the decision requires, run the local kernel, and ``finish``
+   (shared with the hit path: wrap the result, or write it into an in-place op's self).
+5. **Record** (``aliasing.record``) what the results are to the first argument (views, copies,
+   own memory: every path returns that fact) and what was written.
+
+Steps 3 and 5 are the only calls into ``aliasing.py``.
 """
 from __future__ import annotations
 
@@ -16,7 +23,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from .. import comm
-from ..aliasing import check_placement_change, check_writes, forget_copies, note_copies, note_writes, op_kind
+from ..aliasing import COPIES, NOTHING, OWN, VIEWS, check, op_kind, record
 from ..errors import MeshMismatchError, UnsupportedOpError
 from ..implicit import built_by_torch, implicit_allowed, implicit_replication, plain_tensor_error
 from ..listops import is_list_op, run_per_mesh
@@ -28,11 +35,10 @@ from ..placement import Partial, Shard
 from ..spec import DTensorSpec, placements_text
 from ..submesh import off_mesh_result
 from ..tensor import DTensor
-from .decompose import DECOMPOSITIONS, find_decomposition
-from .fallback import (check_plain, fallback_allowed, replicate_plain, run_replicated, whole_local, wrap_replicated,
-                       write_into)
+from .decompose import DECOMPOSITIONS, SELF_BECOMES, Gathered, find_decomposition
+from .fallback import check_plain, fallback_allowed, replicate_plain, run_replicated, whole_local, wrap_replicated
 from .strided import dispatch_packed
-from .hit import MISSING, NO_WRITES, WRITES_LIST, WRITES_SELF, hit, keeps_placements, wrap
+from .hit import MISSING, NO_WRITES, WRITES_LIST, WRITES_SELF, finish, hit, keeps_placements
 
 __all__ = ["dispatch", "route"]
 
@@ -50,49 +56,61 @@ def route(op) -> Any:
     return ("decompose", fn) if fn is not None else None
 
 
-def _decompose(func, fn, args: tuple, kwargs: dict, view: bool, writes: tuple) -> Any:
-    """``func`` computed by its decomposition ``fn``; where that fails before writing anything, on
-    replicated inputs (``fallback.py``), else an error naming the op and the placements."""
-    check_plain(func, tree_flatten((args, kwargs))[0])
-    try:
-        with implicit_replication():  # plain tensors the decomposition builds are the same on every rank
-            out = replicate_plain(fn(*args, **kwargs), args, kwargs)
-        return out if view else forget_copies(out)  # a non-view op's results are its own memory
-    except NotImplementedError as e:
-        if isinstance(e, UnsupportedOpError) and e.op == func:
-            raise
-        if not writes and fallback_allowed(func):  # nothing was written: safe to run it whole
-            return run_replicated(func, args, kwargs, False)
-        pls = placements_text([a._spec for a in tree_flatten((args, kwargs))[0] if isinstance(a, DTensor)])
-        raise UnsupportedOpError(f"shardtensor: {func} has no sharding rule for these placements and its "
-                                 f"decomposition failed (input placements: {pls}): {e}", func) from e
-
-
 def dispatch(func, args: tuple, kwargs: dict) -> Any:
-    """propagation -> redistribute -> local kernel -> wrap (or a decomposition into ops that have rules)."""
+    """The hit path (``hit.py``), else the full path; then what the op made and wrote is recorded
+    (``aliasing.record``, the one call after a kernel, as ``aliasing.check`` is the one before)."""
     if func is _DETACH and type(args[0]) is DTensor:  # autograd detaches every gradient it accumulates
-        return _detach(args[0])
+        return record(func, args, kwargs, DTensor(args[0]._local_tensor.detach(), args[0]._spec), VIEWS, ())
     facts = _HIT_FACTS.get(id(func))
     if facts is None:
         facts = _HIT_FACTS[id(func)] = _hit_facts(func)
-    if facts[0]:
-        out = hit(func, args, kwargs, *facts[1:])
-        if out is not MISSING:
-            if facts[2]:
-                note_writes(func, args, kwargs)
-            return out
-    view, writes = op_kind(func)
-    if not writes:
-        return _dispatch(func, args, kwargs, view, writes)
-    check_writes(func, writes, args, kwargs)
-    out = _dispatch(func, args, kwargs, view, writes)
-    note_writes(func, args, kwargs)  # the kernel wrote below autograd: tell it (``aliasing.py``)
+    out = hit(func, args, kwargs, facts[2], facts[3], facts[4]) if facts[0] else MISSING
+    if out is MISSING:
+        out, made = _full(func, args, kwargs, facts[1] == VIEWS, facts[3])
+    else:
+        made = facts[1]  # the hit path takes no decision whose views are copies
+    if made or facts[3]:
+        record(func, args, kwargs, out, made, facts[3])
     return out
 
 
-def _dispatch(func, args: tuple, kwargs: dict, view: bool, writes: tuple) -> Any:
-    """The full path: route, propagate, redistribute, run, wrap."""
+def _full(func, args: tuple, kwargs: dict, view: bool, writes: tuple) -> tuple[Any, int]:
+    """The full path: how ``func`` runs (``_choose``: nothing but propagation runs there), checked
+    before anything runs or is written (``aliasing.check``), then run.  Returns the result and
+    what it is to the first argument (``aliasing.NOTHING``, ``VIEWS`` ...), for ``record``."""
     flat, treedef = flatten_call(args, kwargs)
+    specs, plain, first, packed = _scan(func, flat)
+    how, what = _choose(func, flat, specs, treedef, plain, packed, first)
+    keep = False
+    if writes:
+        me, new, moved, keep = _self_change(func, how, what, flat, specs, first)
+        check(func, writes, args, kwargs, me, new, moved)
+    if how is _DIRECT:
+        return _direct(func, what, flat, specs, treedef, view, keep)
+    if how is _DECOMPOSE:
+        return _decompose(func, what, args, kwargs, view, writes)
+    out = (dispatch_packed(func, args, kwargs, flat, specs, treedef, _returns_self(func), dispatch)
+           if how is _PACKED else
+           _dispatch_with_plain(func, flat, specs, treedef, what) if how is _PLAIN else
+           run_per_mesh(func, args, kwargs, dispatch, DTensor) if how is _PER_MESH else
+           run_replicated(func, args, kwargs, _returns_self(func)) if how is _FALLBACK else
+           off_mesh_result(func, what.output, flat[0], first._local_tensor.device, first.dtype,  # type: ignore[union-attr]
+                           _returns_self(func), DTensor))
+    copied = view and (how is _PACKED or how is _FALLBACK) and isinstance(args[0], DTensor)
+    return out, COPIES if copied else NOTHING  # views of the gathered copy, not of the input
+
+
+_DIRECT, _DECOMPOSE, _PACKED, _PLAIN, _PER_MESH, _FALLBACK, _OFF_MESH = (
+    "rule", "decomposition", "packed", "plain", "per mesh", "fallback", "off mesh")
+"""How the full path runs an op: its rule's decision; a decomposition into ops that have rules;
+gathered from StridedShard (``strided.py``); with plain tensors as replicated values; per mesh
+(list ops over tensors on several meshes); on replicated inputs (``fallback.py``); on a rank
+outside the mesh (nothing runs)."""
+
+
+def _scan(func, flat: list) -> tuple[list[DTensorSpec | None], list[int] | None, DTensor | None, bool]:
+    """``(spec of each flat argument, positions of plain tensors taken as values, the first
+    DTensor, whether any is packed)``."""
     specs: list[DTensorSpec | None] = []
     plain: list[int] | None = None
     first: DTensor | None = None
@@ -109,33 +127,63 @@ def _dispatch(func, args: tuple, kwargs: dict, view: bool, writes: tuple) -> Any
             specs.append(None)
     if specs and specs[0] is None and type(flat[0]) is torch.Tensor and flat[0].ndim == 0 and _returns_self(func):
         plain = [0] + (plain or [])  # a plain 0-d self written in place (``total.add_(dt.sum())``) takes the value
+    return specs, plain, first, packed
+
+
+def _choose(func, flat: list, specs: list, treedef, plain: list[int] | None, packed: bool,
+            first: DTensor | None) -> tuple[str, Any]:
+    """``(how, what)``: how the full path runs ``func`` (``_DIRECT`` ...) and with what (the
+    decision, the decomposition, the plain positions)."""
     if packed:  # no rule reads a StridedShard (``strided.py``)
-        return dispatch_packed(func, args, kwargs, flat, specs, treedef, view, _returns_self(func), dispatch)
+        return _PACKED, None
     r = route(func)
     if isinstance(r, tuple):
-        return _decompose(func, r[1], args, kwargs, view, writes)
+        return _DECOMPOSE, r[1]
     if plain is not None:
-        return _dispatch_with_plain(func, flat, specs, treedef, plain)
+        return _PLAIN, plain
     try:
         decision = propagate(func, flat, specs, treedef)
     except MeshMismatchError:
         if not is_list_op(func):
             raise
-        return run_per_mesh(func, args, kwargs, dispatch, DTensor)
+        return _PER_MESH, None
     except UnsupportedOpError as e:
         if e.op is not func:
             raise
         fn = DECOMPOSITIONS.get(func)  # a rule that declines these placements: our decomposition, if any
         if fn is not None:
-            return _decompose(func, fn, args, kwargs, view, writes)
+            return _DECOMPOSE, fn
         if not fallback_allowed(func):
             raise
-        return run_replicated(func, args, kwargs, _returns_self(func))
+        return _FALLBACK, None
     # a rank outside the mesh holds an empty (or 0-d placeholder) local tensor and runs nothing; the
     # size test first keeps the rank lookup off the hot path
     if first is not None and first._local_tensor.numel() <= 1 and first._spec.mesh._coord is None:
-        return off_mesh_result(func, decision.output, flat[0], first._local_tensor.device, first.dtype,
-                               _returns_self(func), DTensor)
+        return _OFF_MESH, decision
+    return _DIRECT, decision
+
+
+def _self_change(func, how: str, what: Any, flat: list, specs: list,
+                 first: DTensor | None) -> tuple[DTensor | None, Any, bool, bool]:
+    """For an op that writes: ``(self, the spec it would take, whether it takes new local memory,
+    whether it keeps its placements)`` where it is a DTensor an in-place op may give other
+    placements (its rule decided them, or its decomposition says: ``SELF_BECOMES``), else
+    ``(None, None, False, keep)``."""
+    me = flat[0]
+    becomes = SELF_BECOMES.get(func) if how is _DECOMPOSE else None
+    if becomes is not None and isinstance(me, DTensor):
+        new = becomes(me)
+        return me, new, new != me._spec, False
+    if how is not _DIRECT or first is None or first is not me or not _returns_self(func):
+        return None, None, False, False
+    if keeps_placements(first._spec, what.output) or _stays(first, what.output):
+        return None, None, False, True
+    w = what.inputs[0]
+    return first, what.output, bool(what.redistribute and w is not None and w != specs[0]), False
+
+
+def _direct(func, decision: Any, flat: list, specs: list, treedef, view: bool, keep: bool) -> tuple[Any, int]:
+    """Redistribute, run the local kernel, finish (``hit.finish``, shared with the hit path)."""
     if not decision.redistribute:
         local = [a if s is None else a._local_tensor for a, s in zip(flat, specs)]
     elif comm.listening():
@@ -146,28 +194,35 @@ def _dispatch(func, args: tuple, kwargs: dict, view: bool, writes: tuple) -> Any
     if decision.local_args is not None:
         local = decision.local_args(local)
     largs, lkwargs = unflatten_call(local, treedef)
-    inplace = _returns_self(func)
-    keep = inplace and first is flat[0] and (keeps_placements(first._spec, decision.output)
-                                             or _stays(first, decision.output))
-    if inplace and first is flat[0] and not keep:  # before the kernel writes: raising then loses nothing
-        check_placement_change(func, first, decision.output, local[0] is not first._local_tensor)
     out = (decision.kernel or func)(*largs, **lkwargs)
-    if inplace:
-        me = flat[0]
-        if keep:
-            write_into(me, local[0], decision.output)
-        elif isinstance(me, DTensor):
-            if local[0] is not me._local_tensor:
-                me._local_tensor = local[0]
-            if isinstance(decision.output, DTensorSpec) and decision.output != me._spec:
-                me._spec = decision.output
-        return me
-    out = wrap(out, decision.output)
-    if view:
-        w = decision.inputs[0]
-        note_copies(func, flat[0], decision.copies or (decision.redistribute and w is not None and w != specs[0]), out,
-                    args[1:], kwargs)
-    return out
+    out = finish(out, decision.output, flat[0] if _returns_self(func) else None, local[0], keep)
+    if not view:
+        return out, NOTHING
+    w = decision.inputs[0]
+    moved = decision.copies or (decision.redistribute and w is not None and w != specs[0])
+    return out, COPIES if moved else VIEWS
+
+
+def _decompose(func, fn, args: tuple, kwargs: dict, view: bool, writes: tuple) -> tuple[Any, int]:
+    """``func`` computed by its decomposition ``fn``; where that fails before writing anything, on
+    replicated inputs (``fallback.py``), else an error naming the op and the placements."""
+    check_plain(func, tree_flatten((args, kwargs))[0])
+    try:
+        with implicit_replication():  # plain tensors the decomposition builds are the same on every rank
+            out = replicate_plain(fn(*args, **kwargs), args, kwargs)
+    except NotImplementedError as e:
+        if isinstance(e, UnsupportedOpError) and e.op == func:
+            raise
+        if not writes and fallback_allowed(func):  # nothing was written: safe to run it whole
+            out = run_replicated(func, args, kwargs, False)
+            return out, COPIES if view and isinstance(args[0], DTensor) else NOTHING
+        pls = placements_text([a._spec for a in tree_flatten((args, kwargs))[0] if isinstance(a, DTensor)])
+        raise UnsupportedOpError(f"shardtensor: {func} has no sharding rule for these placements and its "
+                                 f"decomposition failed (input placements: {pls}): {e}", func) from e
+    if type(out) is Gathered:  # views of a gathered copy of the input
+        return tuple(out), COPIES
+    return out, NOTHING if view else OWN  # a view's results were marked by the views that built them; a
+    # non-view op's results are its own memory
 
 
 def _stays(me: DTensor, out: Any) -> bool:
@@ -188,16 +243,9 @@ _HIT_FACTS: dict[int, tuple] = {}
 _DETACH = torch.ops.aten.detach.default
 
 
-def _detach(x: DTensor) -> DTensor:
-    """``x.detach()``: the same placements over a detached local tensor, a view of ``x``."""
-    out = DTensor(x._local_tensor.detach(), x._spec)
-    note_copies(_DETACH, x, False, out)
-    return out
-
-
 def _hit_facts(func) -> tuple:
-    """``(may take the hit path, view op, what it writes, the written positions, how its scalars
-    are keyed)``, once per op: ops with a rule that write nothing, only their first argument and
+    """``(may take the hit path, what its results are on that path (``VIEWS`` or ``NOTHING``), what
+    it writes, the written positions, how its scalars are keyed)``, once per op: ops with a rule that write nothing, only their first argument and
     return it, or only tensor lists and return nothing (see ``hit.py``)."""
     view, writes = op_kind(func)
     rule = callable(route(func))  # route first: it marks the ops keyed by scalar sign
@@ -207,7 +255,7 @@ def _hit_facts(func) -> tuple:
         lists = all(str(sch.arguments[i].type) == "List[Tensor]" and not sch.arguments[i].kwarg_only for i in writes)
         kind = (WRITES_SELF if writes == (0,) and _returns_self(func) else
                 WRITES_LIST if lists and not sch.returns else -1)
-    return rule and kind != -1, view, kind, writes, freezer(func)
+    return rule and kind != -1, VIEWS if view else NOTHING, kind, writes, freezer(func)
 
 
 def _dispatch_with_plain(func, flat: list, specs: list, treedef, plain: list[int]) -> Any:

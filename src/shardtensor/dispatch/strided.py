@@ -12,7 +12,6 @@ from typing import Any, Callable
 
 import torch
 
-from ..aliasing import note_copies
 from ..propagation import unflatten_call
 from ..redistribute import redistribute_local, strided
 from ..spec import DTensorSpec
@@ -86,9 +85,9 @@ def _wrap(out: Any, layouts: list[DTensorSpec]) -> Any:
     return out
 
 
-def dispatch_packed(func: Any, args: tuple, kwargs: dict, flat: list, specs: list, treedef, view: bool,
-                    inplace: bool, redispatch: Callable[..., Any]) -> Any:
-    """``func`` with StridedShard inputs (see the module docstring); ``inplace``: it returns its self."""
+def dispatch_packed(func: Any, args: tuple, kwargs: dict, flat: list, specs: list, treedef, inplace: bool, redispatch: Callable[..., Any]) -> Any:
+    """``func`` with StridedShard inputs (see the module docstring); ``inplace``: it returns its self.
+    A view op's results are copies (of the gathered inputs): dispatch records them so."""
     if elementwise(func):
         layouts = _layouts(args, kwargs)
         if layouts is not None:
@@ -111,6 +110,4 @@ def dispatch_packed(func: Any, args: tuple, kwargs: dict, flat: list, specs: lis
             me._local_tensor.copy_(redistribute_local(written._local_tensor, written._spec, specs[i]))
         if out is written:
             out = me
-    if view and isinstance(flat[0], DTensor):
-        note_copies(func, flat[0], True, out, args[1:], kwargs)
     return out
