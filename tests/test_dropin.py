@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -22,11 +23,24 @@ ENV = {k: v for k, v in os.environ.items() if k != "CI"}
 ENV["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")])
 
 
-def _run(args: list[str], timeout: int = 240, env: dict | None = None, may_fail: str | None = None) -> str | None:
-    """The output of ``python *args``, which must succeed; ``None`` when it failed with ``may_fail`` in its output."""
+_EXIT_ABORT = "terminate called without an active exception"
+"""What a gloo process printed once, in one CI run on torch 2.11 under full load, when it aborted
+at interpreter exit after its script had finished and printed its results (not reproduced in 9
+runs alone or under load; see the 2026-11-29 note)."""
+
+
+def _run(args: list[str], timeout: int = 240, env: dict | None = None, may_fail: str | None = None,
+         results: int = 0) -> str | None:
+    """The output of ``python *args``, which must succeed; ``None`` when it failed with ``may_fail`` in its output.
+    With ``results``: a run whose ``results`` result lines were all printed and whose failure is only
+    an abort at exit (``_EXIT_ABORT``) is run once more, with a warning (a second failure fails)."""
     out = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env or ENV,
                          cwd=HERE.parent)
     text = out.stdout + out.stderr
+    if (out.returncode != 0 and results and _EXIT_ABORT in text
+            and len(re.findall(r'\{"rank".*?\}', out.stdout)) == results):
+        warnings.warn(f"a process aborted at exit after printing its results; running again: {text[-2000:]}")
+        return _run(args, timeout, env, may_fail)
     if out.returncode != 0 and may_fail is not None and may_fail in text:
         return None
     assert out.returncode == 0, text[-6000:]
@@ -111,7 +125,7 @@ def test_a_torchrun_script_runs_unchanged_and_matches_torchs_dtensor():
     runs = {}
     for who, pre in (("torch", []), ("ours", ["-m", "shardtensor.dropin"])):
         out = _run(["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", *pre,
-                    "tests/torch_style/tp_train.py"])
+                    "tests/torch_style/tp_train.py"], results=world)
         lines = [json.loads(m) for m in re.findall(r'\{"rank".*?\}', out)]
         assert sorted(r["rank"] for r in lines) == list(range(world)), out[-3000:]
         runs[who] = sorted(lines, key=lambda r: r["rank"])
