@@ -848,22 +848,21 @@ def test_row_34_same_placements_identity():
             assert r == (0, True, True, True, True)
 
 
-def test_row_37_cross_mesh_raises():
+def test_row_37_cross_mesh_moves():
+    """Another mesh moves the tensor (tests/test_crossmesh.py has the random sweep); the
+    same-mesh executor alone still refuses two meshes."""
     def fn():
         mesh = init_device_mesh("cpu", (4,))
         other = DeviceMesh("cpu", [3, 2, 1, 0])
         mesh2d = init_device_mesh("cpu", (2, 2))
-        x = distribute_tensor(dense((8, 3), 18), mesh, [S0])
-        with pytest.raises(NotImplementedError):
-            x.redistribute(other, [R])
-        with pytest.raises(NotImplementedError):
-            x.redistribute(other, [S0])  # equal placements
-        with pytest.raises(NotImplementedError):
-            x.redistribute(other, [S0], forward_dtype=torch.bfloat16)
-        with pytest.raises(NotImplementedError):
-            x.redistribute(other, [R], forward_dtype=torch.bfloat16)
-        with pytest.raises(NotImplementedError):
-            x.redistribute(mesh2d, [S0, R])
+        full = dense((8, 3), 18)
+        x = distribute_tensor(full, mesh, [S0])
+        assert torch.equal(x.redistribute(other, [R]).to_local(), full)
+        y = x.redistribute(other, [S0])  # equal placements, other ranks: rank r gets piece 3 - r
+        assert torch.equal(y.to_local(), full.chunk(4)[3 - mesh.get_rank()])
+        z = x.redistribute(other, [S0], forward_dtype=torch.bfloat16)
+        assert z.dtype == torch.bfloat16 and torch.equal(z.full_tensor(), full.to(torch.bfloat16))
+        assert torch.equal(x.redistribute(mesh2d, [S0, R]).full_tensor(), full)
         with pytest.raises(NotImplementedError):
             redistribute_local(x.to_local(), x._spec, spec_for(other, (8, 3), [R]))
 

@@ -22,6 +22,7 @@ from .placement import (OrderedPlacements, Partial, Placement, Replicate, Shard,
 from .redistribute import redistribute_local
 from .redistribute import strided
 from .redistribute.execute import partition
+from .redistribute.move import cross_target, relocate
 from .spec import DTensorSpec, interned
 from .submesh import empty_local
 
@@ -241,7 +242,8 @@ class DTensor(torch.Tensor):
                      shard_order: dict[int, Sequence[int]] | None = None) -> "DTensor":
         """A DTensor with the same value and new placements (differentiable).
 
-        Targets may be Partial only where the source already is that Partial.
+        Targets may be Partial only where the source already is that Partial.  A ``device_mesh``
+        other than this one moves the tensor there by point-to-point pieces (docs/meshes.md).
         ``shard_order={tensor_dim: [mesh dims, first-applied first]}`` picks a non-default
         nested order.  ``async_op=True`` leaves the last collective in flight: the result's
         local tensor is an ``AsyncLocalTensor`` that waits on first use (``.wait()`` on it, or any
@@ -251,11 +253,12 @@ class DTensor(torch.Tensor):
         for name, dt in (("forward_dtype", forward_dtype), ("backward_dtype", backward_dtype)):
             if dt is not None and not isinstance(dt, torch.dtype):
                 raise TypeError(f"redistribute: {name} must be a torch.dtype (e.g. torch.float16) or None, got {dt!r}")
-        if mesh != self.device_mesh:
-            raise NotImplementedError(f"cross-mesh redistribution is not supported: {self.device_mesh} -> {mesh}")
         if placements is None:
             raise RuntimeError("redistribute needs placements")
         order = None if shard_order is None else _shard_order_arg(shard_order)
+        if mesh != self.device_mesh:  # another mesh: point-to-point pieces (redistribute/crossmesh.py)
+            return _Redistribute.apply(self, cross_target(self._spec, mesh, placements, order), forward_dtype,
+                                       backward_dtype, False)
         target = self._spec.with_placements(placements, order)
         for j, (p, cur) in enumerate(zip(target.placements, self.placements)):
             if isinstance(p, Partial) and p != cur:
@@ -412,13 +415,13 @@ class _Redistribute(torch.autograd.Function):
             src = src.with_dtype(forward_dtype)
         target = interned(DTensorSpec(target.mesh, target.placements, src.shape, src.stride, src.dtype,
                                       target.shard_order))
-        if src.placements == target.placements and src.shard_order == target.shard_order:
+        if src.placements == target.placements and src.shard_order == target.shard_order and src.mesh == target.mesh:
             return DTensor(local, src, requires_grad=x.requires_grad)
         if comm.listening():
             with comm.scope("redistribute"):
-                local = redistribute_local(local, src, target, async_op)
+                local = relocate(local, src, target, async_op)
         else:
-            local = redistribute_local(local, src, target, async_op)
+            local = relocate(local, src, target, async_op)
         return DTensor(local, target, requires_grad=x.requires_grad)
 
     @staticmethod
@@ -430,7 +433,7 @@ class _Redistribute(torch.autograd.Function):
             local = local.to(want)
             gspec = gspec.with_dtype(want)
         target = DTensorSpec.build(src.mesh, unpartial(src.placements), gspec.shape, gspec.stride, want, src.shard_order)
-        local = redistribute_local(local, gspec, target)
+        local = relocate(local, gspec, target)
         if local.dtype != ctx.orig_dtype:
             local = local.to(ctx.orig_dtype)
         out = DTensor(local, target.with_dtype(ctx.orig_dtype), requires_grad=grad.requires_grad)

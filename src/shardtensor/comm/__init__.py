@@ -14,7 +14,7 @@ import torch
 
 from .base import DEFAULT_TIMEOUT_S, Completed, GroupSource, MeshDims, Transport, Work, reduce_stack
 from .issue import (CommEvent, CommLog, add_listener, current_scope, current_transport, current_world,
-                    issue, issue_all_to_all_v, issue_broadcast, listening, record, recorded_worlds, recording,
+                    issue, issue_all_to_all_v, issue_broadcast, issue_send_recv, listening, record, recorded_worlds, recording,
                     remove_listener, scope, selected, tracing)
 from .simulated import (CollectiveMismatchError, CollectiveTimeoutError, RankAbortedError, SimTransport, SimWorld,
                         StuckRanksError, current_sim_transport, run_spmd)
@@ -22,7 +22,8 @@ from .traced import traced, traced_all_to_all_v
 
 __all__ = [
     "CommEvent", "CommLog", "Transport", "add_listener", "remove_listener", "record", "current_transport",
-    "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "all_to_all_v", "broadcast", "barrier", "run_spmd",
+    "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "all_to_all_v", "broadcast", "barrier", "send_recv",
+    "run_spmd",
     "RankAbortedError", "CollectiveTimeoutError", "CollectiveMismatchError", "StuckRanksError", "reduce_stack",
     "DEFAULT_TIMEOUT_S", "scope", "listening",
     "current_scope", "recording", "Work", "Completed", "current_world", "selected", "recorded_worlds",
@@ -77,6 +78,16 @@ def broadcast(t: torch.Tensor, src: int, mesh: GroupSource, mesh_dim: MeshDims) 
     if tracing(t):
         return traced("broadcast", t, group, mesh_dim, (src,))
     return issue_broadcast(t, src, group, mesh_dim)
+
+
+def send_recv(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
+    """Point-to-point by global rank: ``(peer, t)`` of ``sends`` goes to ``peer``; ``(peer, buf)``
+    of ``recvs`` is filled from ``peer``.  Every peer makes the matching call (one message per
+    peer and direction); waits at most the collective timeout, naming the peers on failure."""
+    if any(tracing(t) for _, t in sends + recvs):
+        raise NotImplementedError("point-to-point moves (a DTensor moved between meshes) cannot be traced by "
+                                  "torch.compile; move it outside the compiled function")
+    issue_send_recv(sends, recvs)
 
 
 def barrier(mesh: GroupSource, mesh_dim: int | None = None) -> None:

@@ -185,6 +185,12 @@ class Transport(ABC):
     def broadcast(self, t: torch.Tensor, src: int, group: Group) -> torch.Tensor: ...
 
     @abstractmethod
+    def send_recv(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
+        """Point-to-point by global rank: every ``(peer, t)`` of ``sends`` goes to ``peer``, every
+        ``(peer, buf)`` of ``recvs`` is filled from ``peer`` (one message per peer and direction;
+        the peer names this rank in its own call).  Returns when all are done."""
+
+    @abstractmethod
     def barrier(self, group: Group) -> None: ...
 
 

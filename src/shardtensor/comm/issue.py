@@ -22,7 +22,7 @@ from .simulated import SimTransport, SimWorld, current_sim_transport
 __all__ = [
     "CommEvent", "CommLog", "MeshDims", "add_listener", "remove_listener", "record", "current_transport", "scope",
     "listening", "current_scope", "recording", "current_world", "selected", "recorded_worlds", "issue",
-    "issue_all_to_all_v", "issue_broadcast", "tracing",
+    "issue_all_to_all_v", "issue_broadcast", "issue_send_recv", "tracing",
 ]
 
 
@@ -269,6 +269,22 @@ def issue_broadcast(t: torch.Tensor, src: int, group: Group, mesh_dim: MeshDims)
     k, me = len(group), group.index(current_transport().rank)
     sent, recv = ((k - 1) * _nbytes(t), 0) if me == src else (0, _nbytes(t))
     return _recorded("broadcast", group, mesh_dim, t, sent, recv, lambda tr, a: tr.broadcast(t, src, group))
+
+
+def issue_send_recv(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
+    """``send_recv`` on the calling rank's transport, recorded as one ``send_recv`` event whose
+    group is this rank followed by its peers."""
+    tr = current_transport()
+    peers = tuple(sorted({p for p, _ in sends} | {p for p, _ in recvs}))
+    if not peers:
+        return
+    t0 = time.perf_counter()
+    tr.send_recv(sends, recvs)
+    if _listeners:
+        sent, got = sum(_nbytes(t) for _, t in sends), sum(_nbytes(b) for _, b in recvs)
+        ref = (sends or recvs)[0][1]
+        record("send_recv", None, (tr.rank,) + peers, tr.rank, sent, got, ref.dtype, (max(sent, got),),
+               time.perf_counter() - t0, tr.name, tr.world_id, tr.owner)
 
 
 @contextmanager

@@ -187,6 +187,22 @@ class SimTransport(Transport):
     def barrier(self, group):
         self._exchange("barrier", group, None)
 
+    def send_recv(self, sends, recvs):
+        out, into = dict(sends), dict(recvs)
+        works = []
+        for p in sorted(set(out) | set(into)):  # one two-rank meeting per peer, both sides in rank order
+            pair = (min(p, self.rank), max(p, self.rank))
+            payload = out[p].detach().clone() if p in out else None
+            works.append((p, self._work("send_recv", pair, payload, lambda parts: parts)))
+        for p, w in works:
+            got = w.wait()[0 if p < self.rank else 1]
+            if p in into:
+                if got is None or got.numel() != into[p].numel():
+                    raise CollectiveMismatchError(
+                        f"rank {self.rank} expected {into[p].numel()} elements from rank {p}, which sent "
+                        f"{'nothing' if got is None else got.numel()}: the two ranks planned different moves")
+                into[p].copy_(got.view_as(into[p]))
+
     def gather_objects(self, payload: Any) -> list[Any]:
         """Every rank's ``payload`` (any Python object, not copied), in rank order, on every rank."""
         return self._exchange("gather_objects", tuple(range(self.world_size)), payload)

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ..errors import CollectiveTimeoutError
 from .base import DEFAULT_TIMEOUT_S, Completed, Group, Transport, Work, avg_divide, reduce_stack
 
 _OPS = {
@@ -180,6 +181,20 @@ class TorchDistTransport(Transport):
         pg, _ = self._pg(group)
         dist.broadcast(out, src=group[src], group=pg)
         return out
+
+    def send_recv(self, sends, recvs):
+        ops = ([dist.P2POp(dist.isend, t.detach().contiguous(), p) for p, t in sends]
+               + [dist.P2POp(dist.irecv, buf, p) for p, buf in recvs])
+        if not ops:
+            return
+        peers = sorted({p for p, _ in sends} | {p for p, _ in recvs})
+        try:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait(timeout=self.timeout) if self.backend == "gloo" else work.wait()
+        except RuntimeError as e:
+            raise CollectiveTimeoutError(
+                f"rank {self.rank}: point-to-point exchange with ranks {peers} failed or timed out after "
+                f"{self.timeout.total_seconds():.0f}s ({e}); a peer never called it, or planned a different move") from e
 
     def barrier(self, group):
         if len(group) > 1:

@@ -1,0 +1,319 @@
+"""Moving a tensor between two meshes: a plan of point-to-point boxes.
+
+The source mesh and the destination mesh may differ in shape, in rank set, or both (disjoint,
+overlapping or equal rank sets).  Every rank knows, from the two specs alone, which boxes of the
+global tensor each source rank holds and which boxes each destination rank needs
+(``placement.local_blocks``: uneven, nested and strided shards included), so the plan is a pure
+function of (shape, itemsize, both meshes, both placements), the same on every rank without a
+message, and cached.
+
+* **Classes.** Source ranks that hold the same boxes (they differ only on replicated mesh dims)
+  form a class; the classes partition the tensor.
+* **Needs.** A destination rank needs its boxes; where it holds a part already (it is a source
+  rank of the class), that part is copied locally (zero bytes).  Everything else it lacks is
+  sent to it exactly once, by one holder of the class: the total bytes equal the lower bound.
+* **Balance.** Within a class, the bytes it must send are laid end to end (receiver by
+  receiver) and cut into ``k`` equal runs, one per holder (cuts fall inside a box at any
+  element, ``_split``): the busiest sender sends at most one element more than the balanced
+  optimum ``bytes / k``.
+* **Partial sources** are reduced on the source mesh first, to the placement (Replicate or a
+  Shard) that makes the whole move cheapest under the alpha-beta model: a reduce-scatter there
+  costs fewer bytes than shipping every term.
+* **Partial destinations**: for ``sum`` / ``product`` the first rank along the Partial mesh
+  dims receives the value and the others start from the identity (0 / 1); for ``avg``,
+  ``max`` and ``min`` every rank receives the value.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Sequence
+
+from ..placement import (NormPartial, Partial, Placement, Replicate, Shard, ShardOrder, StridedShard, default_shard_order,
+                         display, local_blocks)
+from .cost import DEFAULT_LINK, LinkModel, plan_cost
+from .planner import plan
+
+__all__ = ["Side", "Piece", "CrossPlan", "cross_plan", "clear_cache", "split_box"]
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+"""``(global offsets, sizes)`` of a box of the global tensor."""
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side of a move: a mesh's ranks (row-major), its shape, the placements and shard order."""
+
+    ranks: tuple[int, ...]
+    shape: tuple[int, ...]
+    placements: tuple[Placement, ...]
+    order: ShardOrder
+
+    def coords(self) -> dict[int, tuple[int, ...]]:
+        return dict(zip(self.ranks, itertools.product(*(range(n) for n in self.shape))))
+
+    def __str__(self) -> str:
+        return f"mesh {list(self.ranks)} {self.shape} {display(self.placements, self.order)}"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One box moved from ``src`` to ``dst`` (a local copy when they are the same rank)."""
+
+    src: int
+    dst: int
+    offset: tuple[int, ...]
+    size: tuple[int, ...]
+    src_at: tuple[int, ...]
+    """The box's offset in the sender's local tensor."""
+    dst_at: tuple[int, ...]
+    """The box's offset in the receiver's local tensor."""
+    term: int = -1
+    """Which term of a Partial source this is (row-major over its Partial mesh dims), or -1."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.size)
+
+
+@dataclass(frozen=True)
+class CrossPlan:
+    """What every rank does to move one tensor between two meshes."""
+
+    shape: tuple[int, ...]
+    itemsize: int
+    src: Side
+    dst: Side
+    pre: tuple[Placement, ...] | None
+    """Placements the source is first redistributed to on its own mesh (reducing its Partials)."""
+    pre_order: ShardOrder
+    """Their shard order."""
+    pieces: tuple[Piece, ...]
+    fill: tuple[tuple[int, str], ...]
+    """Destination ranks that hold the reduce op's identity, not the value (Partial destinations)."""
+    optimum: float
+    """The balanced busiest sender's bytes: per class, the bytes it must send over its holders."""
+    reduce: str | None = None
+    """The reduce op of a Partial source whose terms are sent and combined by the receivers."""
+    terms: int = 1
+    """How many terms each destination element combines (1 unless ``reduce``)."""
+
+    def sent(self, rank: int) -> int:
+        return sum(p.numel for p in self.pieces if p.src == rank and p.dst != rank) * self.itemsize
+
+    def received(self, rank: int) -> int:
+        return sum(p.numel for p in self.pieces if p.dst == rank and p.src != rank) * self.itemsize
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(p.numel for p in self.pieces if p.src != p.dst) * self.itemsize
+
+    @property
+    def busiest_sender(self) -> int:
+        ranks = {p.src for p in self.pieces}
+        return max((self.sent(r) for r in ranks), default=0)
+
+    def describe(self) -> str:
+        """A few lines: the sides, the pre-reduction, bytes per rank and the lower bound."""
+        lines = [f"move {self.shape} ({self.itemsize} B/elem) from {self.src} to {self.dst}"]
+        if self.pre is not None:
+            lines.append(f"  first on the source mesh: reduce the Partials to {display(self.pre)}")
+        if self.reduce is not None:
+            lines.append(f"  the {self.terms} terms of every element are sent; receivers combine them ({self.reduce})")
+        ranks = sorted(set(self.src.ranks) | set(self.dst.ranks))
+        for r in ranks:
+            copied = sum(p.numel for p in self.pieces if p.src == r == p.dst) * self.itemsize
+            peers = sorted({p.dst for p in self.pieces if p.src == r and p.dst != r})
+            lines.append(f"  rank {r}: sends {self.sent(r)} B to {peers}, receives {self.received(r)} B, "
+                         f"copies {copied} B locally")
+        lines.append(f"  total {self.total_bytes} B on the wire (= the lower bound: every byte a destination rank "
+                     f"lacks, received once); busiest sender {self.busiest_sender} B, balanced optimum "
+                     f"{self.optimum:.0f} B")
+        return "\n".join(lines)
+
+
+def _identity_fill(dst: Side) -> tuple[tuple[Placement, ...], dict[int, str]]:
+    """Destination placements as the needs see them, and the ranks that start from an identity."""
+    ops = {p.reduce_op for p in dst.placements if isinstance(p, Partial) and p.reduce_op in ("sum", "product")}
+    if len(ops) > 1:
+        raise ValueError(f"destination placements {display(dst.placements)} mix Partial(sum) and Partial(product); "
+                         "move to one of them, then redistribute on the destination mesh")
+    dims = [j for j, p in enumerate(dst.placements) if isinstance(p, Partial) and p.reduce_op in ops]
+    fill = {r: next(iter(ops)) for r, c in dst.coords().items() if any(c[j] for j in dims)}
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in dst.placements), fill
+
+
+def _blocks(shape: tuple[int, ...], side: Side, placements: Sequence[Placement]
+            ) -> dict[int, list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]]:
+    return {r: local_blocks(shape, side.shape, c, placements, side.order) for r, c in side.coords().items()}
+
+
+def _overlap(a: Box, b: Box) -> Box | None:
+    off, size = [], []
+    for x, n, y, m in zip(a[0], a[1], b[0], b[1]):
+        lo, hi = max(x, y), min(x + n, y + m)
+        if hi <= lo:
+            return None
+        off.append(lo)
+        size.append(hi - lo)
+    return tuple(off), tuple(size)
+
+
+def split_box(off: tuple[int, ...], size: tuple[int, ...], n: int) -> tuple[list[Box], list[Box]]:
+    """The box's first ``n`` elements in row-major order as boxes, and the rest as boxes (at most
+    ``ndim`` boxes each)."""
+    total = math.prod(size)
+    if n <= 0:
+        return [], [(off, size)]
+    if n >= total:
+        return [(off, size)], []
+    inner = total // size[0]
+    q, r = divmod(n, inner)
+    head: list[Box] = [(off, (q,) + size[1:])] if q else []
+    tail: list[Box] = []
+    rest = q
+    if r:
+        h, t = split_box(off[1:], size[1:], r)
+        head += [((off[0] + q,) + o, (1,) + s) for o, s in h]
+        tail += [((off[0] + q,) + o, (1,) + s) for o, s in t]
+        rest = q + 1
+    if rest < size[0]:
+        tail.append(((off[0] + rest,) + off[1:], (size[0] - rest,) + size[1:]))
+    return head, tail
+
+
+def _pieces(shape: tuple[int, ...], src: Side, dst: Side) -> tuple[list[Piece], float]:
+    """The pieces of a move, term 0 first, and the balanced optimum (bytes).  A source's Partial
+    mesh dims number its terms: each term is a class of its own, every destination needs them all."""
+    dst_pl, fill = _identity_fill(dst)
+    pdims = [j for j, p in enumerate(src.placements) if isinstance(p, Partial)]
+    held = _blocks(shape, src, [Replicate() if isinstance(p, Partial) else p for p in src.placements])
+    coords = src.coords()
+    classes: dict[tuple[int, tuple], list[int]] = {}
+    for r in src.ranks:
+        boxes = tuple((o, s) for s, o, _ in held[r])
+        if boxes:
+            term = 0
+            for j in pdims:
+                term = term * src.shape[j] + coords[r][j]
+            classes.setdefault((term, boxes), []).append(r)
+    need = _blocks(shape, dst, dst_pl)
+    local: list[Piece] = []
+    streams: dict[tuple[int, tuple], list] = {}
+    for key, holders in classes.items():
+        blocks = held[holders[0]]
+        for d in dst.ranks:
+            if d in fill:
+                continue
+            for dsize, doff, dat in need[d]:
+                for ssize, soff, sat in blocks:
+                    o = _overlap((doff, dsize), (soff, ssize))
+                    if o is None:
+                        continue
+                    to_dst = tuple(a + x - g for a, x, g in zip(dat, o[0], doff))
+                    to_src = tuple(a + x - g for a, x, g in zip(sat, o[0], soff))
+                    if d in holders:
+                        local.append(Piece(d, d, o[0], o[1], to_src, to_dst, key[0] if pdims else -1))
+                    else:
+                        streams.setdefault(key, []).append((d, o, soff, sat, (doff, dat)))
+    sent: list[Piece] = []
+    optimum = 0.0
+    for key, items in streams.items():
+        holders = classes[key]
+        sent += _balance(items, holders, key[0] if pdims else -1)
+        optimum = max(optimum, sum(math.prod(o[1]) for _, o, *_ in items) / len(holders))
+    return sorted(local + sent, key=lambda p: p.term), optimum
+
+
+def _balance(items: list, holders: list[int], term: int) -> list[Piece]:
+    """Cut the class's stream of boxes into ``len(holders)`` runs of equal element counts."""
+    total = sum(math.prod(o[1]) for _, o, *_ in items)
+    k = len(holders)
+    cuts = [total * (i + 1) // k for i in range(k)]
+    out: list[Piece] = []
+    h, pos = 0, 0
+    for d, (off, size), soff, sat, (doff, dat) in items:
+        boxes = [(off, size)]
+        while boxes:
+            bo, bs = boxes.pop(0)
+            n = math.prod(bs)
+            while pos >= cuts[h]:
+                h += 1
+            take = min(n, cuts[h] - pos)
+            head, tail = split_box(bo, bs, take)
+            for ho, hs in head:
+                out.append(Piece(holders[h], d, ho, hs, tuple(a + x - g for a, x, g in zip(sat, ho, soff)),
+                                 tuple(a + x - g for a, x, g in zip(dat, ho, doff)), term))
+            pos += take
+            boxes = tail + boxes
+    return out
+
+
+def _move_seconds(pieces: Sequence[Piece], itemsize: int, link: LinkModel) -> float:
+    """Modeled time of the point-to-point stage: the busiest rank's messages and bytes."""
+    per: dict[int, list[int]] = {}
+    pairs = {(p.src, p.dst) for p in pieces if p.src != p.dst}
+    for p in pieces:
+        if p.src != p.dst:
+            per.setdefault(p.src, [0, 0])[0] += p.numel * itemsize
+            per.setdefault(p.dst, [0, 0])[1] += p.numel * itemsize
+    if not per:
+        return 0.0
+    msgs = {r: sum(1 for a, b in pairs if r in (a, b)) for r in per}
+    return link.launch + max(msgs[r] * link.alpha + max(b) * link.beta for r, b in per.items())
+
+
+def _reductions(src: Side, ndim: int) -> list[tuple[tuple[Placement, ...], ShardOrder]]:
+    """Candidate placements (and shard orders) that reduce the source's Partials on its own mesh:
+    Replicate (an all-reduce) keeping the source's order, or a Shard of one dim (a reduce-scatter)."""
+    out = [(tuple(Replicate() if isinstance(p, Partial) else p for p in src.placements), src.order)]
+    strided = {p.dim for p in src.placements if type(p) is StridedShard}
+    if src.order == default_shard_order(src.placements):
+        for d in range(ndim):
+            if d not in strided:
+                pl = tuple(Shard(d) if isinstance(p, Partial) else p for p in src.placements)
+                out.append((pl, default_shard_order(pl)))
+    return out
+
+
+def _plain(pl: Sequence[Placement]) -> tuple[Placement, ...]:
+    """Placements the collective planner prices (a StridedShard is priced as Replicate)."""
+    return tuple(Replicate() if type(p) is StridedShard else p for p in pl)
+
+
+@lru_cache(maxsize=1024)
+def cross_plan(shape: tuple[int, ...], itemsize: int, src: Side, dst: Side) -> CrossPlan:
+    """The plan of a move (cached): pieces, the pre-reduction of Partial sources, fills.
+
+    A Partial source is either reduced on its mesh first (to Replicate or a Shard) or its terms
+    are sent and combined by the receivers: whichever the alpha-beta model prices cheapest."""
+    fill = tuple(sorted(_identity_fill(dst)[1].items()))
+    ops = {p.reduce_op for p in src.placements if isinstance(p, Partial)}
+    if not ops:
+        pieces, optimum = _pieces(shape, src, dst)
+        return CrossPlan(shape, itemsize, src, dst, None, (), tuple(pieces), fill, optimum)
+    best: tuple[float, int, CrossPlan] | None = None
+    if len(ops) == 1 and not any(isinstance(p, NormPartial) for p in src.placements):
+        pieces, optimum = _pieces(shape, src, dst)
+        terms = math.prod(n for n, p in zip(src.shape, src.placements) if isinstance(p, Partial))
+        cand = CrossPlan(shape, itemsize, src, dst, None, (), tuple(pieces), fill, optimum, next(iter(ops)), terms)
+        best = (_move_seconds(pieces, itemsize, DEFAULT_LINK), cand.total_bytes, cand)
+    for pre, order in _reductions(src, len(shape)):
+        try:
+            steps = plan(_plain(src.placements), src.order, _plain(pre), order, shape, src.shape, itemsize)
+        except ValueError:
+            continue
+        pieces, optimum = _pieces(shape, Side(src.ranks, src.shape, pre, order), dst)
+        cost = plan_cost(steps, shape, src.shape, itemsize)
+        cand = CrossPlan(shape, itemsize, src, dst, pre, order, tuple(pieces), fill, optimum)
+        key = (cost[1] + _move_seconds(pieces, itemsize, DEFAULT_LINK), cand.total_bytes)
+        if best is None or key < best[:2]:
+            best = (*key, cand)
+    assert best is not None  # Replicate is always a valid reduction
+    return best[2]
+
+
+def clear_cache() -> None:
+    cross_plan.cache_clear()
