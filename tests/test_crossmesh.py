@@ -191,6 +191,7 @@ def test_random_moves_send_the_lower_bound_balanced(random_moves):
         lower, optimum = _lower_bound_and_optimum(c["seed"], out, plan.itemsize, plan.terms)
         assert plan.total_bytes == lower, (c, plan.describe())
         assert plan.busiest_sender <= max(1.1 * optimum, optimum + plan.itemsize), (c, plan.describe(), optimum)
+        assert plan.optimum == pytest.approx(optimum), (c, plan.describe(), optimum)
         total_planned += plan.total_bytes
     on_wire = sum(e.bytes_sent for e in log.events if e.kind == "send_recv")
     assert on_wire == total_planned > 0
@@ -281,7 +282,7 @@ def _bad_input_body(case):
         try:
             calls[case]() if case in calls else transfer({"x": x}, out=outs[case])
         except (ValueError, TypeError, IndexError) as e:
-            return str(e), sum(1 for e in log.events if e.kind == "send_recv" or "redistribute" in e.scope)
+            return str(e), sum(1 for e in log.events if "move" in e.scope or "redistribute" in e.scope)
     return None
 
 
@@ -340,3 +341,30 @@ def test_a_missing_peer_fails_the_wait_naming_it():
 
     with pytest.raises(CollectiveTimeoutError, match=r"ranks \[3\] never arrived"):
         run_spmd(body, 4, timeout=2)
+
+
+def test_explain_a_move_and_the_plan_command(capsys):
+    from shardtensor import explain_redistribute
+    from shardtensor.cli import main
+    from shardtensor.redistribute.explain_move import MoveExplanation
+
+    ex = explain_redistribute((2, 2), (8, 6), "S0,S1", "S1", dst_mesh=(4,), dst_ranks=range(4, 8))
+    assert isinstance(ex, MoveExplanation)
+    d = ex.to_dict()
+    assert d["total_bytes"] == d["lower_bound"] == sum(t["bytes"] for t in d["transfers"]) == 8 * 6 * 4
+    assert d["per_rank"]["7"]["received"] == 0  # 6 columns over 4 ranks: 2, 2, 2, 0
+    assert d["busiest_sender"] == d["balanced_optimum"] == 48
+    same_ranks = explain_redistribute((2, 2), (8, 6), "S0,S1", "R,S1", dst_ranks=[0, 2, 1, 3])
+    assert 0 < same_ranks.to_dict()["total_bytes"] < 8 * 6 * 4 * 2  # each rank keeps what it holds
+    assert main(["plan", "--mesh", "2,2", "--shape", "8,6", "--src", "S0,S1", "--dst-mesh", "4",
+                 "--dst-ranks", "4,5,6,7", "--dst", "S1"]) == 0
+    out = capsys.readouterr().out
+    assert "0 -> 4: 32 B in 1" in out and "= the lower bound" in out
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--mesh", "2,2", "--shape", "8,6", "--src", "S0,S1", "--dst-mesh", "4", "--dst", "S1",
+              "--png", "x.png"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit):
+        main(["plan", "--mesh", "2,2", "--shape", "8,6", "--src", "S0,S1", "--dst-mesh", "4", "--dst-ranks", "4,5",
+              "--dst", "S1"])
+    assert "must be 4 distinct" in capsys.readouterr().err

@@ -17,7 +17,7 @@ from .redistribute import explain_redistribute
 from .fsdp import MixedPrecisionPolicy, fully_shard
 from . import parallel
 from .parallel import distribute_module
-from .transfer import transfer
+from .transfer import WeightSync, transfer
 
 __all__ = [
     "CommTrace", "DTensor", "DTensorSpec", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard", "StridedShard",
@@ -25,7 +25,8 @@ __all__ = [
     "MixedTensorError", "ShardingError", "errors", "implicit_replication", "strict_sharding",
 ]
 __all__ += ["distribute_module", "empty", "full", "ones", "rand", "randn", "zeros"]
-__all__ += ["MixedPrecisionPolicy", "fully_shard", "compute_local_shape_and_global_offset", "transfer"]
+__all__ += ["MixedPrecisionPolicy", "fully_shard", "compute_local_shape_and_global_offset", "transfer",
+            "WeightSync"]
 
 
 def _allow_in_weights_only_load() -> None:

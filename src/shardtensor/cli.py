@@ -6,7 +6,8 @@ import json
 import os
 import sys
 
-PLAN_EXAMPLE = "example: shardtensor plan --mesh 2,2 --shape 8,6 --src S0,S1 --dst R,S0"
+PLAN_EXAMPLE = ("examples: shardtensor plan --mesh 2,2 --shape 8,6 --src S0,S1 --dst R,S0\n"
+                "          shardtensor plan --mesh 2,2 --shape 8,6 --src S0,S1 --dst-mesh 4 --dst-ranks 4,5,6,7 --dst S1")
 
 
 def _add_plan_parser(sub) -> argparse.ArgumentParser:
@@ -24,20 +25,29 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--src-order", metavar="D:J,J[;D:J,...]",
                    help="source shard order of nested tensor dims, mesh dims first-applied first, e.g. 0:1,0")
     p.add_argument("--dst-order", metavar="D:J,J[;D:J,...]", help="target shard order, e.g. 0:1,0")
+    p.add_argument("--dst-mesh", metavar="K0,K1,...",
+                   help="move to another mesh of this shape: show the point-to-point transfers instead")
+    p.add_argument("--src-ranks", metavar="R,R,...", help="with --dst-mesh: the source mesh's ranks (default 0..n-1)")
+    p.add_argument("--dst-ranks", metavar="R,R,...", help="with --dst-mesh: the target mesh's ranks (default 0..m-1)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--png", metavar="FILE", help="also draw the layouts before/after each step to this PNG")
     return p
 
 
 def _plan(args, parser: argparse.ArgumentParser) -> int:
-    from .redistribute.explain import explain_redistribute
+    from .redistribute.explain import Explanation, explain_redistribute
 
     try:
+        moving = {} if args.dst_mesh is None and args.src_ranks is None and args.dst_ranks is None else {
+            "dst_mesh": args.dst_mesh, "src_ranks": args.src_ranks, "dst_ranks": args.dst_ranks}
         ex = explain_redistribute(args.mesh, args.shape, args.src, args.dst, dtype=args.dtype,
-                                  src_order=args.src_order, dst_order=args.dst_order)
+                                  src_order=args.src_order, dst_order=args.dst_order, **moving)
     except (ValueError, TypeError) as e:
         parser.error(str(e))  # exits with code 2
+    if args.png and moving:
+        parser.error("--png draws plans on one mesh; a move to another mesh is shown as text or --json")
     if args.png:
+        assert isinstance(ex, Explanation)  # a move is refused above
         try:
             ex.draw(args.png)
         except ImportError as e:

@@ -8,16 +8,21 @@ DTensor on a sub-mesh); everything is checked, the same way on every rank, befor
 """
 from __future__ import annotations
 
+import pickle
 from typing import Any, Mapping, Sequence
 
 import torch
 
+from . import comm
 from .mesh import DeviceMesh
-from .placement import Placement
-from .redistribute.move import cross_target, move_locals, relocate
+from .placement import Placement, Replicate
+from .redistribute.crossmesh import CrossPlan
+from .redistribute.move import cross_target, move_locals, plan_move, relocate
+from .spec import DTensorSpec
+from .submesh import empty_local
 from .tensor import DTensor
 
-__all__ = ["transfer"]
+__all__ = ["transfer", "WeightSync", "lifted"]
 
 
 def _named(x: Any, what: str) -> dict[Any, Any]:
@@ -104,3 +109,146 @@ def _check(key: Any, x: Any, y: Any) -> None:
     if y.device_mesh.device_type != x.device_mesh.device_type:
         raise ValueError(f"transfer: {key!r} is on {x.device_mesh.device_type!r} in src and "
                          f"{y.device_mesh.device_type!r} in out")
+
+
+def lifted(spec: DTensorSpec, mesh: DeviceMesh, what: str) -> DTensorSpec:
+    """``spec`` seen on ``mesh``: itself, or, for a DTensor on a sub-mesh of ``mesh``
+    (``mesh["dp"]``), the spec on ``mesh`` that is Replicate on the other mesh dims (the 2-D
+    recipe's non-TP parameters: each tp rank holds the same dp-sharded values)."""
+    if spec.mesh == mesh:
+        return spec
+    root = spec.mesh._root
+    if root is None or root != mesh:
+        raise ValueError(f"{what} lives on mesh {spec.mesh.mesh.tolist()}, neither the mesh "
+                         f"{mesh.mesh.tolist()} nor one of its sub-meshes")
+    dims = spec.mesh._root_dims
+    pl: list[Placement] = [Replicate()] * mesh.ndim
+    for i, j in enumerate(dims):
+        pl[j] = spec.placements[i]
+    order = tuple((d, tuple(dims[j] for j in js)) for d, js in spec.shard_order)
+    return DTensorSpec.build(mesh, pl, spec.shape, spec.stride, spec.dtype, order)
+
+
+Layout = dict[str, tuple[tuple[int, ...], tuple[int, ...], torch.dtype, tuple[Placement, ...], Any]]
+
+
+class WeightSync:
+    """Push a state dict from one mesh to another, every step, when each side knows only its own.
+
+    An RL trainer (ranks 0-3) and inference workers (ranks 4-7) run different code: both build
+    ``WeightSync(trainer_mesh, inference_mesh)`` and call it after every step, the trainer's ranks
+    with ``src=`` their state dict, the inference ranks with ``out=`` theirs (a rank in both passes
+    both).  On the first call the first rank of each side sends its side's layout (names, shapes,
+    dtypes, placements) to the ranks of the other side; every rank checks that the two agree and
+    raises the same error if not, before any weight moves.  Later calls reuse the plan.
+
+    DTensors on a sub-mesh (``mesh["dp"]`` or ``mesh["tp"]``) are taken as replicated over the
+    mesh's other dims: a trainer's non-TP parameters, an inference engine's TP replicas.
+    """
+
+    def __init__(self, src_mesh: DeviceMesh, dst_mesh: DeviceMesh, *, bucket_bytes: int | None = None) -> None:
+        for name, m in (("src_mesh", src_mesh), ("dst_mesh", dst_mesh)):
+            if not isinstance(m, DeviceMesh):
+                raise TypeError(f"WeightSync: {name} must be a DeviceMesh, got {m!r}")
+        if src_mesh.device_type != dst_mesh.device_type:
+            raise ValueError(f"WeightSync: src_mesh is on {src_mesh.device_type!r}, dst_mesh on "
+                             f"{dst_mesh.device_type!r}")
+        self.src_mesh, self.dst_mesh, self.bucket_bytes = src_mesh, dst_mesh, bucket_bytes
+        self._specs: tuple[dict[str, DTensorSpec], dict[str, DTensorSpec]] | None = None
+
+    def __call__(self, src: Mapping[str, DTensor] | None = None,
+                 out: Mapping[str, DTensor] | None = None) -> Mapping[str, DTensor] | None:
+        """Move ``src`` (this rank's, if it is in the source mesh) into ``out`` (if in the destination)."""
+        in_src = self.src_mesh.get_coordinate() is not None
+        in_dst = self.dst_mesh.get_coordinate() is not None
+        if not (in_src or in_dst):
+            return out
+        for flag, arg, name, side in ((in_src, src, "src", "source"), (in_dst, out, "out", "destination")):
+            if flag and not isinstance(arg, Mapping):
+                raise TypeError(f"WeightSync: this rank is in the {side} mesh: pass {name}= (a state dict of "
+                                f"DTensors), got {type(arg).__name__}")
+        mine = (self._layout(src, self.src_mesh, "src") if in_src else None,
+                self._layout(out, self.dst_mesh, "out") if in_dst else None)
+        if self._specs is None:
+            self._specs = self._share(*mine)
+        for got, specs, name in zip(mine, self._specs, ("src", "out")):
+            if got is not None and got != {k: _entry(s) for k, s in specs.items()}:
+                raise ValueError(f"WeightSync: {name} changed layout since the first call; build a new WeightSync")
+        src_specs, dst_specs = self._specs
+        names = sorted(src_specs)
+        device = torch.device(self.src_mesh.device_type)
+        locs = [src[k]._local_tensor if in_src and src is not None else empty_local(src_specs[k], device)
+                for k in names]
+        with torch.no_grad():
+            moved = move_locals(locs, [src_specs[k] for k in names], [dst_specs[k] for k in names], self.bucket_bytes)
+            if in_dst and out is not None:
+                for k, t in zip(names, moved):
+                    out[k]._local_tensor.copy_(t)
+        return out
+
+    def plans(self) -> dict[str, CrossPlan]:
+        """Every tensor's plan (after the first call): its transfers, bytes and bounds (``describe()``)."""
+        if self._specs is None:
+            raise RuntimeError("WeightSync.plans(): call the sync once first (the layouts travel then)")
+        src, dst = self._specs
+        return {k: plan_move(src[k], dst[k]) for k in sorted(src)}
+
+    @staticmethod
+    def _layout(sd: Any, mesh: DeviceMesh, name: str) -> Layout:
+        out: Layout = {}
+        for k, v in sd.items():
+            if not isinstance(v, DTensor):
+                raise TypeError(f"WeightSync: {name}[{k!r}] is a {type(v).__name__}, not a DTensor")
+            out[str(k)] = _entry(lifted(v._spec, mesh, f"WeightSync: {name}[{k!r}]"))
+        return out
+
+    def _share(self, src: Layout | None, dst: Layout | None) -> tuple[dict[str, DTensorSpec], dict[str, DTensorSpec]]:
+        """Both layouts on every rank of either mesh: each side's first rank sends its own to the
+        other side's ranks outside its mesh (two point-to-point rounds: sizes, then bytes)."""
+        me = comm.current_transport().rank
+        a, b = [int(r) for r in self.src_mesh.mesh.flatten()], [int(r) for r in self.dst_mesh.mesh.flatten()]
+        plan = [(a[0], [r for r in b if r not in a], src), (b[0], [r for r in a if r not in b], dst)]
+        got: list[Any] = [src, dst]
+        dev = torch.device(self.src_mesh.device_type)  # NCCL moves device tensors only
+        blobs = [pickle.dumps(lay) if lay is not None and me == first else b"" for first, _, lay in plan]
+        sizes = [torch.tensor([len(x)], dtype=torch.int64, device=dev) for x in blobs]
+        for round_ in ("size", "bytes"):
+            sends, recvs, slots = [], [], []
+            for i, (first, to, _) in enumerate(plan):
+                if me == first:
+                    data = sizes[i] if round_ == "size" else torch.frombuffer(bytearray(blobs[i]), dtype=torch.uint8).to(dev)
+                    sends += [(r, data) for r in to]
+                elif me in to:
+                    buf = torch.empty(1 if round_ == "size" else int(sizes[i][0]),
+                                      dtype=torch.int64 if round_ == "size" else torch.uint8, device=dev)
+                    recvs.append((first, buf))
+                    slots.append((i, buf))
+            comm.send_recv(sends, recvs)
+            for i, buf in slots:
+                if round_ == "size":
+                    sizes[i] = buf
+                else:
+                    got[i] = pickle.loads(buf.cpu().numpy().tobytes())
+        return _check_layouts(got[0], got[1], self.src_mesh, self.dst_mesh)
+
+
+def _entry(spec: DTensorSpec) -> tuple:
+    return (tuple(spec.shape), tuple(spec.stride), spec.dtype, tuple(spec.placements), spec.shard_order)
+
+
+def _check_layouts(src: Layout, dst: Layout, src_mesh: DeviceMesh, dst_mesh: DeviceMesh
+                   ) -> tuple[dict[str, DTensorSpec], dict[str, DTensorSpec]]:
+    if set(src) != set(dst):
+        raise ValueError(f"WeightSync: the state dicts hold different names: only in src "
+                         f"{sorted(set(src) - set(dst))}, only in out {sorted(set(dst) - set(src))}")
+    for k in sorted(src):
+        (s_shape, _, s_dtype, *_), (d_shape, _, d_dtype, *_) = src[k], dst[k]
+        if s_shape != d_shape or s_dtype != d_dtype:
+            raise ValueError(f"WeightSync: {k!r} is {s_shape} {s_dtype} in src and {d_shape} {d_dtype} in out; "
+                             "the state dicts must describe the same model with the same dtypes")
+
+    def specs(lay: Layout, mesh: DeviceMesh) -> dict[str, DTensorSpec]:
+        return {k: DTensorSpec.build(mesh, pl, shape, stride, dtype, order)
+                for k, (shape, stride, dtype, pl, order) in lay.items()}
+
+    return specs(src, src_mesh), specs(dst, dst_mesh)

@@ -185,7 +185,7 @@ def split_box(off: tuple[int, ...], size: tuple[int, ...], n: int) -> tuple[list
 
 
 def _pieces(shape: tuple[int, ...], src: Side, dst: Side) -> tuple[list[Piece], float]:
-    """The pieces of a move, term 0 first, and the balanced optimum (bytes).  A source's Partial
+    """The pieces of a move, term 0 first, and the balanced optimum (elements).  A source's Partial
     mesh dims number its terms: each term is a class of its own, every destination needs them all."""
     dst_pl, fill = _identity_fill(dst)
     pdims = [j for j, p in enumerate(src.placements) if isinstance(p, Partial)]
@@ -293,12 +293,13 @@ def cross_plan(shape: tuple[int, ...], itemsize: int, src: Side, dst: Side) -> C
     ops = {p.reduce_op for p in src.placements if isinstance(p, Partial)}
     if not ops:
         pieces, optimum = _pieces(shape, src, dst)
-        return CrossPlan(shape, itemsize, src, dst, None, (), tuple(pieces), fill, optimum)
+        return CrossPlan(shape, itemsize, src, dst, None, (), tuple(pieces), fill, optimum * itemsize)
     best: tuple[float, int, CrossPlan] | None = None
     if len(ops) == 1 and not any(isinstance(p, NormPartial) for p in src.placements):
         pieces, optimum = _pieces(shape, src, dst)
         terms = math.prod(n for n, p in zip(src.shape, src.placements) if isinstance(p, Partial))
-        cand = CrossPlan(shape, itemsize, src, dst, None, (), tuple(pieces), fill, optimum, next(iter(ops)), terms)
+        cand = CrossPlan(shape, itemsize, src, dst, None, (), tuple(pieces), fill, optimum * itemsize,
+                         next(iter(ops)), terms)
         best = (_move_seconds(pieces, itemsize, DEFAULT_LINK), cand.total_bytes, cand)
     for pre, order in _reductions(src, len(shape)):
         try:
@@ -307,7 +308,7 @@ def cross_plan(shape: tuple[int, ...], itemsize: int, src: Side, dst: Side) -> C
             continue
         pieces, optimum = _pieces(shape, Side(src.ranks, src.shape, pre, order), dst)
         cost = plan_cost(steps, shape, src.shape, itemsize)
-        cand = CrossPlan(shape, itemsize, src, dst, pre, order, tuple(pieces), fill, optimum)
+        cand = CrossPlan(shape, itemsize, src, dst, pre, order, tuple(pieces), fill, optimum * itemsize)
         key = (cost[1] + _move_seconds(pieces, itemsize, DEFAULT_LINK), cand.total_bytes)
         if best is None or key < best[:2]:
             best = (*key, cand)

@@ -44,6 +44,7 @@ import torch
 from ..placement import Partial, Placement, Replicate, Shard, ShardOrder, display
 from .cost import LinkModel, logical_shape, normalize_links, step_comm, step_link
 from .drawing import draw_plan
+from .explain_move import MoveExplanation, explain_move
 from .exchange import exchange_dims, exchange_loads
 from .planner import plan
 from .spec_text import (_jnum, _order_from_json, _order_json, _pl_str, format_bytes, format_time, parse_dtype,
@@ -338,7 +339,9 @@ def _int_tuple(what: str, value: Any, minimum: int) -> tuple[int, ...]:
 
 
 def explain_redistribute(mesh_shape: Sequence[int], shape: Sequence[int], src, dst, dtype: Any = torch.float32,
-                         src_order=None, dst_order=None, links=None) -> Explanation:
+                         src_order=None, dst_order=None, links=None, *, dst_mesh: Sequence[int] | None = None,
+                         src_ranks: Sequence[int] | None = None, dst_ranks: Sequence[int] | None = None
+                         ) -> Explanation | MoveExplanation:
     """Plan and price the redistribution of a ``shape`` tensor on a ``mesh_shape`` mesh.
 
     ``src``/``dst``: placements (``[Shard(0), Replicate()]``) or text (``"S0,R"``, ``"P(max),S1"``,
@@ -348,7 +351,16 @@ def explain_redistribute(mesh_shape: Sequence[int], shape: Sequence[int], src, d
     ``LinkModel`` or one per mesh dim (default: ``DEFAULT_LINK``; the executor plans with the
     default).  The steps are those ``redistribute`` runs (with the default links).
     Raises ``ValueError``/``TypeError`` with a message on bad input.  No processes or data.
+
+    ``dst_mesh`` (a mesh shape; with ``src_ranks``/``dst_ranks``, default ``0..n-1``) explains a
+    move to another mesh instead: a ``MoveExplanation`` of its point-to-point transfers.
     """
+    if dst_mesh is not None or src_ranks is not None or dst_ranks is not None:
+        return explain_move(_int_tuple("mesh shape", mesh_shape, 1), _int_tuple("tensor shape", shape, 0), src,
+                            _int_tuple("destination mesh shape", mesh_shape if dst_mesh is None else dst_mesh, 1),
+                            dst, src_ranks=None if src_ranks is None else _int_tuple("source ranks", src_ranks, 0),
+                            dst_ranks=None if dst_ranks is None else _int_tuple("destination ranks", dst_ranks, 0),
+                            dtype=dtype, src_order=src_order, dst_order=dst_order)
     mesh_shape = _int_tuple("mesh shape", mesh_shape, 1)
     if not mesh_shape:
         raise ValueError("mesh shape must have at least one dim")

@@ -11,6 +11,7 @@ and every receiver copies each piece straight into its destination local tensor.
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 from typing import Sequence
 
 import torch
@@ -30,10 +31,10 @@ BUCKET_BYTES = int(os.environ.get("SHARDTENSOR_MOVE_BUCKET_BYTES", str(64 << 20)
 
 
 def side(spec: DTensorSpec) -> Side:
-    return Side(tuple(spec.mesh.mesh.flatten().tolist()), tuple(spec.mesh.shape), tuple(spec.placements),
-                spec.shard_order)
+    return Side(spec.mesh._all, tuple(spec.mesh.shape), tuple(spec.placements), spec.shard_order)
 
 
+@lru_cache(maxsize=4096)
 def plan_move(src: DTensorSpec, dst: DTensorSpec) -> CrossPlan:
     """The cached plan moving a tensor of spec ``src`` to spec ``dst`` (another mesh)."""
     return cross_plan(tuple(src.shape), max(src.dtype.itemsize, 1), side(src), side(dst))
@@ -146,7 +147,8 @@ def _exchange(bucket: list[tuple[int, Piece]], held: list[torch.Tensor], outs: l
         items.sort(key=lambda x: -width[x[0]])
         nbytes = sum(pc.numel * width[i] for i, pc in items)
         recvs.append((peer, torch.empty(nbytes, dtype=torch.uint8, device=outs[items[0][0]].device)))
-    comm.send_recv(sends, recvs)
+    with comm.scope("move"):
+        comm.send_recv(sends, recvs)
     got: dict[tuple[int, Piece], torch.Tensor] = {}
     for (peer, buf), items in zip(recvs, in_from.values()):
         pos = 0
