@@ -368,3 +368,61 @@ def test_explain_a_move_and_the_plan_command(capsys):
         main(["plan", "--mesh", "2,2", "--shape", "8,6", "--src", "S0,S1", "--dst-mesh", "4", "--dst-ranks", "4,5",
               "--dst", "S1"])
     assert "must be 4 distinct" in capsys.readouterr().err
+
+
+def _hung_peer_body(rank, world):
+    import time
+
+    a, b = DeviceMesh("cpu", [2, 3]), DeviceMesh("cpu", [0, 1])
+    x = distribute_tensor(torch.ones(4, 4), a, [Shard(0)])
+    if rank == 3:
+        time.sleep(300)  # alive, never sends
+    x.redistribute(b, [Shard(1)])
+
+
+@pytest.mark.skipif(not __import__("distributed").gloo_available(), reason="gloo not available")
+def test_gloo_a_peer_that_never_sends_fails_the_receivers_naming_it():
+    from distributed import MultiprocessError, run_multiprocess
+
+    with pytest.raises(MultiprocessError) as e:
+        run_multiprocess(_hung_peer_body, world_size=4, timeout=120, env={"SHARDTENSOR_COMM_TIMEOUT": "5"},
+                         init_timeout=120, fail_fast_grace=10)
+    outcomes = {o.rank: o for o in e.value.outcomes}
+    for r in (0, 1):  # the receivers end by themselves, before the default group's 120 s timeout
+        assert outcomes[r].status == "error" and "a receive from rank 3" in outcomes[r].error, outcomes[r].summary()
+        assert outcomes[r].seconds < 60
+
+
+def _hf_body(state):
+    from shardtensor import transfer
+
+    a = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"))
+    b = DeviceMesh("cpu", [5, 6, 7])  # 3 ranks: every hidden size splits unevenly
+
+    def trainer_layout(t):  # FSDP on dim 0, TP on the last dim where there is one
+        return [Shard(0), Shard(t.ndim - 1)] if t.ndim > 1 else [Shard(0), Replicate()]
+
+    src = {k: distribute_tensor(v, a, trainer_layout(v)) for k, v in state.items()}
+    moved = transfer(src, b, {k: [Shard(v.ndim - 1)] for k, v in state.items()}, bucket_bytes=1 << 14)
+    back = transfer(moved, a, {k: [Replicate(), Shard(0)] for k in state})
+    out = {}
+    if b.get_coordinate() is not None:
+        out["moved"] = [k for k, v in moved.items() if not torch.equal(v.full_tensor(), state[k])]
+    if a.get_coordinate() is not None:
+        out["back"] = [k for k, v in back.items() if not torch.equal(v.full_tensor(), state[k])]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_hugging_face_state_dict_moves_exactly(dtype):
+    """A state dict nobody here wrote: a tiny Llama built from a local config (no weights are
+    downloaded), with odd sizes so every split is uneven."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=40, intermediate_size=44, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(dtype)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    res = run_spmd(_hf_body, WORLD, state)
+    assert all(not bad for r in res for bad in r.values()), res
+    assert sum("moved" in r for r in res) == 3 and sum("back" in r for r in res) == 4

@@ -187,14 +187,17 @@ class TorchDistTransport(Transport):
                + [dist.P2POp(dist.irecv, buf, p) for p, buf in recvs])
         if not ops:
             return
-        peers = sorted({p for p, _ in sends} | {p for p, _ in recvs})
-        try:
-            for work in dist.batch_isend_irecv(ops):
+        labels = [f"a send to rank {p}" for p, _ in sends] + [f"a receive from rank {p}" for p, _ in recvs]
+        works = dist.batch_isend_irecv(ops)
+        if len(works) != len(ops):  # coalesced (NCCL): one handle for all
+            labels = ["an exchange with ranks " + str(sorted({p for p, _ in sends} | {p for p, _ in recvs}))]
+        for label, work in zip(labels, works):
+            try:
                 work.wait(timeout=self.timeout) if self.backend == "gloo" else work.wait()
-        except RuntimeError as e:
-            raise CollectiveTimeoutError(
-                f"rank {self.rank}: point-to-point exchange with ranks {peers} failed or timed out after "
-                f"{self.timeout.total_seconds():.0f}s ({e}); a peer never called it, or planned a different move") from e
+            except RuntimeError as e:
+                raise CollectiveTimeoutError(
+                    f"rank {self.rank}: {label} failed or timed out after {self.timeout.total_seconds():.0f}s ({e}); "
+                    "that rank never took part, or planned a different move") from e
 
     def barrier(self, group):
         if len(group) > 1:
