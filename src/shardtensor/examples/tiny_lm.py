@@ -267,49 +267,11 @@ def _process_device(device: str, local_rank: int) -> str:
     return f"cuda:{index}"
 
 
-def _gloo_rank(rank: int, world: int, port: int, cfg: Config, ref: list[float], q) -> None:
-    import torch.distributed as dist
+def _gloo_train(rank: int, cfg: Config, ref: list[float]) -> RankResult:
+    """One spawned gloo process's part (``examples/spawn.py``)."""
     from dataclasses import replace
-    from datetime import timedelta
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
-        res = train_rank(replace(cfg, device=_process_device(cfg.device, rank)), ref, show=rank == 0)
-        q.put((rank, res, None))
-    except BaseException as e:  # noqa: BLE001
-        q.put((rank, None, repr(e)))
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn_gloo(cfg: Config, ref: list[float]) -> list[RankResult]:
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_gloo_rank, args=(r, 4, port, cfg, ref, q)) for r in range(4)]
-    for p in procs:
-        p.start()
-    out: dict[int, RankResult] = {}
-    try:
-        for _ in range(4):
-            rank, res, err = q.get(timeout=300)
-            if err is not None:
-                raise RuntimeError(f"rank {rank} failed: {err}")
-            out[rank] = res
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return [out[r] for r in range(4)]
+    return train_rank(replace(cfg, device=_process_device(cfg.device, rank)), ref, show=rank == 0)
 
 
 def _torchrun(cfg: Config, backend: str, png: str | None) -> int:
@@ -363,7 +325,9 @@ def main(backend: str = "sim", steps: int = 6, png: str | None = None, device: s
     if backend == "gloo":
         print(f"shardtensor demo -- tiny transformer, FSDP (dp) x TP (tp) on a (2, 2) mesh, 4 gloo processes, "
               f"{device}", flush=True)
-        results = _spawn_gloo(cfg, ref)
+        from shardtensor.examples.spawn import spawn_gloo
+
+        results = spawn_gloo(_gloo_train, 4, (cfg, ref))
         return 0 if report(results, ref, f"4 gloo processes, {device}", png) else 1
     from shardtensor.comm import run_spmd
 

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from shardtensor import DeviceMesh, DTensor, Placement, Replicate, Shard, comm, distribute_tensor
+from shardtensor import DeviceMesh, DTensor, Placement, Replicate, Shard, WeightSync, comm, distribute_tensor
 from shardtensor.examples import tiny_lm
-from shardtensor import WeightSync
+from shardtensor.examples.spawn import spawn_gloo
 
 WORLD = 8
 TRAINER, FAR, NEAR = [[0, 1], [2, 3]], [4, 5, 6, 7], [[0, 2], [1, 3]]
@@ -133,47 +133,8 @@ def report(per_rank: list[list[dict[str, Any]]], world: str) -> bool:
     return ok
 
 
-def _gloo_rank(rank: int, port: int, steps: int, q: Any) -> None:
-    import torch.distributed as dist
-    from datetime import timedelta
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
-    try:
-        q.put((rank, run_rank(steps), None))
-    except BaseException as e:  # noqa: BLE001 - reported by the parent
-        q.put((rank, None, repr(e)))
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn_gloo(steps: int) -> list[list[dict[str, Any]]]:
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_gloo_rank, args=(r, port, steps, q)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    out: dict[int, Any] = {}
-    try:
-        for _ in range(WORLD):
-            rank, rows, err = q.get(timeout=300)
-            if err is not None:
-                raise RuntimeError(f"rank {rank} failed: {err}")
-            out[rank] = rows
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return [out[r] for r in range(WORLD)]
+def _gloo_sync(rank: int, steps: int) -> list[dict[str, Any]]:
+    return run_rank(steps)
 
 
 def main(backend: str = "sim", steps: int = 3) -> int:
@@ -192,7 +153,7 @@ def main(backend: str = "sim", steps: int = 3) -> int:
         dist.destroy_process_group()
         return 0 if ok else 1
     if backend == "gloo":
-        return 0 if report(_spawn_gloo(steps), f"{WORLD} gloo processes") else 1
+        return 0 if report(spawn_gloo(_gloo_sync, WORLD, (steps,)), f"{WORLD} gloo processes") else 1
     return 0 if report(comm.run_spmd(run_rank, WORLD, steps, timeout=600), "simulated world") else 1
 
 

@@ -34,6 +34,7 @@ from typing import Sequence
 from ..placement import (NormPartial, Partial, Placement, Replicate, Shard, ShardOrder, StridedShard, default_shard_order,
                          display, local_blocks)
 from .cost import DEFAULT_LINK, LinkModel, plan_cost
+from .exchange import overlap
 from .planner import plan
 
 __all__ = ["Side", "Piece", "CrossPlan", "cross_plan", "clear_cache", "split_box"]
@@ -150,17 +151,6 @@ def _blocks(shape: tuple[int, ...], side: Side, placements: Sequence[Placement]
     return {r: local_blocks(shape, side.shape, c, placements, side.order) for r, c in side.coords().items()}
 
 
-def _overlap(a: Box, b: Box) -> Box | None:
-    off, size = [], []
-    for x, n, y, m in zip(a[0], a[1], b[0], b[1]):
-        lo, hi = max(x, y), min(x + n, y + m)
-        if hi <= lo:
-            return None
-        off.append(lo)
-        size.append(hi - lo)
-    return tuple(off), tuple(size)
-
-
 def split_box(off: tuple[int, ...], size: tuple[int, ...], n: int) -> tuple[list[Box], list[Box]]:
     """The box's first ``n`` elements in row-major order as boxes, and the rest as boxes (at most
     ``ndim`` boxes each)."""
@@ -209,7 +199,7 @@ def _pieces(shape: tuple[int, ...], src: Side, dst: Side) -> tuple[list[Piece], 
                 continue
             for dsize, doff, dat in need[d]:
                 for ssize, soff, sat in blocks:
-                    o = _overlap((doff, dsize), (soff, ssize))
+                    o = overlap((doff, dsize), (soff, ssize))
                     if o is None:
                         continue
                     to_dst = tuple(a + x - g for a, x, g in zip(dat, o[0], doff))

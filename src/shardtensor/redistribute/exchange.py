@@ -36,8 +36,8 @@ import numpy as np
 
 from ..placement import Partial, Placement, Replicate, Shard, ShardOrder, execution_order, local_shape_and_offset
 
-__all__ = ["exchange_dims", "exchange_bound", "exchange_lack", "exchange_floor", "exchange_comm", "exchange_loads", "blocks", "clear_caches",
-           "MAX_RANKS"]
+__all__ = ["overlap", "exchange_dims", "exchange_bound", "exchange_lack", "exchange_floor", "exchange_comm", "exchange_loads",
+           "blocks", "clear_caches", "MAX_RANKS"]
 
 MAX_RANKS = 64
 
@@ -70,7 +70,7 @@ def _box(shape, mesh_shape, coord, pl, order):
     return tuple(off), tuple(size)
 
 
-def _overlap(a, b) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+def overlap(a, b) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """Intersection of two ``(offset, size)`` boxes, or None when empty."""
     (oa, sa), (ob, sb) = a, b
     off, size = [], []
@@ -101,9 +101,9 @@ def blocks(shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: tuple[int
         peer = tuple(c)
         serves_peer = _serving(shape, mesh_shape, peer, dims, src, src_order, dst, dst_order) == \
             tuple(coord[j] for j in rdims)
-        send.append(_overlap(me_held, _box(shape, mesh_shape, peer, dst, dst_order)) if serves_peer else None)
+        send.append(overlap(me_held, _box(shape, mesh_shape, peer, dst, dst_order)) if serves_peer else None)
         served = my_server == tuple(peer[j] for j in rdims)
-        recv.append(_overlap(_box(shape, mesh_shape, peer, src, src_order), me_need) if served else None)
+        recv.append(overlap(_box(shape, mesh_shape, peer, src, src_order), me_need) if served else None)
     return tuple(send), tuple(recv)
 
 
@@ -112,7 +112,7 @@ def _serving(shape, mesh_shape, coord, dims, src, src_order, dst, dst_order) -> 
     send the rank at ``coord`` what it needs (see the module docstring)."""
     rdims = [j for j in dims if isinstance(src[j], Replicate)]
     own = tuple(coord[j] for j in rdims)
-    if not rdims or _overlap(_box(shape, mesh_shape, coord, src, src_order),
+    if not rdims or overlap(_box(shape, mesh_shape, coord, src, src_order),
                              _box(shape, mesh_shape, coord, dst, dst_order)) is not None:
         return own
     tdims = [j for j in dims if isinstance(dst[j], Replicate)]
@@ -155,7 +155,7 @@ def exchange_lack(shape: tuple[int, ...], mesh_shape: tuple[int, ...], src: tupl
     coord = coord if coord is not None else (0,) * len(mesh_shape)
     held = _box(shape, mesh_shape, coord, src, src_order)
     need = _box(shape, mesh_shape, coord, dst, dst_order)
-    both = _overlap(held, need)
+    both = overlap(held, need)
     return math.prod(need[1]) - (math.prod(both[1]) if both is not None else 0)
 
 
