@@ -9,6 +9,7 @@ its busiest sender against the balanced optimum.
 """
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -58,7 +59,7 @@ def _case(seed: int) -> dict:
     shape = tuple(rng.choice([0, 1, 2, 3, 5, 6, 7, 9]) if rng.random() < 0.1 else rng.randint(1, 9)
                   for _ in range(ndim))
     sm, dm = rng.choice(MESH_SHAPES), rng.choice(MESH_SHAPES)
-    ns, nd = _prod(sm), _prod(dm)
+    ns, nd = math.prod(sm), math.prod(dm)
     ranks = list(range(WORLD))
     mode = rng.choice(["disjoint", "overlap", "equal", "any"])
     rng.shuffle(ranks)
@@ -79,13 +80,6 @@ def _case(seed: int) -> dict:
     dpl = _placements(rng, ndim, len(dm), ("sum", "max", "avg") if dtype.is_floating_point else ("sum", "max"))
     return dict(seed=seed, shape=shape, src=(src, sm), dst=(dst, dm), dtype=dtype, spl=spl, dpl=dpl,
                 sorder=_order(rng, spl), dorder=_order(rng, dpl))
-
-
-def _prod(xs) -> int:
-    out = 1
-    for x in xs:
-        out *= x
-    return out
 
 
 def _mesh(ranks_shape) -> DeviceMesh:

@@ -56,14 +56,17 @@ def transfer(src: Mapping[Any, DTensor] | Sequence[DTensor], dst_mesh: DeviceMes
     srcs = _named(src, "src")
     if out is not None:
         outs = _named(out, "out")
-        if set(outs) != set(srcs):
-            raise ValueError(f"transfer: out and src hold different names: only in src {sorted(set(srcs) - set(outs), key=str)}, "
-                             f"only in out {sorted(set(outs) - set(srcs), key=str)}")
-        targets = {}
+        for name, sd in (("src", srcs), ("out", outs)):
+            for k, t in sd.items():
+                if not isinstance(t, DTensor):
+                    raise TypeError(f"transfer: {name}[{k!r}] is a {type(t).__name__}, not a DTensor")
+        _same_model("transfer", {k: (tuple(x.shape), x.dtype) for k, x in srcs.items()},
+                   {k: (tuple(y.shape), y.dtype) for k, y in outs.items()})
         for k, x in srcs.items():
-            y = outs[k]
-            _check(k, x, y)
-            targets[k] = y._spec
+            if outs[k].device_mesh.device_type != x.device_mesh.device_type:
+                raise ValueError(f"transfer: {k!r} is on {x.device_mesh.device_type!r} in src and "
+                                 f"{outs[k].device_mesh.device_type!r} in out")
+        targets = {k: y._spec for k, y in outs.items()}
     else:
         if dst_mesh is None or dst_placements is None:
             raise TypeError("transfer: give dst_mesh and dst_placements, or out= (DTensors to write into)")
@@ -95,20 +98,21 @@ def transfer(src: Mapping[Any, DTensor] | Sequence[DTensor], dst_mesh: DeviceMes
     return (tuple if isinstance(src, tuple) else list)(built[i] for i in range(len(built)))
 
 
-def _check(key: Any, x: Any, y: Any) -> None:
-    """``src[key]`` can be written into ``out[key]``: both DTensors, the same shape and dtype."""
-    for name, t in (("src", x), ("out", y)):
-        if not isinstance(t, DTensor):
-            raise TypeError(f"transfer: {name}[{key!r}] is a {type(t).__name__}, not a DTensor")
-    if x.shape != y.shape:
-        raise ValueError(f"transfer: {key!r} has shape {tuple(x.shape)} in src and {tuple(y.shape)} in out; "
-                         "the state dicts must describe the same model")
-    if x.dtype != y.dtype:
-        raise ValueError(f"transfer: {key!r} is {x.dtype} in src and {y.dtype} in out; a move keeps the dtype "
-                         f"(cast one side first, e.g. the source with .to({y.dtype}))")
-    if y.device_mesh.device_type != x.device_mesh.device_type:
-        raise ValueError(f"transfer: {key!r} is on {x.device_mesh.device_type!r} in src and "
-                         f"{y.device_mesh.device_type!r} in out")
+def _same_model(who: str, src: Mapping[Any, tuple[tuple[int, ...], torch.dtype]],
+               out: Mapping[Any, tuple[tuple[int, ...], torch.dtype]]) -> None:
+    """Two state dicts, as ``{name: (shape, dtype)}``, describe the same model: the same names,
+    and per name the same shape and dtype (a move keeps both); else a ``ValueError`` naming them."""
+    if set(src) != set(out):
+        raise ValueError(f"{who}: out and src hold different names: only in src {sorted(set(src) - set(out), key=str)}, "
+                         f"only in out {sorted(set(out) - set(src), key=str)}")
+    for k in sorted(src, key=str):
+        (s_shape, s_dtype), (d_shape, d_dtype) = src[k], out[k]
+        if s_shape != d_shape:
+            raise ValueError(f"{who}: {k!r} has shape {s_shape} in src and {d_shape} in out; "
+                             "the state dicts must describe the same model")
+        if s_dtype != d_dtype:
+            raise ValueError(f"{who}: {k!r} is {s_dtype} in src and {d_dtype} in out; a move keeps the dtype "
+                             f"(cast one side first, e.g. the source with .to({d_dtype}))")
 
 
 def lifted(spec: DTensorSpec, mesh: DeviceMesh, what: str) -> DTensorSpec:
@@ -154,6 +158,7 @@ class WeightSync:
             raise ValueError(f"WeightSync: src_mesh is on {src_mesh.device_type!r}, dst_mesh on "
                              f"{dst_mesh.device_type!r}")
         self.src_mesh, self.dst_mesh, self.bucket_bytes = src_mesh, dst_mesh, bucket_bytes
+        self._layouts: tuple[Layout, Layout] | None = None
         self._specs: tuple[dict[str, DTensorSpec], dict[str, DTensorSpec]] | None = None
 
     def __call__(self, src: Mapping[str, DTensor] | None = None,
@@ -169,11 +174,13 @@ class WeightSync:
                                 f"DTensors), got {type(arg).__name__}")
         mine = (self._layout(src, self.src_mesh, "src") if in_src else None,
                 self._layout(out, self.dst_mesh, "out") if in_dst else None)
-        if self._specs is None:
-            self._specs = self._share(*mine)
-        for got, specs, name in zip(mine, self._specs, ("src", "out")):
-            if got is not None and got != {k: _entry(s) for k, s in specs.items()}:
+        if self._layouts is None:
+            self._layouts = self._share(*mine)
+            self._specs = (_specs(self._layouts[0], self.src_mesh), _specs(self._layouts[1], self.dst_mesh))
+        for got, first, name in zip(mine, self._layouts, ("src", "out")):
+            if got is not None and got != first:
                 raise ValueError(f"WeightSync: {name} changed layout since the first call; build a new WeightSync")
+        assert self._specs is not None  # set with the layouts
         src_specs, dst_specs = self._specs
         names = sorted(src_specs)
         device = torch.device(self.src_mesh.device_type)
@@ -202,11 +209,11 @@ class WeightSync:
             out[str(k)] = _entry(lifted(v._spec, mesh, f"WeightSync: {name}[{k!r}]"))
         return out
 
-    def _share(self, src: Layout | None, dst: Layout | None) -> tuple[dict[str, DTensorSpec], dict[str, DTensorSpec]]:
-        """Both layouts on every rank of either mesh: each side's first rank sends its own to the
-        other side's ranks outside its mesh (two point-to-point rounds: sizes, then bytes)."""
+    def _share(self, src: Layout | None, dst: Layout | None) -> tuple[Layout, Layout]:
+        """Both layouts on every rank of either mesh, checked to agree: each side's first rank sends
+        its own to the other side's ranks outside its mesh (two point-to-point rounds: sizes, then bytes)."""
         me = comm.current_transport().rank
-        a, b = [int(r) for r in self.src_mesh.mesh.flatten()], [int(r) for r in self.dst_mesh.mesh.flatten()]
+        a, b = self.src_mesh._all, self.dst_mesh._all
         plan = [(a[0], [r for r in b if r not in a], src), (b[0], [r for r in a if r not in b], dst)]
         got: list[Any] = [src, dst]
         dev = torch.device(self.src_mesh.device_type)  # NCCL moves device tensors only
@@ -229,26 +236,16 @@ class WeightSync:
                     sizes[i] = buf
                 else:
                     got[i] = pickle.loads(buf.cpu().numpy().tobytes())
-        return _check_layouts(got[0], got[1], self.src_mesh, self.dst_mesh)
+        src_layout, dst_layout = got
+        _same_model("WeightSync", {k: (e[0], e[2]) for k, e in src_layout.items()},
+                    {k: (e[0], e[2]) for k, e in dst_layout.items()})
+        return src_layout, dst_layout
 
 
 def _entry(spec: DTensorSpec) -> tuple:
     return (tuple(spec.shape), tuple(spec.stride), spec.dtype, tuple(spec.placements), spec.shard_order)
 
 
-def _check_layouts(src: Layout, dst: Layout, src_mesh: DeviceMesh, dst_mesh: DeviceMesh
-                   ) -> tuple[dict[str, DTensorSpec], dict[str, DTensorSpec]]:
-    if set(src) != set(dst):
-        raise ValueError(f"WeightSync: the state dicts hold different names: only in src "
-                         f"{sorted(set(src) - set(dst))}, only in out {sorted(set(dst) - set(src))}")
-    for k in sorted(src):
-        (s_shape, _, s_dtype, *_), (d_shape, _, d_dtype, *_) = src[k], dst[k]
-        if s_shape != d_shape or s_dtype != d_dtype:
-            raise ValueError(f"WeightSync: {k!r} is {s_shape} {s_dtype} in src and {d_shape} {d_dtype} in out; "
-                             "the state dicts must describe the same model with the same dtypes")
-
-    def specs(lay: Layout, mesh: DeviceMesh) -> dict[str, DTensorSpec]:
-        return {k: DTensorSpec.build(mesh, pl, shape, stride, dtype, order)
-                for k, (shape, stride, dtype, pl, order) in lay.items()}
-
-    return specs(src, src_mesh), specs(dst, dst_mesh)
+def _specs(layout: Layout, mesh: DeviceMesh) -> dict[str, DTensorSpec]:
+    return {k: DTensorSpec.build(mesh, pl, shape, stride, dtype, order)
+            for k, (shape, stride, dtype, pl, order) in layout.items()}

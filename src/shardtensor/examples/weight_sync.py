@@ -48,10 +48,9 @@ def inference_placement(name: str) -> Placement:
     return Replicate()
 
 
-def inference_state(mesh: DeviceMesh) -> dict[str, DTensor]:
+def inference_state(mesh: DeviceMesh, shapes: dict[str, torch.Size]) -> dict[str, DTensor]:
     """An inference model's parameters on ``mesh``, zeroed (stale weights fail the check)."""
-    return {k: distribute_tensor(torch.zeros_like(v), mesh, [inference_placement(k)])
-            for k, v in tiny_lm.build_model(0).state_dict().items()}
+    return {k: distribute_tensor(torch.zeros(shape), mesh, [inference_placement(k)]) for k, shape in shapes.items()}
 
 
 def _trainer_step(model: Any, opt: Any, mesh: DeviceMesh, step: int) -> float:
@@ -91,10 +90,10 @@ def run_rank(steps: int) -> list[dict[str, Any]]:
     if in_trainer:
         model = tiny_lm.parallelize(tiny_lm.build_model(0), trainer)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    far_sd = inference_state(far) if me in FAR else None
-    near_sd = inference_state(near["tp"]) if near.get_coordinate() is not None else None
     shapes = {k: v.shape for k, v in tiny_lm.build_model(0).state_dict().items()}
     names = sorted(shapes)
+    far_sd = inference_state(far, shapes) if me in FAR else None
+    near_sd = inference_state(near["tp"], shapes) if near.get_coordinate() is not None else None
     rows: list[dict[str, Any]] = []
     for step in range(steps):
         loss = _trainer_step(model, opt, trainer, step) if in_trainer else float("nan")

@@ -14,11 +14,11 @@ message, and cached.
   sent to it exactly once, by one holder of the class: the total bytes equal the lower bound.
 * **Balance.** Within a class, the bytes it must send are laid end to end (receiver by
   receiver) and cut into ``k`` equal runs, one per holder (cuts fall inside a box at any
-  element, ``_split``): the busiest sender sends at most one element more than the balanced
+  element, ``split_box``): the busiest sender sends at most one element more than the balanced
   optimum ``bytes / k``.
-* **Partial sources** are reduced on the source mesh first, to the placement (Replicate or a
-  Shard) that makes the whole move cheapest under the alpha-beta model: a reduce-scatter there
-  costs fewer bytes than shipping every term.
+* **Partial sources** either send their terms (each term a class of its own; receivers combine
+  them in term order) or are reduced on the source mesh first (to Replicate or a Shard), then
+  moved: whichever the alpha-beta model prices cheaper.
 * **Partial destinations**: for ``sum`` / ``product`` the first rank along the Partial mesh
   dims receives the value and the others start from the identity (0 / 1); for ``avg``,
   ``max`` and ``min`` every rank receives the value.
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Sequence
 
@@ -77,6 +77,17 @@ class Piece:
     @property
     def numel(self) -> int:
         return math.prod(self.size)
+
+    def split(self, n: int) -> tuple[list["Piece"], list["Piece"]]:
+        """This piece's first ``n`` elements in row-major order as pieces, and the rest as pieces."""
+        head, tail = split_box(self.offset, self.size, n)
+        return [self._part(*b) for b in head], [self._part(*b) for b in tail]
+
+    def _part(self, offset: tuple[int, ...], size: tuple[int, ...]) -> "Piece":
+        def at(base: tuple[int, ...]) -> tuple[int, ...]:
+            return tuple(a + x - o for a, x, o in zip(base, offset, self.offset))
+
+        return Piece(self.src, self.dst, offset, size, at(self.src_at), at(self.dst_at), self.term)
 
 
 @dataclass(frozen=True)
@@ -174,10 +185,11 @@ def split_box(off: tuple[int, ...], size: tuple[int, ...], n: int) -> tuple[list
     return head, tail
 
 
-def _pieces(shape: tuple[int, ...], src: Side, dst: Side) -> tuple[list[Piece], float]:
+def _pieces(shape: tuple[int, ...], src: Side, dst: Side, need: dict, fill: dict[int, str]
+            ) -> tuple[list[Piece], float]:
     """The pieces of a move, term 0 first, and the balanced optimum (elements).  A source's Partial
-    mesh dims number its terms: each term is a class of its own, every destination needs them all."""
-    dst_pl, fill = _identity_fill(dst)
+    mesh dims number its terms: each term is a class of its own, every destination needs them all.
+    ``need``: every destination rank's blocks; ``fill``: the ranks that need none."""
     pdims = [j for j, p in enumerate(src.placements) if isinstance(p, Partial)]
     held = _blocks(shape, src, [Replicate() if isinstance(p, Partial) else p for p in src.placements])
     coords = src.coords()
@@ -189,9 +201,8 @@ def _pieces(shape: tuple[int, ...], src: Side, dst: Side) -> tuple[list[Piece], 
             for j in pdims:
                 term = term * src.shape[j] + coords[r][j]
             classes.setdefault((term, boxes), []).append(r)
-    need = _blocks(shape, dst, dst_pl)
     local: list[Piece] = []
-    streams: dict[tuple[int, tuple], list] = {}
+    streams: dict[tuple[int, tuple], list[Piece]] = {}
     for key, holders in classes.items():
         blocks = held[holders[0]]
         for d in dst.ranks:
@@ -202,42 +213,37 @@ def _pieces(shape: tuple[int, ...], src: Side, dst: Side) -> tuple[list[Piece], 
                     o = overlap((doff, dsize), (soff, ssize))
                     if o is None:
                         continue
-                    to_dst = tuple(a + x - g for a, x, g in zip(dat, o[0], doff))
-                    to_src = tuple(a + x - g for a, x, g in zip(sat, o[0], soff))
-                    if d in holders:
-                        local.append(Piece(d, d, o[0], o[1], to_src, to_dst, key[0] if pdims else -1))
-                    else:
-                        streams.setdefault(key, []).append((d, o, soff, sat, (doff, dat)))
+                    p = Piece(d, d, o[0], o[1], tuple(a + x - g for a, x, g in zip(sat, o[0], soff)),
+                              tuple(a + x - g for a, x, g in zip(dat, o[0], doff)), key[0] if pdims else -1)
+                    (local if d in holders else streams.setdefault(key, [])).append(p)
     sent: list[Piece] = []
     optimum = 0.0
     for key, items in streams.items():
         holders = classes[key]
-        sent += _balance(items, holders, key[0] if pdims else -1)
-        optimum = max(optimum, sum(math.prod(o[1]) for _, o, *_ in items) / len(holders))
+        sent += _balance(items, holders)
+        optimum = max(optimum, sum(p.numel for p in items) / len(holders))
     return sorted(local + sent, key=lambda p: p.term), optimum
 
 
-def _balance(items: list, holders: list[int], term: int) -> list[Piece]:
-    """Cut the class's stream of boxes into ``len(holders)`` runs of equal element counts."""
-    total = sum(math.prod(o[1]) for _, o, *_ in items)
+def _balance(items: list[Piece], holders: list[int]) -> list[Piece]:
+    """Cut the class's stream of pieces into ``len(holders)`` runs of equal element counts, one
+    run sent by each holder."""
+    total = sum(p.numel for p in items)
     k = len(holders)
     cuts = [total * (i + 1) // k for i in range(k)]
     out: list[Piece] = []
     h, pos = 0, 0
-    for d, (off, size), soff, sat, (doff, dat) in items:
-        boxes = [(off, size)]
-        while boxes:
-            bo, bs = boxes.pop(0)
-            n = math.prod(bs)
+    for item in items:
+        rest = [item]
+        while rest:
+            p = rest.pop(0)
             while pos >= cuts[h]:
                 h += 1
-            take = min(n, cuts[h] - pos)
-            head, tail = split_box(bo, bs, take)
-            for ho, hs in head:
-                out.append(Piece(holders[h], d, ho, hs, tuple(a + x - g for a, x, g in zip(sat, ho, soff)),
-                                 tuple(a + x - g for a, x, g in zip(dat, ho, doff)), term))
+            take = min(p.numel, cuts[h] - pos)
+            head, tail = p.split(take)
+            out += [replace(q, src=holders[h]) for q in head]
             pos += take
-            boxes = tail + boxes
+            rest = tail + rest
     return out
 
 
@@ -279,14 +285,15 @@ def cross_plan(shape: tuple[int, ...], itemsize: int, src: Side, dst: Side) -> C
 
     A Partial source is either reduced on its mesh first (to Replicate or a Shard) or its terms
     are sent and combined by the receivers: whichever the alpha-beta model prices cheapest."""
-    fill = tuple(sorted(_identity_fill(dst)[1].items()))
+    dst_pl, fills = _identity_fill(dst)
+    need, fill = _blocks(shape, dst, dst_pl), tuple(sorted(fills.items()))
     ops = {p.reduce_op for p in src.placements if isinstance(p, Partial)}
     if not ops:
-        pieces, optimum = _pieces(shape, src, dst)
+        pieces, optimum = _pieces(shape, src, dst, need, fills)
         return CrossPlan(shape, itemsize, src, dst, None, (), tuple(pieces), fill, optimum * itemsize)
     best: tuple[float, int, CrossPlan] | None = None
     if len(ops) == 1 and not any(isinstance(p, NormPartial) for p in src.placements):
-        pieces, optimum = _pieces(shape, src, dst)
+        pieces, optimum = _pieces(shape, src, dst, need, fills)
         terms = math.prod(n for n, p in zip(src.shape, src.placements) if isinstance(p, Partial))
         cand = CrossPlan(shape, itemsize, src, dst, None, (), tuple(pieces), fill, optimum * itemsize,
                          next(iter(ops)), terms)
@@ -296,7 +303,7 @@ def cross_plan(shape: tuple[int, ...], itemsize: int, src: Side, dst: Side) -> C
             steps = plan(_plain(src.placements), src.order, _plain(pre), order, shape, src.shape, itemsize)
         except ValueError:
             continue
-        pieces, optimum = _pieces(shape, Side(src.ranks, src.shape, pre, order), dst)
+        pieces, optimum = _pieces(shape, Side(src.ranks, src.shape, pre, order), dst, need, fills)
         cost = plan_cost(steps, shape, src.shape, itemsize)
         cand = CrossPlan(shape, itemsize, src, dst, pre, order, tuple(pieces), fill, optimum * itemsize)
         key = (cost[1] + _move_seconds(pieces, itemsize, DEFAULT_LINK), cand.total_bytes)

@@ -33,7 +33,6 @@ a fully split tensor, e.g. ``S(0) -> R`` on a 1-D mesh; it ignores the shard ord
 from __future__ import annotations
 
 import math
-import re
 import textwrap
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -47,7 +46,7 @@ from .drawing import draw_plan
 from .explain_move import MoveExplanation, explain_move
 from .exchange import exchange_dims, exchange_loads
 from .planner import plan
-from .spec_text import (_jnum, _order_from_json, _order_json, _pl_str, format_bytes, format_time, parse_dtype,
+from .spec_text import (_jnum, int_tuple, _order_from_json, _order_json, _pl_str, format_bytes, format_time, parse_dtype,
                         parse_placements, parse_shard_order, parse_spec, resolve_spec)
 from .steps import ExchangeStep, FlatStep, Step
 
@@ -312,32 +311,6 @@ def _after(step: Step) -> tuple[tuple[Placement, ...], ShardOrder]:
     return tuple(pl), tuple((d, tuple(js)) for d, js in sorted(order.items()) if js)
 
 
-def _int_tuple(what: str, value: Any, minimum: int) -> tuple[int, ...]:
-    if isinstance(value, str):
-        text = re.sub(r"\s+", "", value)
-        if len(text) >= 2 and text[0] + text[-1] in ("()", "[]"):
-            text = text[1:-1]
-        parts = text.split(",") if text else []
-        if parts and parts[-1] == "" and len(parts) > 1:
-            parts.pop()  # "8," like a Python 1-tuple
-        try:
-            value = tuple(int(v) for v in parts)
-        except ValueError:
-            raise ValueError(f"{what} must be comma-separated integers like '2,2', got {value!r}") from None
-    if isinstance(value, int) and not isinstance(value, bool):
-        value = (value,)
-    try:
-        out = tuple(value)
-    except TypeError:
-        raise TypeError(f"{what} must be a sequence of ints, got {value!r}") from None
-    for v in out:
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise TypeError(f"{what} must be a sequence of ints, got {value!r}")
-        if v < minimum:
-            raise ValueError(f"{what} {out} has a size {v} < {minimum}")
-    return out
-
-
 def explain_redistribute(mesh_shape: Sequence[int], shape: Sequence[int], src, dst, dtype: Any = torch.float32,
                          src_order=None, dst_order=None, links=None, *, dst_mesh: Sequence[int] | None = None,
                          src_ranks: Sequence[int] | None = None, dst_ranks: Sequence[int] | None = None
@@ -356,15 +329,13 @@ def explain_redistribute(mesh_shape: Sequence[int], shape: Sequence[int], src, d
     move to another mesh instead: a ``MoveExplanation`` of its point-to-point transfers.
     """
     if dst_mesh is not None or src_ranks is not None or dst_ranks is not None:
-        return explain_move(_int_tuple("mesh shape", mesh_shape, 1), _int_tuple("tensor shape", shape, 0), src,
-                            _int_tuple("destination mesh shape", mesh_shape if dst_mesh is None else dst_mesh, 1),
-                            dst, src_ranks=None if src_ranks is None else _int_tuple("source ranks", src_ranks, 0),
-                            dst_ranks=None if dst_ranks is None else _int_tuple("destination ranks", dst_ranks, 0),
-                            dtype=dtype, src_order=src_order, dst_order=dst_order)
-    mesh_shape = _int_tuple("mesh shape", mesh_shape, 1)
+        return explain_move(mesh_shape, shape, src, mesh_shape if dst_mesh is None else dst_mesh, dst,
+                            src_ranks=src_ranks, dst_ranks=dst_ranks, dtype=dtype, src_order=src_order,
+                            dst_order=dst_order)
+    mesh_shape = int_tuple("mesh shape", mesh_shape, 1)
     if not mesh_shape:
         raise ValueError("mesh shape must have at least one dim")
-    shape = _int_tuple("tensor shape", shape, 0)
+    shape = int_tuple("tensor shape", shape, 0)
     dt = parse_dtype(dtype)
     itemsize = dt.itemsize
     m, n = len(mesh_shape), len(shape)

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from .crossmesh import CrossPlan, Side, cross_plan
-from .spec_text import parse_dtype, resolve_spec
+from .spec_text import int_tuple, parse_dtype, resolve_spec
 
 __all__ = ["MoveExplanation", "explain_move"]
 
@@ -63,13 +63,12 @@ class MoveExplanation:
         return self.to_text()
 
 
-def _side(what: str, mesh_shape: Sequence[int], ranks: Sequence[int] | None, placements: Any, order: Any,
-          ndim: int) -> Side:
-    mesh_shape = tuple(int(n) for n in mesh_shape)
-    if not mesh_shape or any(n < 1 for n in mesh_shape):
-        raise ValueError(f"{what} mesh shape must be positive sizes, got {mesh_shape}")
-    ranks = tuple(range(math.prod(mesh_shape))) if ranks is None else tuple(int(r) for r in ranks)
-    if len(ranks) != math.prod(mesh_shape) or len(set(ranks)) != len(ranks) or min(ranks) < 0:
+def _side(what: str, mesh_shape: Any, ranks: Any, placements: Any, order: Any, ndim: int) -> Side:
+    mesh_shape = int_tuple(f"{what} mesh shape", mesh_shape, 1)
+    if not mesh_shape:
+        raise ValueError(f"{what} mesh shape must have at least one dim")
+    ranks = tuple(range(math.prod(mesh_shape))) if ranks is None else int_tuple(f"{what} ranks", ranks, 0)
+    if len(ranks) != math.prod(mesh_shape) or len(set(ranks)) != len(ranks):
         raise ValueError(f"{what} ranks {list(ranks)} must be {math.prod(mesh_shape)} distinct non-negative ranks "
                          f"for a mesh of shape {mesh_shape}")
     pl, o = resolve_spec(what, placements, order, len(mesh_shape), ndim)
@@ -82,7 +81,7 @@ def explain_move(mesh_shape: Sequence[int], shape: Sequence[int], src: Any, dst_
     """Plan and price moving a ``shape`` tensor from ``src`` on a ``mesh_shape`` mesh over
     ``src_ranks`` (default ``0..n-1``) to ``dst`` on a ``dst_mesh_shape`` mesh over ``dst_ranks``
     (default ``0..m-1``).  Placements as ``explain_redistribute`` takes them (``"S0,R"``)."""
-    shape = tuple(int(n) for n in shape)
+    shape = int_tuple("tensor shape", shape, 0)
     dt = parse_dtype(dtype)
     a = _side("source", mesh_shape, src_ranks, src, src_order, len(shape))
     b = _side("target", dst_mesh_shape, dst_ranks, dst, dst_order, len(shape))

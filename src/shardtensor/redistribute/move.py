@@ -21,7 +21,7 @@ from ..comm.base import avg_divide
 from ..mesh import DeviceMesh
 from ..spec import DTensorSpec
 from ..submesh import empty_local
-from .crossmesh import CrossPlan, Piece, Side, cross_plan, split_box
+from .crossmesh import CrossPlan, Piece, Side, cross_plan
 from .execute import laid_out, redistribute_local
 
 __all__ = ["relocate", "move_locals", "plan_move", "cross_target", "BUCKET_BYTES"]
@@ -78,14 +78,11 @@ def _start(dst: DTensorSpec, plan: CrossPlan, me: int, like: torch.Tensor) -> to
 
 def _bounded(p: Piece, most: int) -> list[Piece]:
     """``p`` cut in row-major runs of at most ``most`` elements (a piece larger than a bucket)."""
-    if p.numel <= most:
-        return [p]
-    out, rest = [], [(p.offset, p.size)]
+    out: list[Piece] = []
+    rest = [p]
     while rest:
-        head, tail = split_box(*rest.pop(0), most)
-        for o, s in head:
-            out.append(Piece(p.src, p.dst, o, s, tuple(a + x - y for a, x, y in zip(p.src_at, o, p.offset)),
-                             tuple(a + x - y for a, x, y in zip(p.dst_at, o, p.offset)), p.term))
+        head, tail = rest.pop(0).split(most)
+        out += head
         rest = tail + rest
     return out
 

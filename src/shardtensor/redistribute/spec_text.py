@@ -12,11 +12,39 @@ import torch
 from ..placement import (Partial, Placement, Replicate, Shard, ShardOrder, default_shard_order,
                          normalize_placements, validate_shard_order, REDUCE_OPS)
 
-__all__ = ["parse_dtype", "parse_spec", "parse_placements", "parse_shard_order", "resolve_spec", "format_bytes",
+__all__ = ["int_tuple", "parse_dtype", "parse_spec", "parse_placements", "parse_shard_order", "resolve_spec", "format_bytes",
            "format_time"]
 
 
 # -- parsing ------------------------------------------------------------------------------------
+
+def int_tuple(what: str, value: Any, minimum: int) -> tuple[int, ...]:
+    """``value`` (ints, or text like ``"2,2"`` / ``"(8,)"``) as a tuple of ints, each >= ``minimum``."""
+    if isinstance(value, str):
+        text = re.sub(r"\s+", "", value)
+        if len(text) >= 2 and text[0] + text[-1] in ("()", "[]"):
+            text = text[1:-1]
+        parts = text.split(",") if text else []
+        if parts and parts[-1] == "" and len(parts) > 1:
+            parts.pop()  # "8," like a Python 1-tuple
+        try:
+            value = tuple(int(v) for v in parts)
+        except ValueError:
+            raise ValueError(f"{what} must be comma-separated integers like '2,2', got {value!r}") from None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = (value,)
+    try:
+        out = tuple(value)
+    except TypeError:
+        raise TypeError(f"{what} must be a sequence of ints, got {value!r}") from None
+    for v in out:
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(f"{what} must be a sequence of ints, got {value!r}")
+        if v < minimum:
+            raise ValueError(f"{what} {out} has a size {v} < {minimum}")
+    return out
+
+
 
 _DTYPE_ALIASES = {
     "fp32": torch.float32, "f32": torch.float32, "float": torch.float32, "float32": torch.float32,
