@@ -16,6 +16,9 @@ from distributed import gloo_available, run_multiprocess  # noqa: E402
 
 from shardtensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh, run_spmd  # noqa: E402
 from shardtensor.comm import recording  # noqa: E402
+from shardtensor.compile import methods_traced  # noqa: E402
+from shardtensor.mesh import DeviceMesh, mesh_of  # noqa: E402
+from shardtensor.placement import NormPartial, StridedShard  # noqa: E402
 from shardtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
 
 BACKENDS = ["eager", "aot_eager", "inductor"]
@@ -53,6 +56,88 @@ def _redistribute_fn(backend: str):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_compiled_redistribute_equals_eager(backend):
     assert run_spmd(_redistribute_fn, 4, backend) == [True] * 4
+
+
+def _method_graphs(backend: str, world_shape: tuple[int, ...]):
+    """redistribute (placements built inside the compiled code, Partial included), full_tensor and
+    to_local under fullgraph=True: the number of graphs, no recompile on the second call, and
+    values and gradients equal to eager."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs: list = []
+
+    def count(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm) if backend == "aot_eager" else gm.forward
+
+    compiler = aot_autograd(fw_compiler=count, bw_compiler=count) if backend == "aot_eager" else count
+    mesh = init_device_mesh("cpu", world_shape)
+    torch.manual_seed(0)
+    a, w = torch.randn(7, 5), torch.randn(5, 3)
+    nd = mesh.ndim
+    src = [Shard(0), Shard(1)][:nd]
+
+    def g(t, wt):
+        r = t.redistribute(mesh, [Replicate(), Shard(0)][-nd:])
+        p = (r @ wt).redistribute(mesh, [Replicate()] * nd)  # the sum of a Partial, in the graph
+        return (r * 2 + 1).relu().full_tensor().sum() + p.to_local().sin().sum()
+
+    def inputs():
+        x = distribute_tensor(a, mesh, src).requires_grad_()
+        y = distribute_tensor(w, mesh, [Shard(0)] + [Replicate()] * (mesh.ndim - 1)).requires_grad_()
+        return x, y
+
+    compiled = torch.compile(g, backend=compiler, fullgraph=True)
+    x, y = inputs()
+    out = compiled(x, y)
+    out.backward()
+    first = len(graphs)
+    compiled(*inputs())  # the same layouts again: no recompile (see the test for the simulated world's exception)
+    rx, ry = inputs()
+    ref = g(rx, ry)
+    ref.backward()
+    dense_x = a.clone().requires_grad_()
+    ((dense_x * 2 + 1).relu().sum() + (dense_x @ w).sin().sum()).backward()
+    return (first, len(graphs), _close(out, ref, backend), _close(x.grad.full_tensor(), rx.grad.full_tensor(), backend),
+            _close(y.grad.full_tensor(), ry.grad.full_tensor(), backend), torch.allclose(rx.grad.full_tensor(), dense_x.grad))
+
+
+@pytest.mark.skipif(not methods_traced(), reason="placements become graph constants on torch 2.13 and newer")
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("world_shape", [(4,), (2, 2)])
+def test_redistribute_full_tensor_and_to_local_trace_into_one_graph(backend, world_shape):
+    graphs = 1 if backend == "eager" else 2  # aot_eager: a forward and a backward graph
+    res = run_spmd(_method_graphs, 4, backend, world_shape)
+    # Simulated ranks are threads sharing dynamo's cache; a guard built on one thread sometimes sees
+    # another thread's dispatch keys and a rank compiles once more (values stay right).  Separate
+    # processes never do: test_methods_trace_without_recompiles_in_gloo_processes.
+    assert [r[0] for r in res] == [graphs] * 4 and all(r[1] in (graphs, 2 * graphs) for r in res)
+    assert [r[2:] for r in res] == [(True,) * 4] * 4
+
+
+def _gloo_methods(rank: int, world: int, backend: str):
+    torch._dynamo.reset()
+    return _method_graphs(backend, (world,))
+
+
+@pytest.mark.skipif(not gloo_available() or not methods_traced(), reason="needs gloo and torch 2.13 or newer")
+def test_methods_trace_without_recompiles_in_gloo_processes():
+    res = run_multiprocess(_gloo_methods, 2, timeout=240, args=("aot_eager",))
+    assert res == [(2, 2, True, True, True, True)] * 2, res
+
+
+def test_placements_and_meshes_write_themselves_into_graph_code():
+    def fn():
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        code, names = mesh.__fx_repr__()
+        other = mesh_of(("cpu", (2,), (1, 0), None))  # never seen: built from its key
+        return eval(code, dict(names)) == mesh, other == DeviceMesh("cpu", [1, 0]) and other.mesh.tolist() == [1, 0]
+    assert run_spmd(fn, 4) == [(True, True)] * 4
+    for p in (Shard(1), StridedShard(0, split_factor=3), Replicate(), Partial("max"), NormPartial(float("inf")),
+              NormPartial(3)):
+        code, names = p.__fx_repr__()
+        assert eval(code, dict(names)) == p and type(eval(code, dict(names))) is type(p)
 
 
 def _traced_collectives(device: str = "cpu"):

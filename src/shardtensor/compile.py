@@ -12,9 +12,14 @@ collectives when the graph runs).  Three things make that sound:
   their own anyway; this matters for the simulated ranks of ``run_spmd``, which are threads
   sharing one dynamo cache.
 - Dynamo never traces shardtensor's own Python: the package is on its skip list, so a call
-  into the library from compiled code (``redistribute``, ``from_local``, the parallel styles'
-  hooks) is a graph break and runs eagerly, and dynamo never compiles the library's frames.
-  Ops on DTensors and ``to_local()`` stay in the graph.
+  into the library's functions from compiled code (``from_local``, the parallel styles' hooks)
+  is a graph break and runs eagerly, and dynamo never compiles the library's frames.
+- A DTensor is a plain tensor to dynamo, so a method call on it (``redistribute``,
+  ``full_tensor``, ``to_local``) becomes one node of the graph, which AOTAutograd traces
+  through shardtensor's Python on fake tensors.  The node's arguments must be constants of the
+  graph: placements and meshes are registered as torch's opaque value types (compared by
+  ``__eq__``, written into graph code by ``__fx_repr__``), where torch has them without a base
+  class (2.13 and newer).  On older torch a method call with placements stays a graph break.
 - The graph's own ops on DTensors are traced through ``__torch_dispatch__`` by AOTAutograd;
   ``__coerce_tangent_metadata__`` says a Partial output's gradient arrives reduced.
 """
@@ -34,7 +39,9 @@ from .version import __version__
 if TYPE_CHECKING:
     from .spec import DTensorSpec
 
-__all__ = ["keep_dynamo_out", "rank_key", "stable_hash"]
+__all__ = ["keep_dynamo_out", "methods_traced", "rank_key", "stable_hash"]
+
+_TRACED: list[bool] = []  # whether placements and meshes are graph constants (set when dynamo loads)
 
 
 def keep_dynamo_out() -> None:
@@ -45,15 +52,48 @@ def keep_dynamo_out() -> None:
     its import (``torch.compile`` loads it) instead of loading it.
     """
     if "torch._dynamo" in sys.modules:
-        _skip_package()
+        _on_dynamo()
     elif not any(isinstance(f, _AfterDynamo) for f in sys.meta_path):
         sys.meta_path.insert(0, _AfterDynamo())
 
 
-def _skip_package() -> None:
+def _on_dynamo() -> None:
     rules = getattr(sys.modules.get("torch._dynamo"), "trace_rules", None)
     if rules is not None and hasattr(rules, "add"):
         rules.add(__name__.split(".")[0])
+    if not _TRACED:
+        _TRACED.append(_register_constants())
+
+
+def _register_constants() -> bool:
+    """Placements and meshes as constants of compiled graphs (see the module docstring)."""
+    from .mesh import DeviceMesh
+    from .placement import NormPartial, Partial, Replicate, Shard, StridedShard
+    try:
+        from torch._library.opaque_object import MemberType, register_opaque_type
+    except ImportError:
+        return False
+    placement = ("is_shard", "is_replicate", "is_partial", "__eq__", "__hash__")
+    members = {Shard: placement + ("dim",), StridedShard: placement + ("dim", "split_factor"), Replicate: placement,
+               Partial: placement + ("reduce_op",), NormPartial: placement + ("reduce_op", "norm"),
+               DeviceMesh: ("ndim", "shape", "size", "get_rank", "get_local_rank", "get_coordinate", "mesh_dim_names",
+                            "device_type", "__eq__", "__hash__")}
+    for typ in ("constant", "value"):  # torch 2.15 renamed "value" to "constant"
+        try:
+            for cls, names in members.items():  # read at compile time on the real object
+                register_opaque_type(cls, typ=typ, members=dict.fromkeys(names, MemberType.USE_REAL))
+            return True
+        except (AssertionError, TypeError, ValueError):  # an unknown kind, or a base class required (2.11)
+            continue
+    return False
+
+
+def methods_traced() -> bool:
+    """Whether ``redistribute(mesh, placements)`` on a DTensor traces into compiled graphs
+    (loads dynamo)."""
+    import torch._dynamo  # noqa: F401  (registers the constants)
+    keep_dynamo_out()
+    return bool(_TRACED and _TRACED[0])
 
 
 class _AfterDynamo(importlib.abc.MetaPathFinder):
@@ -70,7 +110,7 @@ class _AfterDynamo(importlib.abc.MetaPathFinder):
 
         def exec_module(module: Any) -> None:
             run(module)
-            _skip_package()
+            _on_dynamo()
 
         spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec

@@ -218,9 +218,26 @@ class DeviceMesh:
     def __deepcopy__(self, memo: dict) -> "DeviceMesh":  # a mesh describes ranks; it is never changed
         return self
 
+    def __fx_repr__(self) -> tuple[str, dict]:
+        """How torch.compile writes this mesh into graph code: a lookup by its key."""
+        _BY_KEY.setdefault(self._key, self)
+        return f"mesh_of({self._key!r})", {"mesh_of": mesh_of}
+
     def __repr__(self) -> str:
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
         return f"DeviceMesh('{self.device_type}', {self.mesh.tolist()}{names})"
+
+
+_BY_KEY: dict[tuple, DeviceMesh] = {}
+
+
+def mesh_of(key: tuple) -> DeviceMesh:
+    """The mesh with this key (``DeviceMesh._key``): one seen before, else a new one."""
+    mesh = _BY_KEY.get(key)
+    if mesh is None:
+        device_type, shape, ranks, names = key
+        mesh = _BY_KEY.setdefault(key, DeviceMesh(device_type, torch.tensor(ranks).reshape(shape), mesh_dim_names=names))
+    return mesh
 
 
 class _Current(threading.local):

@@ -52,6 +52,9 @@ class Shard(Placement):
     def __repr__(self) -> str:
         return f"Shard(dim={self.dim})"
 
+    def __fx_repr__(self) -> tuple[str, dict]:  # torch.compile writes the placement into graph code
+        return f"Shard({self.dim})", {"Shard": Shard}
+
     def __str__(self) -> str:
         return f"S({self.dim})"
 
@@ -91,6 +94,9 @@ class StridedShard(Placement):
     def __repr__(self) -> str:
         return f"StridedShard(dim={self.dim}, split_factor={self.split_factor})"
 
+    def __fx_repr__(self) -> tuple[str, dict]:
+        return repr(self), {"StridedShard": StridedShard}
+
     def __str__(self) -> str:
         return f"SS({self.dim},{self.split_factor})"
 
@@ -120,6 +126,9 @@ class Replicate(Placement):
     def __repr__(self) -> str:
         return "Replicate()"
 
+    def __fx_repr__(self) -> tuple[str, dict]:
+        return "Replicate()", {"Replicate": Replicate}
+
     def __str__(self) -> str:
         return "R"
 
@@ -141,6 +150,9 @@ class Partial(Placement):
 
     def __repr__(self) -> str:
         return f"Partial({self.reduce_op})"
+
+    def __fx_repr__(self) -> tuple[str, dict]:
+        return f"Partial({self.reduce_op!r})", {"Partial": Partial}
 
     def __str__(self) -> str:
         return f"P({self.reduce_op})"
@@ -171,6 +183,9 @@ class NormPartial(Partial):
 
     def __repr__(self) -> str:
         return f"NormPartial({self.norm:g})"
+
+    def __fx_repr__(self) -> tuple[str, dict]:
+        return f"NormPartial(float({str(self.norm)!r}))", {"NormPartial": NormPartial}
 
     def __str__(self) -> str:
         return f"PN({self.norm:g})"
