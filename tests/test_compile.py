@@ -19,7 +19,8 @@ from shardtensor.comm import recording  # noqa: E402
 from shardtensor.compile import methods_traced  # noqa: E402
 from shardtensor.mesh import DeviceMesh, mesh_of  # noqa: E402
 from shardtensor.placement import NormPartial, StridedShard  # noqa: E402
-from shardtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
+from shardtensor.parallel import (ColwiseParallel, PrepareModuleInputOutput, RowwiseParallel,  # noqa: E402
+                                  SequenceParallel, parallelize_module)
 
 BACKENDS = ["eager", "aot_eager", "inductor"]
 
@@ -186,7 +187,7 @@ def _tp_mlp(backend: str, world: int | None = None, device: str = "cpu"):
         m = nn.Sequential(nn.Linear(16, 30), nn.ReLU(), nn.Linear(30, 16)).to(device)
         m.load_state_dict(dense.state_dict())
         models.append(parallelize_module(m, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()}))
-    compiled = torch.compile(models[0], backend=backend)
+    compiled = torch.compile(models[0], backend=backend, fullgraph=methods_traced())  # the styles' hooks in the graph
     ok = []
     for step in range(2):
         inp = torch.randn(5, 16, generator=torch.Generator().manual_seed(step)).to(device)
@@ -203,6 +204,67 @@ def _tp_mlp(backend: str, world: int | None = None, device: str = "cpu"):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_compiled_tp_mlp_trains_like_one_device(backend):
     assert run_spmd(_tp_mlp, 4, backend) == [[True] * 6] * 4
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(16), nn.Linear(16, 30), nn.Linear(30, 16)
+
+    def forward(self, x):
+        return x + self.down(self.up(self.norm(x)).relu())
+
+
+def _sequence_parallel_block(backend: str):
+    """PrepareModuleInputOutput, SequenceParallel, Colwise and Rowwise on a residual block, compiled
+    with fullgraph=True: forward and gradients equal to eager and to one device."""
+    mesh = init_device_mesh("cpu", (4,))
+    torch.manual_seed(2)
+    dense = nn.Sequential(_Block())
+    plan = {"0": PrepareModuleInputOutput(input_layouts=Replicate(), desired_input_layouts=Shard(1),
+                                          output_layouts=Shard(1), desired_output_layouts=Replicate()),
+            "0.norm": SequenceParallel(), "0.up": ColwiseParallel(input_layouts=Shard(1)),
+            "0.down": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}
+    models = []
+    for _ in range(2):
+        m = nn.Sequential(_Block())
+        m.load_state_dict(dense.state_dict())
+        models.append(parallelize_module(m, mesh, plan))
+    compiled = torch.compile(models[0], backend=backend, fullgraph=True)
+    ok = []
+    for step in range(2):
+        inp = torch.randn(3, 12, 16, generator=torch.Generator().manual_seed(step))  # 12 positions over 4 ranks
+        out, eager, want = compiled(inp), models[1](inp), dense(inp)
+        ok.append(_close(out, eager, backend) and torch.allclose(out, want, atol=1e-5))
+        for o in (out, eager, want):
+            o.square().sum().backward()
+    for (name, p), q, r in zip(models[0].named_parameters(), models[1].parameters(), dense.parameters()):
+        ok.append(_close(p.grad.full_tensor(), q.grad.full_tensor(), backend)
+                  and torch.allclose(p.grad.full_tensor(), r.grad, atol=1e-5))
+    return ok
+
+
+@pytest.mark.skipif(not methods_traced(), reason="the styles' hooks trace into the graph on torch 2.13 and newer")
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_sequence_parallel_block_compiles_into_one_graph(backend):
+    assert run_spmd(_sequence_parallel_block, 4, backend) == [[True] * 8] * 4
+
+
+def _from_local_in_graph(backend: str):
+    mesh = init_device_mesh("cpu", (2, 2))
+    a = torch.arange(35.0).reshape(7, 5)
+
+    def g(t):
+        d = DTensor.from_local(t.to_local() * 3, mesh, [Shard(0), Shard(1)], shape=t.shape, stride=t.stride())
+        return d.redistribute(mesh, [Replicate(), Replicate()]).to_local()
+
+    x = distribute_tensor(a, mesh, [Shard(0), Shard(1)])
+    return torch.equal(torch.compile(g, backend=backend, fullgraph=True)(x), a * 3)
+
+
+@pytest.mark.skipif(not methods_traced(), reason="from_local traces into the graph on torch 2.13 and newer")
+def test_from_local_traces_into_the_graph():
+    assert run_spmd(_from_local_in_graph, 4, "aot_eager") == [True] * 4
 
 
 def test_the_compile_metadata_names_the_rank():

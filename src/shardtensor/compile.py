@@ -12,14 +12,17 @@ collectives when the graph runs).  Three things make that sound:
   their own anyway; this matters for the simulated ranks of ``run_spmd``, which are threads
   sharing one dynamo cache.
 - Dynamo never traces shardtensor's own Python: the package is on its skip list, so a call
-  into the library's functions from compiled code (``from_local``, the parallel styles' hooks)
-  is a graph break and runs eagerly, and dynamo never compiles the library's frames.
+  into the library from compiled code (``distribute_tensor``, ``fully_shard``'s hooks) is a
+  graph break and runs eagerly, and dynamo never compiles the library's frames.  The one file
+  it reads is ``parallel/hooks.py``: forward hooks that only pick values and call ``in_graph``
+  functions, so a module with parallel styles is one graph.
 - A DTensor is a plain tensor to dynamo, so a method call on it (``redistribute``,
-  ``full_tensor``, ``to_local``) becomes one node of the graph, which AOTAutograd traces
+  ``full_tensor``, ``to_local``) becomes one node of the graph, as does a call of an
+  ``in_graph`` function (``from_local``, the styles' conversions); AOTAutograd traces each
   through shardtensor's Python on fake tensors.  The node's arguments must be constants of the
   graph: placements and meshes are registered as torch's opaque value types (compared by
   ``__eq__``, written into graph code by ``__fx_repr__``), where torch has them without a base
-  class (2.13 and newer).  On older torch a method call with placements stays a graph break.
+  class (2.13 and newer).  On older torch these calls stay graph breaks.
 - The graph's own ops on DTensors are traced through ``__torch_dispatch__`` by AOTAutograd;
   ``__coerce_tangent_metadata__`` says a Partial output's gradient arrives reduced.
 """
@@ -28,8 +31,9 @@ from __future__ import annotations
 import hashlib
 import importlib.abc
 import importlib.util
+import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -39,9 +43,23 @@ from .version import __version__
 if TYPE_CHECKING:
     from .spec import DTensorSpec
 
-__all__ = ["keep_dynamo_out", "methods_traced", "rank_key", "stable_hash"]
+__all__ = ["in_graph", "keep_dynamo_out", "methods_traced", "rank_key", "stable_hash"]
 
 _TRACED: list[bool] = []  # whether placements and meshes are graph constants (set when dynamo loads)
+_IN_GRAPH: list[Callable] = []  # functions that compiled code calls as one node of its graph
+_DYNAMO_READS = ("parallel/hooks.py",)
+"""The package's files that dynamo traces: forward hooks whose bodies only call ``in_graph``
+functions, so a compiled module with parallel styles is one graph."""
+
+
+def in_graph(fn: Callable) -> Callable:
+    """Mark ``fn`` (called with tensors, placements, meshes and plain values) as one node of a
+    compiled graph: dynamo records the call, AOTAutograd traces it on fake tensors.  Where
+    placements are not graph constants (torch 2.11) the call stays a graph break."""
+    _IN_GRAPH.append(fn)
+    if _TRACED and _TRACED[0]:
+        torch.compiler.allow_in_graph(fn)
+    return fn
 
 
 def keep_dynamo_out() -> None:
@@ -58,11 +76,33 @@ def keep_dynamo_out() -> None:
 
 
 def _on_dynamo() -> None:
-    rules = getattr(sys.modules.get("torch._dynamo"), "trace_rules", None)
-    if rules is not None and hasattr(rules, "add"):
+    if _TRACED:
+        return
+    _skip_package(getattr(sys.modules.get("torch._dynamo"), "trace_rules", None))
+    _TRACED.append(_register_constants())
+    if _TRACED[0]:
+        for fn in _IN_GRAPH:
+            torch.compiler.allow_in_graph(fn)
+
+
+def _skip_package(rules: Any) -> None:
+    """Every file of the package on dynamo's skip list, except ``_DYNAMO_READS``."""
+    if rules is None or not hasattr(rules, "add"):
+        return
+    root = os.path.dirname(os.path.abspath(__file__))
+    skip_dirs, recompile = getattr(rules, "SKIP_DIRS", None), getattr(rules, "_recompile_re", None)
+    if not isinstance(skip_dirs, list) or recompile is None:  # another dynamo: the whole package
         rules.add(__name__.split(".")[0])
-    if not _TRACED:
-        _TRACED.append(_register_constants())
+        return
+    read = {os.path.join(root, f) for f in _DYNAMO_READS}
+    for path in sorted(os.listdir(root)):
+        full = os.path.join(root, path)
+        inside = [r for r in read if r.startswith(full + os.sep)]
+        if not inside:
+            skip_dirs.append(full + os.sep if os.path.isdir(full) else full)
+        else:
+            skip_dirs.extend(os.path.join(full, f) for f in sorted(os.listdir(full)) if os.path.join(full, f) not in read)
+    recompile()
 
 
 def _register_constants() -> bool:

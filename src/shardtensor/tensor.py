@@ -13,7 +13,7 @@ import torch
 
 from . import blocks, comm
 from .comm.generators import draws_itself
-from .compile import keep_dynamo_out, rank_key, stable_hash
+from .compile import in_graph, keep_dynamo_out, rank_key, stable_hash
 from .implicit import TORCH_FUNCTION_CODES
 from .mesh import DeviceMesh, resolve_mesh
 from .pieces import check_pieces, check_shape, layout_stride, local_order
@@ -157,6 +157,7 @@ class DTensor(torch.Tensor):
         return self._spec.shard_order
 
     @staticmethod
+    @in_graph
     def from_local(local_tensor: torch.Tensor, device_mesh: DeviceMesh | None = None,
                    placements: Sequence[Placement] | None = None, *, run_check: bool | None = None,
                    shape: Sequence[int] | None = None, stride: Sequence[int] | None = None) -> "DTensor":
@@ -191,8 +192,8 @@ class DTensor(torch.Tensor):
         gathered = member and (run_check or (run_check is None and shape is None and sharded))
         if gathered:
             shape, order = check_pieces(local_tensor, device_mesh, pl, shape)
-        elif shape is None:
-            g = list(local_tensor.shape)
+        elif shape is None:  # (int(): torch.compile may trace the piece with symbolic sizes; a guard per dim)
+            g = [int(n) for n in local_tensor.shape]
             for j, p in enumerate(pl):
                 if isinstance(p, (Shard, StridedShard)):
                     g[p.dim] *= device_mesh.size(j)

@@ -10,6 +10,7 @@ import torch.nn as nn
 from ..mesh import DeviceMesh, resolve_mesh
 from ..placement import Replicate
 from ..tensor import DTensor, distribute_tensor
+from .hooks import MeshPostHook, MeshPreHook
 
 __all__ = ["distribute_module"]
 
@@ -55,16 +56,10 @@ def distribute_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
         for name, sub in module.named_modules():
             partition_fn(name, sub, device_mesh)
             _replicate_rest(sub, device_mesh)
-    if input_fn is not None:
-        if _arity(input_fn, "input_fn") == 3:
-            module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, device_mesh))
-        else:
-            module.register_forward_pre_hook(lambda mod, inputs: input_fn(inputs, device_mesh))
+    if input_fn is not None:  # hooks that torch.compile traces (hooks.py)
+        module.register_forward_pre_hook(MeshPreHook(input_fn, device_mesh, _arity(input_fn, "input_fn") == 3))
     if output_fn is not None:
-        if _arity(output_fn, "output_fn") == 3:
-            module.register_forward_hook(lambda mod, inputs, outputs: output_fn(mod, outputs, device_mesh))
-        else:
-            module.register_forward_hook(lambda mod, inputs, outputs: output_fn(outputs, device_mesh))
+        module.register_forward_hook(MeshPostHook(output_fn, device_mesh, _arity(output_fn, "output_fn") == 3))
     module._distribute_module_applied = True  # type: ignore[assignment]
     return module
 

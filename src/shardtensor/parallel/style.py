@@ -17,9 +17,11 @@ import torch
 import torch.nn as nn
 
 from .. import comm
+from ..compile import in_graph
 from ..mesh import DeviceMesh
 from ..placement import Placement, Replicate, Shard, normalize_placements
 from ..tensor import DTensor, distribute_tensor
+from .hooks import ConvertInputs, ConvertOutputs
 from .module import distribute_module
 
 __all__ = ["ColwiseParallel", "ParallelStyle", "PrepareModuleInput", "PrepareModuleInputOutput",
@@ -88,11 +90,28 @@ def _redistribute_to(x: DTensor, layout: Placement) -> DTensor:
     return x if spec.placements == want else x.redistribute(spec.mesh, want)
 
 
-def _first_input(inputs: tuple, mod: nn.Module) -> Any:
-    if not inputs:
-        raise ValueError(f"{type(mod).__name__} was called without a positional input; parallel styles convert "
-                         "the first positional argument")
-    return inputs[0]
+@in_graph
+def _convert(x: Any, mesh: DeviceMesh, layout: Placement | None, desired: Placement | None, use_local: bool,
+             known: tuple = (), must_be_dtensor: str = "") -> Any:
+    """One value through a style's hook: a plain tensor taken as this rank's piece of a DTensor
+    with ``layout`` (``None``: the value is left alone), redistributed to ``desired`` and
+    unwrapped when ``use_local``.  ``must_be_dtensor`` names the module whose output this is.
+    One node of a compiled graph (``hooks.py``)."""
+    if must_be_dtensor and not isinstance(x, DTensor):
+        raise TypeError(f"{must_be_dtensor} returned {type(x).__name__}, expected a DTensor")
+    if layout is None:
+        return x
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor or DTensor for layout {layout!r}, got {type(x).__name__}")
+    dt = _to_dtensor(x, mesh, layout, dict(known))
+    if desired is not None:
+        dt = _redistribute_to(dt, desired)
+    return dt.to_local() if use_local else dt
+
+
+@in_graph
+def _unwrap(x: Any) -> Any:
+    return x.to_local() if isinstance(x, DTensor) else x
 
 
 def _shard_params(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement],
@@ -138,25 +157,19 @@ class _LinearEmbeddingStyle(ParallelStyle):
             raise NotImplementedError(f"{name} supports nn.Linear and nn.Embedding, got {type(module).__name__}")
         placements = self._param_placements(module)
         self.desired_input_layouts = (self._desired_input(module),)
-        in_layout, desired = self.input_layouts[0], self.desired_input_layouts[0]
-        out_layout, use_local = self.output_layouts[0], self.use_local_output
-        known = _known_input_sizes(module)
+        known = tuple(_known_input_sizes(module).items())
 
         def partition(_: str, mod: nn.Module, mesh: DeviceMesh) -> None:
             if mod is module:
                 _shard_params(mod, mesh, placements, self.src_data_rank)
 
-        def prepare_input(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-            x = _to_dtensor(_first_input(inputs, mod), mesh, in_layout, known)
-            return (_redistribute_to(x, desired),) + tuple(inputs[1:])
-
-        def prepare_output(mod: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
-            if not isinstance(out, DTensor):
-                raise TypeError(f"{name}: {type(mod).__name__} returned {type(out).__name__}, expected a DTensor")
-            out = _redistribute_to(out, out_layout)
-            return out.to_local() if use_local else out
-
-        return distribute_module(module, device_mesh, partition, prepare_input, prepare_output)
+        distribute_module(module, device_mesh, partition)
+        module.register_forward_pre_hook(ConvertInputs(
+            _convert, ((device_mesh, self.input_layouts[0], self.desired_input_layouts[0], False, known),), name))
+        out = self.output_layouts[0]
+        module.register_forward_hook(ConvertOutputs(
+            _convert, ((device_mesh, out, out, self.use_local_output, (), f"{name}: {type(module).__name__}"),), name))
+        return module
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(input_layouts={self.input_layouts}, output_layouts={self.output_layouts}, "
@@ -226,20 +239,18 @@ class SequenceParallel(ParallelStyle):
         self.use_local_output = use_local_output
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        layout, use_local = self.sequence_sharding[0], self.use_local_output
+        layout = self.sequence_sharding[0]
 
         def partition(_: str, mod: nn.Module, mesh: DeviceMesh) -> None:
             _shard_params(mod, mesh, {n: Replicate() for n, _ in mod.named_parameters(recurse=False)},
                           self.src_data_rank)
 
-        def prepare_input(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-            x = _to_dtensor(_first_input(inputs, mod), mesh, layout)
-            return (_redistribute_to(x, layout),) + tuple(inputs[1:])
-
-        def prepare_output(mod: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
-            return out.to_local() if use_local and isinstance(out, DTensor) else out
-
-        return distribute_module(module, device_mesh, partition, prepare_input, prepare_output)
+        distribute_module(module, device_mesh, partition)
+        module.register_forward_pre_hook(ConvertInputs(_convert, ((device_mesh, layout, layout, False),),
+                                                       "SequenceParallel"))
+        if self.use_local_output:
+            module.register_forward_hook(ConvertOutputs(_unwrap, ((),), "SequenceParallel"))
+        return module
 
     def __repr__(self) -> str:
         return (f"SequenceParallel(sequence_dim={self.sequence_sharding[0].dim}, "
@@ -250,18 +261,6 @@ def _as_layouts(x: Placement | Sequence[Placement | None] | None) -> tuple[Place
     if x is None:
         return None
     return (x,) if isinstance(x, Placement) else tuple(x)
-
-
-def _prepare(x: Any, mesh: DeviceMesh, layout: Placement | None, desired: Placement | None, use_local: bool) -> Any:
-    """One value through PrepareModuleInput/Output: annotate, redistribute, maybe unwrap."""
-    if layout is None:
-        return x
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor or DTensor for layout {layout!r}, got {type(x).__name__}")
-    dt = _to_dtensor(x, mesh, layout)
-    if desired is not None:
-        dt = _redistribute_to(dt, desired)
-    return dt.to_local() if use_local else dt
 
 
 class PrepareModuleInput(ParallelStyle):
@@ -290,29 +289,15 @@ class PrepareModuleInput(ParallelStyle):
         if self.with_kwargs and len(self.input_kwarg_layouts) != len(self.desired_input_kwarg_layouts):
             raise ValueError("PrepareModuleInput: input_kwarg_layouts and desired_input_kwarg_layouts differ in length")
 
-    def _prepare_args(self, inputs: Any, mesh: DeviceMesh) -> tuple:
-        if not isinstance(inputs, tuple):
-            inputs = (inputs,)
-        if self.input_layouts is None:
-            return inputs
-        assert self.desired_input_layouts is not None
-        if len(inputs) != len(self.input_layouts):
-            raise ValueError(f"PrepareModuleInput: the module got {len(inputs)} positional inputs but "
-                             f"input_layouts has {len(self.input_layouts)}")
-        return tuple(_prepare(x, mesh, lay, want, self.use_local_output)
-                     for x, lay, want in zip(inputs, self.input_layouts, self.desired_input_layouts))
-
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if self.with_kwargs:
-            def hook_kw(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-                new_kwargs = {k: _prepare(v, device_mesh, self.input_kwarg_layouts.get(k),
-                                          self.desired_input_kwarg_layouts.get(k), self.use_local_output)
-                              for k, v in kwargs.items()}
-                return self._prepare_args(args, device_mesh), new_kwargs
-
-            module.register_forward_pre_hook(hook_kw, with_kwargs=True)
-        else:
-            module.register_forward_pre_hook(lambda _, args: self._prepare_args(args, device_mesh))
+        local = self.use_local_output
+        rules = None if self.input_layouts is None else tuple(
+            (device_mesh, lay, want, local) for lay, want in zip(self.input_layouts, self.desired_input_layouts or ()))
+        kw = None if not self.with_kwargs else {
+            k: (device_mesh, lay, self.desired_input_kwarg_layouts.get(k), local)
+            for k, lay in self.input_kwarg_layouts.items()}
+        module.register_forward_pre_hook(ConvertInputs(_convert, rules, "PrepareModuleInput", exact=True, kw_rules=kw),
+                                         with_kwargs=self.with_kwargs)
         return module
 
     def __repr__(self) -> str:
@@ -337,19 +322,11 @@ class PrepareModuleOutput(ParallelStyle):
             raise ValueError(f"PrepareModuleOutput: {len(self.output_layouts)} output_layouts but "
                              f"{len(self.desired_output_layouts)} desired_output_layouts")
 
-    def _prepare_outputs(self, outputs: Any, mesh: DeviceMesh) -> Any:
-        assert self.output_layouts is not None and self.desired_output_layouts is not None
-        single = not isinstance(outputs, tuple)
-        outs = (outputs,) if single else outputs
-        if len(outs) != len(self.output_layouts):
-            raise ValueError(f"PrepareModuleOutput: the module returned {len(outs)} outputs but output_layouts "
-                             f"has {len(self.output_layouts)}")
-        new = tuple(_prepare(x, mesh, lay, want, self.use_local_output)
-                    for x, lay, want in zip(outs, self.output_layouts, self.desired_output_layouts))
-        return new[0] if len(new) == 1 else new
-
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_hook(lambda _, inputs, outputs: self._prepare_outputs(outputs, device_mesh))
+        assert self.output_layouts is not None and self.desired_output_layouts is not None
+        rules = tuple((device_mesh, lay, want, self.use_local_output)
+                      for lay, want in zip(self.output_layouts, self.desired_output_layouts))
+        module.register_forward_hook(ConvertOutputs(_convert, rules, "PrepareModuleOutput", exact=True))
         return module
 
     def __repr__(self) -> str:
