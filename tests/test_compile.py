@@ -177,8 +177,10 @@ def test_implicit_redistribution_becomes_a_traced_collective_that_runs_and_is_re
         assert in_graph and fwd and gx and gy
 
 
-def _tp_mlp(backend: str, world: int | None = None, device: str = "cpu"):
-    """A TP MLP compiled and not: equal outputs and gradients, and both near one device's."""
+def _tp_mlp(backend: str, world: int | None = None, device: str = "cpu", fullgraph: bool = False):
+    """A TP MLP compiled and not: equal outputs and gradients, and both near one device's.
+    ``fullgraph``: the styles' hooks in the graph (separate processes; simulated ranks, which
+    share dynamo's cache, run them eagerly: traceable.py)."""
     mesh = init_device_mesh(device, (world or 4,))
     torch.manual_seed(1)
     dense = nn.Sequential(nn.Linear(16, 30), nn.ReLU(), nn.Linear(30, 16)).to(device)  # 30 hidden: uneven over 4
@@ -187,7 +189,7 @@ def _tp_mlp(backend: str, world: int | None = None, device: str = "cpu"):
         m = nn.Sequential(nn.Linear(16, 30), nn.ReLU(), nn.Linear(30, 16)).to(device)
         m.load_state_dict(dense.state_dict())
         models.append(parallelize_module(m, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()}))
-    compiled = torch.compile(models[0], backend=backend, fullgraph=methods_traced())  # the styles' hooks in the graph
+    compiled = torch.compile(models[0], backend=backend, fullgraph=fullgraph)
     ok = []
     for step in range(2):
         inp = torch.randn(5, 16, generator=torch.Generator().manual_seed(step)).to(device)
@@ -215,10 +217,10 @@ class _Block(nn.Module):
         return x + self.down(self.up(self.norm(x)).relu())
 
 
-def _sequence_parallel_block(backend: str):
+def _sequence_parallel_block(backend: str, world: int = 4, fullgraph: bool = False):
     """PrepareModuleInputOutput, SequenceParallel, Colwise and Rowwise on a residual block, compiled
-    with fullgraph=True: forward and gradients equal to eager and to one device."""
-    mesh = init_device_mesh("cpu", (4,))
+    (``fullgraph`` in separate processes): forward and gradients equal to eager and to one device."""
+    mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(2)
     dense = nn.Sequential(_Block())
     plan = {"0": PrepareModuleInputOutput(input_layouts=Replicate(), desired_input_layouts=Shard(1),
@@ -230,7 +232,7 @@ def _sequence_parallel_block(backend: str):
         m = nn.Sequential(_Block())
         m.load_state_dict(dense.state_dict())
         models.append(parallelize_module(m, mesh, plan))
-    compiled = torch.compile(models[0], backend=backend, fullgraph=True)
+    compiled = torch.compile(models[0], backend=backend, fullgraph=fullgraph)
     ok = []
     for step in range(2):
         inp = torch.randn(3, 12, 16, generator=torch.Generator().manual_seed(step))  # 12 positions over 4 ranks
@@ -244,13 +246,27 @@ def _sequence_parallel_block(backend: str):
     return ok
 
 
-@pytest.mark.skipif(not methods_traced(), reason="the styles' hooks trace into the graph on torch 2.13 and newer")
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_a_sequence_parallel_block_compiles_into_one_graph(backend):
+def test_a_compiled_sequence_parallel_block_equals_eager(backend):
     assert run_spmd(_sequence_parallel_block, 4, backend) == [[True] * 8] * 4
 
 
-def _from_local_in_graph(backend: str):
+def _gloo_fullgraph(rank: int, world: int, what: str):
+    torch._dynamo.reset()
+    if what == "block":
+        return _sequence_parallel_block("aot_eager", world, fullgraph=True)
+    return _from_local_in_graph("aot_eager", fullgraph=True)
+
+
+@pytest.mark.skipif(not gloo_available() or not methods_traced(), reason="needs gloo and torch 2.13 or newer")
+def test_tensor_parallel_models_compile_into_one_graph_in_gloo_processes():
+    """fullgraph=True: the styles' hooks and from_local are nodes of the graph (no graph break)."""
+    res = run_multiprocess(_gloo_fullgraph, 2, timeout=300, args=("block",))
+    assert res == [[True] * 8] * 2, res
+    assert run_multiprocess(_gloo_fullgraph, 4, timeout=300, args=("from_local",)) == [True] * 4
+
+
+def _from_local_in_graph(backend: str, fullgraph: bool = False):
     mesh = init_device_mesh("cpu", (2, 2))
     a = torch.arange(35.0).reshape(7, 5)
 
@@ -259,12 +275,69 @@ def _from_local_in_graph(backend: str):
         return d.redistribute(mesh, [Replicate(), Replicate()]).to_local()
 
     x = distribute_tensor(a, mesh, [Shard(0), Shard(1)])
-    return torch.equal(torch.compile(g, backend=backend, fullgraph=True)(x), a * 3)
+    return torch.equal(torch.compile(g, backend=backend, fullgraph=fullgraph)(x), a * 3)
 
 
-@pytest.mark.skipif(not methods_traced(), reason="from_local traces into the graph on torch 2.13 and newer")
-def test_from_local_traces_into_the_graph():
+@pytest.mark.skipif(not methods_traced(), reason="torch 2.11's dynamo rewrites redistribute(mesh, ...) on a "
+                    "DTensor made in the compiled code and fails on a mesh it cannot make a constant")
+def test_a_compiled_from_local_equals_eager():
     assert run_spmd(_from_local_in_graph, 4, "aot_eager") == [True] * 4
+
+
+def _plain_input_graph(backend: str):
+    """No DTensor input, so no rank in the metadata guards: each simulated rank must still run
+    its own graph (its own block of the uneven split)."""
+    mesh = init_device_mesh("cpu", (4,))
+
+    def g(x):
+        return DTensor.from_local(x, mesh, [Replicate()]).redistribute(mesh, [Shard(0)]).to_local()
+
+    x = torch.arange(7.0)
+    return torch.compile(g, backend=backend)(x).tolist(), g(x).tolist()
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_graph_without_dtensor_inputs_keeps_each_simulated_ranks_block(backend):
+    res = run_spmd(_plain_input_graph, 4, backend)
+    assert [r[0] for r in res] == [r[1] for r in res] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0]]
+
+
+def _broken_by_distribute_tensor(backend: str):
+    mesh = init_device_mesh("cpu", (2,))
+
+    def g(x):  # distribute_tensor runs eagerly (a graph break) with placements built in the compiled code
+        return (distribute_tensor(x, mesh, [Shard(0)]) * 2).to_local()
+
+    def after_a_graph(t):  # ... after a graph over a DTensor: the placements reach eager code as stand-ins
+        return distribute_tensor(t.to_local() * 3, mesh, [Replicate()]).to_local()
+
+    x = distribute_tensor(torch.arange(6.0), mesh, [Shard(0)])
+    return torch.compile(g, backend=backend)(torch.arange(6.0)).tolist(), torch.compile(after_a_graph, backend=backend)(x).tolist()
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", pytest.param("inductor", marks=pytest.mark.xfail(
+    methods_traced() and torch.__version__ < (2, 15), strict=True, raises=TypeError,
+    reason="inductor hands eager code None for a placement built in the compiled code after a graph (docs/compile.md)"))])
+def test_a_graph_break_hands_placements_built_in_compiled_code_to_eager_code(backend):
+    assert run_spmd(_broken_by_distribute_tensor, 2, backend) == [([0.0, 2.0, 4.0], [0.0, 3.0, 6.0]),
+                                                                  ([6.0, 8.0, 10.0], [0.0, 3.0, 6.0])]  # rank 0's data
+
+
+def test_mesh_attributes_read_in_compiled_code():
+    def fn():
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+        def g(t):
+            return t * mesh.ndim + mesh.size(1), mesh.shape, mesh.mesh_dim_names
+
+        out, shape, names = torch.compile(g, backend="eager", fullgraph=methods_traced())(torch.ones(2))
+
+        def mine(t):  # the calling rank's: read eagerly (a graph break), never baked into a shared graph
+            return t + mesh.get_rank(), mesh.get_coordinate(), mesh.get_local_rank("tp")
+
+        here, coord, local = torch.compile(mine, backend="aot_eager")(torch.zeros(1))
+        return out.tolist(), shape, names, here.item(), coord, local
+    assert run_spmd(fn, 4) == [([4.0, 4.0], (2, 2), ("dp", "tp"), float(r), [r // 2, r % 2], r % 2) for r in range(4)]
 
 
 def test_the_compile_metadata_names_the_rank():
@@ -280,7 +353,7 @@ def test_the_compile_metadata_names_the_rank():
 
 def _gloo_compiled(rank: int, world: int, backend: str):
     torch._dynamo.reset()
-    return _tp_mlp(backend, world)
+    return _tp_mlp(backend, world, fullgraph=methods_traced())
 
 
 @pytest.mark.skipif(not gloo_available(), reason="needs gloo")

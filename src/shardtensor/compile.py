@@ -22,12 +22,16 @@ collectives when the graph runs).  Three things make that sound:
   through shardtensor's Python on fake tensors.  The node's arguments must be constants of the
   graph: placements and meshes are registered as torch's opaque value types (compared by
   ``__eq__``, written into graph code by ``__fx_repr__``), where torch has them without a base
-  class (2.13 and newer).  On older torch these calls stay graph breaks.
+  class (2.13 and newer).  On older torch these calls stay graph breaks.  Such a node traced on
+  one rank may bake that rank's constants into a graph whose guards name no rank (no DTensor
+  input), so while simulated ranks share dynamo's cache the ``in_graph`` calls and the hooks run
+  eagerly (``_ranks_share_dynamo``).
 - The graph's own ops on DTensors are traced through ``__torch_dispatch__`` by AOTAutograd;
   ``__coerce_tangent_metadata__`` says a Partial output's gradient arrives reduced.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.abc
 import importlib.util
@@ -37,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from .comm import current_transport
+from .comm import current_transport, simulated
 from .version import __version__
 
 if TYPE_CHECKING:
@@ -50,6 +54,7 @@ _IN_GRAPH: list[Callable] = []  # functions that compiled code calls as one node
 _DYNAMO_READS = ("parallel/hooks.py",)
 """The package's files that dynamo traces: forward hooks whose bodies only call ``in_graph``
 functions, so a compiled module with parallel styles is one graph."""
+_READ_PATHS: list[str] = []
 
 
 def in_graph(fn: Callable) -> Callable:
@@ -78,26 +83,57 @@ def keep_dynamo_out() -> None:
 def _on_dynamo() -> None:
     if _TRACED:
         return
-    _skip_package(getattr(sys.modules.get("torch._dynamo"), "trace_rules", None))
     _TRACED.append(_register_constants())
+    _skip_package(getattr(sys.modules.get("torch._dynamo"), "trace_rules", None), _TRACED[0])
     if _TRACED[0]:
         for fn in _IN_GRAPH:
             torch.compiler.allow_in_graph(fn)
+        simulated.ON_SHARED.append(_ranks_share_dynamo)
+        if simulated.SHARED_RANKS:
+            _ranks_share_dynamo(True)
 
 
-def _skip_package(rules: Any) -> None:
-    """Every file of the package on dynamo's skip list, except ``_DYNAMO_READS``."""
+def _ranks_share_dynamo(shared: bool) -> None:
+    """While simulated ranks (threads sharing dynamo's cache) run, compiled code calls the
+    ``in_graph`` functions and the hooks of ``_DYNAMO_READS`` eagerly, as graph breaks: such a call
+    traced on one rank bakes that rank's constants (its block, its padding) into the graph, and
+    when no graph input is a DTensor nothing in the guards names the rank, so another rank could
+    reuse the graph.  Processes each compile their own graphs and keep them in the graph."""
+    rules = sys.modules["torch._dynamo"].trace_rules
+    allowed = getattr(rules, "_allowed_callable_ids", None)
+    skip_dirs, recompile = getattr(rules, "SKIP_DIRS", None), getattr(rules, "_recompile_re", None)
+    if allowed is None or not isinstance(skip_dirs, list) or recompile is None:
+        return
+    for fn in _IN_GRAPH:
+        if shared:
+            allowed.remove(id(fn))
+        else:
+            allowed.add(id(fn))
+    for path in _READ_PATHS:
+        if shared:
+            skip_dirs.append(path)
+        elif path in skip_dirs:
+            skip_dirs.remove(path)
+    recompile()
+
+
+def _skip_package(rules: Any, reads: bool) -> None:
+    """Every file of the package on dynamo's skip list, except ``_DYNAMO_READS`` when ``reads``
+    (placements are graph constants, so what the hooks call is a node of the graph)."""
     if rules is None or not hasattr(rules, "add"):
         return
     root = os.path.dirname(os.path.abspath(__file__))
     skip_dirs, recompile = getattr(rules, "SKIP_DIRS", None), getattr(rules, "_recompile_re", None)
-    if not isinstance(skip_dirs, list) or recompile is None:  # another dynamo: the whole package
+    if not reads or not isinstance(skip_dirs, list) or recompile is None:  # the whole package
         rules.add(__name__.split(".")[0])
         return
     read = {os.path.join(root, f) for f in _DYNAMO_READS}
+    _READ_PATHS[:] = sorted(read)
     for path in sorted(os.listdir(root)):
         full = os.path.join(root, path)
         inside = [r for r in read if r.startswith(full + os.sep)]
+        if full in read:
+            continue
         if not inside:
             skip_dirs.append(full + os.sep if os.path.isdir(full) else full)
         else:
@@ -106,7 +142,10 @@ def _skip_package(rules: Any) -> None:
 
 
 def _register_constants() -> bool:
-    """Placements and meshes as constants of compiled graphs (see the module docstring)."""
+    """Placements and meshes as constants of compiled graphs (see the module docstring);
+    ``SHARDTENSOR_COMPILE_CONSTANTS=0`` keeps them plain objects (and those calls graph breaks)."""
+    if os.environ.get("SHARDTENSOR_COMPILE_CONSTANTS", "1") == "0":
+        return False
     from .mesh import DeviceMesh
     from .placement import NormPartial, Partial, Replicate, Shard, StridedShard
     try:
@@ -116,8 +155,9 @@ def _register_constants() -> bool:
     placement = ("is_shard", "is_replicate", "is_partial", "__eq__", "__hash__")
     members = {Shard: placement + ("dim",), StridedShard: placement + ("dim", "split_factor"), Replicate: placement,
                Partial: placement + ("reduce_op",), NormPartial: placement + ("reduce_op", "norm"),
-               DeviceMesh: ("ndim", "shape", "size", "get_rank", "get_local_rank", "get_coordinate", "mesh_dim_names",
-                            "device_type", "__eq__", "__hash__")}
+               # not the calling rank's get_rank/get_coordinate/get_local_rank: read at compile time they would
+               # be baked into a graph that simulated ranks (threads sharing dynamo's cache) reuse
+               DeviceMesh: ("ndim", "shape", "size", "mesh_dim_names", "device_type", "__eq__", "__hash__")}
     for typ in ("constant", "value"):  # torch 2.15 renamed "value" to "constant"
         try:
             for cls, names in members.items():  # read at compile time on the real object
@@ -161,10 +201,25 @@ def rank_key() -> int:
     return current_transport().rank
 
 
+@functools.cache
+def _code_digest() -> str:
+    """A digest of the package's source: a changed shardtensor (even at one version number, as
+    while developing it) never reuses traces cached on disk by another one."""
+    h = hashlib.blake2b(digest_size=16)
+    root = os.path.dirname(os.path.abspath(__file__))
+    for dirpath, dirnames, files in sorted(os.walk(root)):
+        dirnames.sort()
+        for f in sorted(files):
+            if f.endswith(".py"):
+                with open(os.path.join(dirpath, f), "rb") as fh:
+                    h.update(f.encode() + fh.read())
+    return h.hexdigest()
+
+
 def stable_hash(spec: "DTensorSpec", local: torch.Tensor) -> str:
     """A digest of what a DTensor's traces depend on, the same in every process."""
     m = spec.mesh
-    key = (__version__, m.device_type, m.shape, m._all, m.mesh_dim_names, repr(spec.placements), spec.shard_order,
+    key = (__version__, _code_digest(), m.device_type, m.shape, m._all, m.mesh_dim_names, repr(spec.placements), spec.shard_order,
            tuple(spec.shape), spec.stride, str(spec.dtype), rank_key(), tuple(local.shape), local.stride(),
            str(local.dtype), local.device.type)
     return hashlib.blake2b(repr(key).encode(), digest_size=16).hexdigest()

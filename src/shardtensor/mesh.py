@@ -10,6 +10,7 @@ import torch
 
 from .comm import Transport, current_transport
 from .comm.base import Group
+from .placement import unfake
 
 
 class DeviceMesh:
@@ -40,6 +41,8 @@ class DeviceMesh:
                 raise ValueError(f"mesh_dim_names {mesh_dim_names} must be {ranks.ndim} distinct names")
         self.mesh_dim_names: tuple[str, ...] | None = mesh_dim_names
         self._shape = tuple(ranks.shape)
+        self.shape: tuple[int, ...] = self._shape
+        self.ndim: int = len(self._shape)
         self._all: Group = tuple(flat)
         self._coords: dict[int, tuple[int, ...]] = {r: c for r, c in zip(flat, _row_major(self._shape))}
         self._rank_at = {c: r for r, c in self._coords.items()}
@@ -67,15 +70,8 @@ class DeviceMesh:
         out.append(self._all)
         return out
 
-    # -- the torch-compatible surface --------------------------------------------------
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self._shape
-
-    @property
-    def ndim(self) -> int:
-        return len(self._shape)
-
+    # -- the torch-compatible surface (shape and ndim are set in __init__: plain attributes,
+    # which torch.compile reads on a mesh inside compiled code, where it cannot call a property)
     def size(self, mesh_dim: int | None = None) -> int:
         return self.mesh.numel() if mesh_dim is None else self._shape[self._dim(mesh_dim)]
 
@@ -272,6 +268,7 @@ def resolve_mesh(device_mesh: Any, who: str) -> DeviceMesh:
         device_mesh = current_mesh()
         if device_mesh is None:
             raise ValueError(f"{who} needs device_mesh: pass one, or call it inside a `with mesh:` block")
+    device_mesh = unfake(device_mesh)
     if not isinstance(device_mesh, DeviceMesh):
         raise TypeError(f"{who}: device_mesh must be a shardtensor DeviceMesh, got {device_mesh!r}")
     return device_mesh

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 
@@ -18,7 +18,7 @@ REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 class Placement:
     """Base class of the three placements; mirrors ``torch.distributed.tensor.Placement``."""
 
-    __slots__ = ()
+    __slots__ = ("__weakref__",)  # torch.compile keeps weak references to graph constants
 
     def is_shard(self, dim: int | None = None) -> bool:
         return False
@@ -211,6 +211,14 @@ def chunk_sizes(length: int, k: int) -> list[int]:
     return [chunk(length, k, r)[0] for r in range(k)]
 
 
+def unfake(x: Any) -> Any:
+    """The real placement or mesh behind the stand-in torch.compile passes to code it runs
+    eagerly after a graph break (a ``FakeScriptObject`` of an opaque value: ``compile.py``)."""
+    if type(x).__name__ == "FakeScriptObject":
+        return object.__getattribute__(x, "real_obj")
+    return x
+
+
 def normalize_placements(placements: Sequence[Placement], ndim: int, mesh_ndim: int) -> tuple[Placement, ...]:
     """Validate placements for a tensor of ``ndim`` dims on a mesh of ``mesh_ndim`` dims.
 
@@ -225,6 +233,7 @@ def normalize_placements(placements: Sequence[Placement], ndim: int, mesh_ndim: 
         )
     out = []
     for p in placements:
+        p = unfake(p)
         if not isinstance(p, Placement):
             raise TypeError(f"placement must be Shard, Replicate or Partial, got {p!r}")
         if isinstance(p, (Shard, StridedShard)):

@@ -246,6 +246,24 @@ def _settle_fake_device_guard() -> None:
         ensure()
 
 
+SHARED_RANKS = 0
+"""How many simulated worlds of more than one rank are running: their ranks are threads that
+share dynamo's cache.  ``ON_SHARED`` callbacks hear ``True`` when the first starts and ``False``
+when the last ends (``compile.py`` keeps rank-dependent calls out of compiled graphs meanwhile)."""
+ON_SHARED: list[Callable[[bool], None]] = []
+_SHARED_LOCK = threading.Lock()
+
+
+def _shared(delta: int) -> None:
+    global SHARED_RANKS
+    with _SHARED_LOCK:
+        before = SHARED_RANKS
+        SHARED_RANKS += delta
+        if (before == 0) != (SHARED_RANKS == 0):
+            for fn in ON_SHARED:
+                fn(SHARED_RANKS > 0)
+
+
 def run_spmd(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` once per rank of a simulated world; return results in rank order.
 
@@ -290,12 +308,14 @@ def run_spmd(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float
     old_threads = torch.get_num_threads()
     torch.set_num_threads(1)  # rank threads + torch's intra-op pool oversubscribe the cores badly
     threads = [threading.Thread(target=body, args=(r,), name=f"shardtensor-rank{r}", daemon=True) for r in range(world_size)]
+    _shared(+1 if world_size > 1 else 0)
     for t in threads:
         t.start()
     try:
         stuck = _join(threads, world)
     finally:
         torch.set_num_threads(old_threads)
+        _shared(-1 if world_size > 1 else 0)
     if errors:
         real = {r: e for r, e in errors.items() if not isinstance(e, RankAbortedError)}
         rank = world.failed_rank if world.failed_rank in real else min(real or errors)
