@@ -315,6 +315,8 @@ def _broken_by_distribute_tensor(backend: str):
     return torch.compile(g, backend=backend)(torch.arange(6.0)).tolist(), torch.compile(after_a_graph, backend=backend)(x).tolist()
 
 
+@pytest.mark.skipif(not methods_traced(), reason="the stand-ins exist where placements are graph constants (torch 2.13+); "
+                    "torch 2.11's dynamo also sees one thread's FX tracing from another's compile here")
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", pytest.param("inductor", marks=pytest.mark.xfail(
     methods_traced() and torch.__version__ < (2, 15), strict=True, raises=TypeError,
     reason="inductor hands eager code None for a placement built in the compiled code after a graph (docs/compile.md)"))])
