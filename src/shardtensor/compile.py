@@ -149,8 +149,13 @@ def _register_constants() -> bool:
     from .mesh import DeviceMesh
     from .placement import NormPartial, Partial, Replicate, Shard, StridedShard
     try:
-        from torch._library.opaque_object import MemberType, register_opaque_type
+        from torch._library import opaque_object
     except ImportError:
+        return False
+    MemberType = getattr(opaque_object, "MemberType", None)
+    register = getattr(opaque_object, "register_custom_class", None) or getattr(  # 2.15 renamed it
+        opaque_object, "register_opaque_type", None)
+    if MemberType is None or register is None:
         return False
     placement = ("is_shard", "is_replicate", "is_partial", "__eq__", "__hash__")
     members = {Shard: placement + ("dim",), StridedShard: placement + ("dim", "split_factor"), Replicate: placement,
@@ -161,7 +166,7 @@ def _register_constants() -> bool:
     for typ in ("constant", "value"):  # torch 2.15 renamed "value" to "constant"
         try:
             for cls, names in members.items():  # read at compile time on the real object
-                register_opaque_type(cls, typ=typ, members=dict.fromkeys(names, MemberType.USE_REAL))
+                register(cls, typ=typ, members=dict.fromkeys(names, MemberType.USE_REAL))
             return True
         except (AssertionError, TypeError, ValueError):  # an unknown kind, or a base class required (2.11)
             continue
