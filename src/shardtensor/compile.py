@@ -54,7 +54,7 @@ _IN_GRAPH: list[Callable] = []  # functions that compiled code calls as one node
 _DYNAMO_READS = ("parallel/hooks.py",)
 """The package's files that dynamo traces: forward hooks whose bodies only call ``in_graph``
 functions, so a compiled module with parallel styles is one graph."""
-_READ_PATHS: list[str] = []
+_ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
 def in_graph(fn: Callable) -> Callable:
@@ -100,16 +100,16 @@ def _ranks_share_dynamo(shared: bool) -> None:
     when no graph input is a DTensor nothing in the guards names the rank, so another rank could
     reuse the graph.  Processes each compile their own graphs and keep them in the graph."""
     rules = sys.modules["torch._dynamo"].trace_rules
-    allowed = getattr(rules, "_allowed_callable_ids", None)
-    skip_dirs, recompile = getattr(rules, "SKIP_DIRS", None), getattr(rules, "_recompile_re", None)
-    if allowed is None or not isinstance(skip_dirs, list) or recompile is None:
+    allowed, skip = getattr(rules, "_allowed_callable_ids", None), _skip_list(rules)
+    if allowed is None or skip is None:
         return
+    skip_dirs, recompile = skip
     for fn in _IN_GRAPH:
         if shared:
             allowed.remove(id(fn))
         else:
             allowed.add(id(fn))
-    for path in _READ_PATHS:
+    for path in (os.path.join(_ROOT, f) for f in _DYNAMO_READS):
         if shared:
             skip_dirs.append(path)
         elif path in skip_dirs:
@@ -117,24 +117,28 @@ def _ranks_share_dynamo(shared: bool) -> None:
     recompile()
 
 
+def _skip_list(rules: Any) -> tuple[list, Callable] | None:
+    """dynamo's list of skipped path prefixes and the call that makes a change take effect."""
+    skip_dirs, recompile = getattr(rules, "SKIP_DIRS", None), getattr(rules, "_recompile_re", None)
+    return (skip_dirs, recompile) if isinstance(skip_dirs, list) and recompile is not None else None
+
+
 def _skip_package(rules: Any, reads: bool) -> None:
     """Every file of the package on dynamo's skip list, except ``_DYNAMO_READS`` when ``reads``
     (placements are graph constants, so what the hooks call is a node of the graph)."""
     if rules is None or not hasattr(rules, "add"):
         return
-    root = os.path.dirname(os.path.abspath(__file__))
-    skip_dirs, recompile = getattr(rules, "SKIP_DIRS", None), getattr(rules, "_recompile_re", None)
-    if not reads or not isinstance(skip_dirs, list) or recompile is None:  # the whole package
+    skip = _skip_list(rules)
+    if not reads or skip is None:  # the whole package
         rules.add(__name__.split(".")[0])
         return
-    read = {os.path.join(root, f) for f in _DYNAMO_READS}
-    _READ_PATHS[:] = sorted(read)
-    for path in sorted(os.listdir(root)):
-        full = os.path.join(root, path)
-        inside = [r for r in read if r.startswith(full + os.sep)]
+    skip_dirs, recompile = skip
+    read = {os.path.join(_ROOT, f) for f in _DYNAMO_READS}
+    for path in sorted(os.listdir(_ROOT)):
+        full = os.path.join(_ROOT, path)
         if full in read:
             continue
-        if not inside:
+        if not any(r.startswith(full + os.sep) for r in read):
             skip_dirs.append(full + os.sep if os.path.isdir(full) else full)
         else:
             skip_dirs.extend(os.path.join(full, f) for f in sorted(os.listdir(full)) if os.path.join(full, f) not in read)
@@ -211,8 +215,7 @@ def _code_digest() -> str:
     """A digest of the package's source: a changed shardtensor (even at one version number, as
     while developing it) never reuses traces cached on disk by another one."""
     h = hashlib.blake2b(digest_size=16)
-    root = os.path.dirname(os.path.abspath(__file__))
-    for dirpath, dirnames, files in sorted(os.walk(root)):
+    for dirpath, dirnames, files in sorted(os.walk(_ROOT)):
         dirnames.sort()
         for f in sorted(files):
             if f.endswith(".py"):
