@@ -340,3 +340,26 @@ def test_op_sweep_sample():
     totals = op_sweep.sweep(draws=2, seed=11, report=failures.append)
     assert totals["pass"] >= 2 * len(op_sweep.OPS), totals
     assert not [f for f in failures if not f.startswith("skipped")], failures
+
+
+# -- torch.autograd.grad over plain and DTensor inputs ------------------------------------------
+
+def _grads_keep_their_kinds():
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(3)
+    x = torch.randn(4, 3, requires_grad=True)  # the same plain tensor on every rank
+    w = distribute_tensor(torch.randn(3, 5), mesh, [Shard(1)]).requires_grad_()
+    y = (x @ w.full_tensor()).square().sum()
+    gx, gw = torch.autograd.grad(y, [x, w])
+    xd, wd = x.detach().requires_grad_(), w.full_tensor().detach().requires_grad_()
+    want_x, want_w = torch.autograd.grad((xd @ wd).square().sum(), [xd, wd])
+    return (type(gx) is torch.Tensor and torch.allclose(gx, want_x, atol=1e-5)
+            and isinstance(gw, DTensor) and gw.placements == (Shard(1),)
+            and torch.allclose(gw.full_tensor(), want_w, atol=1e-5))
+
+
+def test_autograd_grad_returns_a_plain_inputs_gradient_plain():
+    # torch.autograd.grad reaches DTensor.__torch_function__ when any input is a DTensor; its
+    # results were taken for plain tensors built from shapes and wrapped as Replicate DTensors,
+    # so a plain input's gradient silently came back a DTensor (and compiled backwards crashed)
+    assert run_spmd(_grads_keep_their_kinds, 2) == [True, True]

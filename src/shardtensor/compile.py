@@ -15,7 +15,8 @@ collectives when the graph runs).  Three things make that sound:
   into the library from compiled code (``distribute_tensor``, ``fully_shard``'s hooks) is a
   graph break and runs eagerly, and dynamo never compiles the library's frames.  The one file
   it reads is ``parallel/hooks.py``: forward hooks that only pick values and call ``in_graph``
-  functions, so a module with parallel styles is one graph.
+  functions, so a module with parallel styles is one graph.  (The example models of
+  ``shardtensor.examples`` are user code: dynamo traces them as it traces any model.)
 - A DTensor is a plain tensor to dynamo, so a method call on it (``redistribute``,
   ``full_tensor``, ``to_local``) becomes one node of the graph, as does a call of an
   ``in_graph`` function (``from_local``, the styles' conversions); AOTAutograd traces each
@@ -54,6 +55,8 @@ _IN_GRAPH: list[Callable] = []  # functions that compiled code calls as one node
 _DYNAMO_READS = ("parallel/hooks.py",)
 """The package's files that dynamo traces: forward hooks whose bodies only call ``in_graph``
 functions, so a compiled module with parallel styles is one graph."""
+_USER_CODE = ("examples",)
+"""The package's models (the demo's ``TinyLM``): user code, which dynamo traces like any model's."""
 _ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -124,16 +127,17 @@ def _skip_list(rules: Any) -> tuple[list, Callable] | None:
 
 
 def _skip_package(rules: Any, reads: bool) -> None:
-    """Every file of the package on dynamo's skip list, except ``_DYNAMO_READS`` when ``reads``
-    (placements are graph constants, so what the hooks call is a node of the graph)."""
+    """Every file of the package on dynamo's skip list except the models of ``_USER_CODE``, and
+    ``_DYNAMO_READS`` when ``reads`` (placements are graph constants, so what the hooks call is a
+    node of the graph)."""
     if rules is None or not hasattr(rules, "add"):
         return
     skip = _skip_list(rules)
-    if not reads or skip is None:  # the whole package
+    if skip is None:  # the whole package
         rules.add(__name__.split(".")[0])
         return
     skip_dirs, recompile = skip
-    read = {os.path.join(_ROOT, f) for f in _DYNAMO_READS}
+    read = {os.path.join(_ROOT, f) for f in _USER_CODE + (_DYNAMO_READS if reads else ())}
     for path in sorted(os.listdir(_ROOT)):
         full = os.path.join(_ROOT, path)
         if full in read:

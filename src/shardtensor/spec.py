@@ -61,6 +61,10 @@ class DTensorSpec:
             spec = _BUILT.get(key)  # type: ignore[arg-type]
         except TypeError:  # unhashable arguments: the checks below say what is wrong
             key = spec = None
+            # torch.compile's symbolic sizes (a DTensor view replayed on fake tensors): specialized,
+            # one guard per dim, since a spec holds the sizes every rank's plan is worked out from
+            shape = [int(n) if isinstance(n, torch.SymInt) else n for n in shape]
+            stride = None if stride is None else [int(n) if isinstance(n, torch.SymInt) else n for n in stride]
         if spec is not None:
             return spec
         if not isinstance(mesh, DeviceMesh):

@@ -11,6 +11,9 @@ outside dispatch, on memory or plain tensors a DTensor cannot stand for.
   sharding rule) runs, and the result drops it again.
 - **A plain tensor a composite builds from metadata alone** (``matrix_rank`` of an empty
   matrix) is the same on every rank: a ``Replicate`` DTensor, not a wrapper without a spec.
+  Autograd's entry points are not such composites: ``torch.autograd.grad`` returns each input's
+  gradient as the input's kind (a plain input's is plain), as AOTAutograd's traced backward
+  relies on.
 """
 from __future__ import annotations
 
@@ -51,13 +54,15 @@ def finish(func: Any, out: Any, args: tuple, kwargs: dict | None) -> Any:
     """``func``'s result with any plain tensor torch's C++ built from shapes alone made a
     ``Replicate`` DTensor (the same on every rank)."""
     t = type(out)
-    if t is DTensor or t in _PLAIN_VALUES or func in _NOWRAP:
+    if t is DTensor or t in _PLAIN_VALUES or func in _NOWRAP or func in _AUTOGRAD:
         return out
     if (t is list or t is tuple) and all(type(o) is DTensor for o in out):  # foreach results
         return out
     return replicate_plain(out, args, kwargs or {})
 
 
+_AUTOGRAD = frozenset({torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward})
+"""Gradients come back as autograd made them: a plain input's gradient stays plain."""
 _PLAIN_VALUES = frozenset({type(None), bool, int, float, complex, str, torch.Size, torch.dtype, torch.device,
                            torch.layout})
 

@@ -121,8 +121,11 @@ def freezer(op) -> Any:
 def propagate(op, flat: list[Any], specs: list[DTensorSpec | None], treedef) -> Decision:
     """The decision for one call, from the cache when the same signature was seen before."""
     fr = freezer(op)
-    key = (id(op), treedef, tuple(s if s is not None else fr(a) for a, s in zip(flat, specs)))
-    d = _cache.get(key)
+    key: tuple | None = (id(op), treedef, tuple(s if s is not None else fr(a) for a, s in zip(flat, specs)))
+    try:
+        d = _cache.get(key)
+    except TypeError:  # symbolic sizes (torch.compile replaying a view on fake tensors): decided, not cached
+        d = key = None
     if d is not None:
         return d
     one_mesh(op, specs)
@@ -146,7 +149,8 @@ def propagate(op, flat: list[Any], specs: list[DTensorSpec | None], treedef) -> 
         d = decide(call, d)
     if not isinstance(d, Decision):
         raise ValueError(f"shardtensor: rule of {op} returned {type(d).__name__}, expected a Decision or candidates")
-    _cache.put(key, d)
+    if key is not None:
+        _cache.put(key, d)
     if LISTENERS:
         note("decide", op, time.perf_counter() - t0)
     return d
