@@ -49,7 +49,8 @@ fi
 here="$("$venv/bin/python" -c 'import shardtensor, os; print(os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(shardtensor.__file__)))))' 2>/dev/null)"
 [ "$here" = "$(pwd -P)" ] || { echo "torch $ver venv imports shardtensor from '${here:-nowhere}', not $(pwd -P)" >&2; exit 1; }
 echo "tests on $("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)')" >&2
-"$venv/bin/python" -m pytest "$@"
+source scripts/_workers.sh
+"$venv/bin/python" -m pytest "${WORKERS[@]}" "$@"
 rc=$?
 [ "$rc" -eq 5 ] && echo "pytest collected no tests: failing" >&2
 exit "$rc"
