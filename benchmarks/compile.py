@@ -1,0 +1,273 @@
+"""torch.compile on TP, FSDP and 2-D models: graphs, graph breaks, compile time and step time, ours vs PyTorch.
+
+    python benchmarks/compile.py                    # the demo model, worlds 1 and 4, eager/aot_eager/inductor
+    python benchmarks/compile.py --big              # a 12-layer d=768 model instead (slow on 2 CPU cores)
+    python benchmarks/compile.py --quick --modes aot_eager --worlds 4
+
+A step is ``zero_grad``, the compiled forward, cross-entropy, backward and an (eager) Adam step.
+Every case runs in its own gloo processes (``OMP_NUM_THREADS=1``; a case that hangs or fails is a
+row saying so), ours and PyTorch's DTensor over the same cases, model, initial values and batches:
+
+- ``tp``: ``parallelize_module`` with the demo's plan (q/k/v/up column-wise, o/down row-wise, the
+  head column-wise with a replicated output) on a 1-D mesh of every rank;
+- ``fsdp``: ``fully_shard`` on every block, then the root, on a 1-D mesh of every rank;
+- ``2d``: torch's 2-D recipe on a ``("dp", "tp")`` mesh (world 4: (2, 2); world 1: (1, 1));
+- ``plain`` (world 1): the model on local tensors, the floor the wrapped rows are compared with.
+
+Per case: ``graphs`` (dynamo's unique graphs), ``breaks`` (graph breaks dynamo counted),
+``recompiles`` (graphs added after the first step: 0 when the guards hold), the first step's
+time minus a steady step's (``compile s``), the median steady step (the slowest rank's), the
+largest loss difference from the same library's eager run, ours / PyTorch, and whether a fresh
+model runs one step under ``fullgraph=True`` (dynamo's counters miss frames it skips whole, such
+as a module whose hooks it may not trace, so only this column proves "no graph breaks").
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import _gloo_setup  # noqa: F401  (src/ and tests/ on sys.path)
+from _gloo_setup import run_multiprocess
+
+PARALLEL = ("tp", "fsdp", "2d")
+MODES = ("eager", "aot_eager", "inductor")
+DEMO = dict(vocab=64, dim=32, heads=4, layers=2, seq=16, batch=8)
+BIG = dict(vocab=1024, dim=768, heads=12, layers=12, seq=64, batch=4)
+
+
+def _model(cfg: dict, seed: int = 0):
+    """A decoder of ``cfg["layers"]`` demo blocks (``shardtensor.examples.tiny_lm.Block``), fixed values."""
+    import torch
+    import torch.nn as nn
+
+    from shardtensor.examples.tiny_lm import Block
+
+    class LM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok, self.pos = nn.Embedding(cfg["vocab"], cfg["dim"]), nn.Embedding(cfg["seq"], cfg["dim"])
+            self.blocks = nn.ModuleList(Block(cfg["dim"], cfg["heads"]) for _ in range(cfg["layers"]))
+            self.ln_f, self.head = nn.LayerNorm(cfg["dim"]), nn.Linear(cfg["dim"], cfg["vocab"])
+
+        def forward(self, tokens):
+            x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+            for blk in self.blocks:
+                x = blk(x)
+            return self.head(self.ln_f(x))
+
+    torch.manual_seed(seed)
+    return LM()
+
+
+def _apis(lib: str) -> dict[str, Any]:
+    """The mesh, TP and FSDP entry points of one library (the same names in both)."""
+    if lib == "ours":
+        from shardtensor import init_device_mesh
+        from shardtensor.fsdp import fully_shard
+        from shardtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from shardtensor.placement import Replicate
+    else:
+        from torch.distributed.device_mesh import init_device_mesh  # type: ignore[no-redef]
+        from torch.distributed.fsdp import fully_shard  # type: ignore[no-redef]
+        from torch.distributed.tensor import Replicate  # type: ignore[no-redef]
+        from torch.distributed.tensor.parallel import (  # type: ignore[no-redef]
+            ColwiseParallel, RowwiseParallel, parallelize_module)
+    return dict(mesh=init_device_mesh, fsdp=fully_shard, col=ColwiseParallel, row=RowwiseParallel,
+                par=parallelize_module, rep=Replicate)
+
+
+def _wrap(model, lib: str, parallel: str, world: int):
+    """``model`` under ``parallel`` with ``lib``; returns it and this rank's dp index and dp size."""
+    if parallel == "plain":
+        return model, 0, 1
+    a = _apis(lib)
+    if parallel == "2d":
+        mesh = a["mesh"]("cpu", (world // 2, 2) if world > 1 else (1, 1), mesh_dim_names=("dp", "tp"))
+        tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
+    else:
+        tp_mesh = dp_mesh = a["mesh"]("cpu", (world,))
+    if parallel in ("tp", "2d"):
+        col, row = a["col"], a["row"]
+        plan = {"attn.q": col(), "attn.k": col(), "attn.v": col(), "attn.o": row(), "mlp.up": col(),
+                "mlp.down": row()}
+        for blk in model.blocks:
+            a["par"](blk, tp_mesh, plan)
+        a["par"](model, tp_mesh, {"head": col(output_layouts=a["rep"]())})
+    if parallel in ("fsdp", "2d"):
+        for blk in model.blocks:
+            a["fsdp"](blk, mesh=dp_mesh)
+        a["fsdp"](model, mesh=dp_mesh)
+        return model, dp_mesh.get_local_rank(), dp_mesh.size()
+    return model, 0, 1
+
+
+def _case(lib: str, parallel: str, mode: str, world: int, cfg: dict, warmup: int, iters: int) -> dict:
+    """One case on this rank: counters, the first step's time, the steady steps' times, the losses."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model, dp, dps = _wrap(_model(cfg), lib, parallel, world)
+    step_model = model if mode == "eager" else torch.compile(model, backend=mode)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    share = cfg["batch"] // dps
+    times, losses, graphs_after_first = [], [], 0
+    for s in range(1 + warmup + iters):
+        x = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g)
+        x, y = x[dp * share:(dp + 1) * share], ((x + 1) % cfg["vocab"])[dp * share:(dp + 1) * share]
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        logits = step_model(x)
+        loss = F.cross_entropy(logits.reshape(-1, cfg["vocab"]), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        dt = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        times.append(dt.item())
+        losses.append(loss.item())
+        if s == 0:
+            graphs_after_first = counters["stats"]["unique_graphs"]
+    graphs = counters["stats"]["unique_graphs"]
+    steady = statistics.median(times[1 + warmup:])
+    return dict(graphs=graphs, breaks=sum(counters["graph_break"].values()), recompiles=graphs - graphs_after_first,
+                compile=times[0] - steady, step=steady, losses=losses)
+
+
+def _fullgraph(rank: int, world: int, lib: str, parallel: str, cfg: dict) -> str:
+    """Whether one forward and backward runs under ``fullgraph=True`` ("yes", else dynamo's reason:
+    dynamo's counters miss the frames it skips whole, so this is the one sure test of no breaks).
+    Graph breaks are dynamo's, whatever the backend, so ``aot_eager`` answers for every mode.  Its
+    own processes: a refused step leaves FSDP mid-forward (PyTorch's FSDP2 then hung a later case)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    faulthandler.dump_traceback_later(float(os.environ.get("COMPILE_BENCH_STALL_S", "400")), exit=True)
+    model, _, dps = _wrap(_model(cfg), lib, parallel, world)
+    mode = "aot_eager"
+    x = torch.zeros(cfg["batch"] // dps, cfg["seq"], dtype=torch.long)
+    try:
+        torch.compile(model, backend=mode, fullgraph=True)(x).float().sum().backward()
+        ok = torch.ones(1)
+        reason = "yes"
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        ok = torch.zeros(1)
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        reason = "no: " + (lines[0][:90] if lines else type(e).__name__)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank failed or none (a rank that went on would wait)
+    return reason if ok.item() or reason != "yes" else "no: another rank failed"
+
+
+def _rank(rank: int, world: int, lib: str, cases: list, cfg: dict, warmup: int, iters: int) -> list:
+    """Every case on this rank, in order; a case that raises is reported, not fatal."""
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    faulthandler.dump_traceback_later(float(os.environ.get("COMPILE_BENCH_STALL_S", "400")), exit=True)  # a stall says where
+    out = []
+    for parallel, mode in cases:
+        try:
+            out.append(_case(lib, parallel, mode, world, cfg, warmup, iters))
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            out.append(dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"))
+    return out
+
+
+def _run(lib: str, world: int, cases: list, cfg: dict, warmup: int, iters: int) -> list:
+    """Each case in its own processes: a case that hangs or kills its ranks is a row that says so
+    (PyTorch's FSDP2 on the 2-D mesh hung in backward in some runs), not the end of the run."""
+    from distributed import MultiprocessError
+
+    env = {"OMP_NUM_THREADS": "1", "SHARDTENSOR_COMM_TIMEOUT": "300"}
+    out = []
+    for case in cases:
+        try:
+            out += run_multiprocess(_rank, world, timeout=900, args=(lib, [case], cfg, warmup, iters), env=env)[0]
+        except MultiprocessError as e:
+            out.append(dict(error="ranks failed or hung: " + " | ".join(
+                ln.strip() for ln in str(e).splitlines() if ln.strip().startswith("rank "))[:200]))
+    return out
+
+
+def _probe(lib: str, world: int, parallel: str, cfg: dict) -> str:
+    env = {"OMP_NUM_THREADS": "1", "SHARDTENSOR_COMM_TIMEOUT": "300"}
+    from distributed import MultiprocessError
+
+    try:
+        return run_multiprocess(_fullgraph, world, timeout=900, args=(lib, parallel, cfg), env=env)[0]
+    except MultiprocessError as e:
+        return "ranks failed or hung: " + str(e).splitlines()[0][:120]
+
+
+def _fmt(r: dict, full: str) -> list[str]:
+    if "error" in r:
+        return ["failed", "", "", "", "", r["error"]]
+    return [str(r["graphs"]), str(r["breaks"]), str(r["recompiles"]), f"{r['compile']:.1f}", f"{r['step'] * 1e3:.1f}",
+            full]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--big", action="store_true", help="the 12-layer d=768 model instead of the demo's")
+    ap.add_argument("--quick", action="store_true", help="1 warm-up + 3 timed steps (default 2 + 10)")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--worlds", default="1,4")
+    ap.add_argument("--parallel", default=",".join(PARALLEL))
+    args = ap.parse_args()
+    cfg = BIG if args.big else DEMO
+    warmup, iters = (1, 3) if args.quick else (2, 10)
+    modes = [m for m in args.modes.split(",") if m]
+    pars = [p for p in args.parallel.split(",") if p]
+    import torch
+
+    print(f"torch {torch.__version__}, model {cfg}, {warmup} warm-up + {iters} timed steps, gloo processes, "
+          f"OMP_NUM_THREADS=1")
+    head = ["world", "case", "mode", "lib", "graphs", "breaks", "recompiles", "compile s", "step ms", "|dloss| vs eager",
+            "step ours/torch", "fullgraph=True"]
+    rows: list[list[str]] = []
+    for world in [int(w) for w in args.worlds.split(",")]:
+        cases = [(p, m) for p in pars for m in modes]
+        res = {lib: _run(lib, world, cases, cfg, warmup, iters) for lib in ("ours", "torch")}
+        compiled = any(m != "eager" for m in modes)
+        full = {(lib, p): _probe(lib, world, p, cfg) if compiled else "-" for lib in ("ours", "torch") for p in pars}
+        if world == 1:
+            plain = _run("ours", 1, [("plain", m) for m in modes], cfg, warmup, iters)
+            plain_full = _probe("ours", 1, "plain", cfg) if compiled else "-"
+            for m, r in zip(modes, plain):
+                f = _fmt(r, "-" if m == "eager" else plain_full)
+                rows.append([str(world), "plain", m, "-", *f[:5], "", "", f[5]])
+        for i, (p, m) in enumerate(cases):
+            for lib in ("ours", "torch"):
+                r, eager = res[lib][i], res[lib][cases.index((p, "eager"))] if (p, "eager") in cases else None
+                d = ""
+                if eager and "error" not in eager and "error" not in r:
+                    d = f"{max(abs(a - b) for a, b in zip(r['losses'], eager['losses'])):.1e}"
+                ratio = ""
+                o, t = res["ours"][i], res["torch"][i]
+                if lib == "ours" and "error" not in o and "error" not in t:
+                    ratio = f"{o['step'] / t['step']:.2f}"
+                f = _fmt(r, "-" if m == "eager" else full[lib, p])
+                rows.append([str(world), p, m, lib, *f[:5], d, ratio, f[5]])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
