@@ -5,7 +5,7 @@
 source "$(dirname "$0")/_setup.sh"
 source scripts/_workers.sh
 set +e
-.venv/bin/python -m pytest "${WORKERS[@]}" "$@"
+run_pytest .venv/bin/python "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests: failing" >&2
