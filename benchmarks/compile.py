@@ -151,13 +151,11 @@ def _fullgraph(rank: int, world: int, lib: str, parallel: str, cfg: dict) -> str
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    faulthandler.dump_traceback_later(float(os.environ.get("COMPILE_BENCH_STALL_S", "400")), exit=True)
+    _rank_setup()
     model, _, dps = _wrap(_model(cfg), lib, parallel, world)
-    mode = "aot_eager"
     x = torch.zeros(cfg["batch"] // dps, cfg["seq"], dtype=torch.long)
     try:
-        torch.compile(model, backend=mode, fullgraph=True)(x).float().sum().backward()
+        torch.compile(model, backend="aot_eager", fullgraph=True)(x).float().sum().backward()
         ok = torch.ones(1)
         reason = "yes"
     except Exception as e:  # noqa: BLE001 - reported in the table
@@ -168,48 +166,48 @@ def _fullgraph(rank: int, world: int, lib: str, parallel: str, cfg: dict) -> str
     return reason if ok.item() or reason != "yes" else "no: another rank failed"
 
 
-def _rank(rank: int, world: int, lib: str, cases: list, cfg: dict, warmup: int, iters: int) -> list:
-    """Every case on this rank, in order; a case that raises is reported, not fatal."""
+def _rank_setup() -> None:
+    """Each rank: one thread, quiet warnings, and a stack dump of every thread if it stalls."""
     import warnings
 
     import torch
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    faulthandler.dump_traceback_later(float(os.environ.get("COMPILE_BENCH_STALL_S", "400")), exit=True)  # a stall says where
-    out = []
-    for parallel, mode in cases:
-        try:
-            out.append(_case(lib, parallel, mode, world, cfg, warmup, iters))
-        except Exception as e:  # noqa: BLE001 - reported in the table
-            out.append(dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"))
-    return out
+    faulthandler.dump_traceback_later(float(os.environ.get("COMPILE_BENCH_STALL_S", "400")), exit=True)
+
+
+def _rank(rank: int, world: int, lib: str, case: tuple, cfg: dict, warmup: int, iters: int) -> dict:
+    """One case on this rank; a case that raises is reported, not fatal."""
+    _rank_setup()
+    try:
+        return _case(lib, *case, world, cfg, warmup, iters)
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        return dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+
+
+def _launch(fn: Any, world: int, args: tuple) -> Any:
+    """Rank 0's result of ``fn`` in fresh gloo processes, or, when a rank failed or hung, a line
+    naming each rank's fate: such a case is a row that says so (PyTorch's FSDP2 on the 2-D mesh
+    hung in backward in some runs), not the end of the run."""
+    from distributed import MultiprocessError
+
+    env = {"OMP_NUM_THREADS": "1", "SHARDTENSOR_COMM_TIMEOUT": "300"}
+    try:
+        return run_multiprocess(fn, world, timeout=900, args=args, env=env)[0]
+    except MultiprocessError as e:
+        return "ranks failed or hung: " + " | ".join(
+            ln.strip() for ln in str(e).splitlines() if ln.strip().startswith("rank "))[:200]
 
 
 def _run(lib: str, world: int, cases: list, cfg: dict, warmup: int, iters: int) -> list:
-    """Each case in its own processes: a case that hangs or kills its ranks is a row that says so
-    (PyTorch's FSDP2 on the 2-D mesh hung in backward in some runs), not the end of the run."""
-    from distributed import MultiprocessError
-
-    env = {"OMP_NUM_THREADS": "1", "SHARDTENSOR_COMM_TIMEOUT": "300"}
-    out = []
-    for case in cases:
-        try:
-            out += run_multiprocess(_rank, world, timeout=900, args=(lib, [case], cfg, warmup, iters), env=env)[0]
-        except MultiprocessError as e:
-            out.append(dict(error="ranks failed or hung: " + " | ".join(
-                ln.strip() for ln in str(e).splitlines() if ln.strip().startswith("rank "))[:200]))
-    return out
+    """Each case in its own processes."""
+    out = [_launch(_rank, world, (lib, case, cfg, warmup, iters)) for case in cases]
+    return [dict(error=r) if isinstance(r, str) else r for r in out]
 
 
 def _probe(lib: str, world: int, parallel: str, cfg: dict) -> str:
-    env = {"OMP_NUM_THREADS": "1", "SHARDTENSOR_COMM_TIMEOUT": "300"}
-    from distributed import MultiprocessError
-
-    try:
-        return run_multiprocess(_fullgraph, world, timeout=900, args=(lib, parallel, cfg), env=env)[0]
-    except MultiprocessError as e:
-        return "ranks failed or hung: " + str(e).splitlines()[0][:120]
+    return _launch(_fullgraph, world, (lib, parallel, cfg))
 
 
 def _fmt(r: dict, full: str) -> list[str]:

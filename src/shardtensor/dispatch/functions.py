@@ -28,7 +28,10 @@ from .fallback import replicate_plain
 
 __all__ = ["torch_function", "REPAIRED", "finish"]
 
-_NOWRAP = torch.overrides.get_default_nowrap_functions()
+_AS_IS = frozenset(torch.overrides.get_default_nowrap_functions()) | {
+    torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward}
+"""Functions whose results ``finish`` leaves alone: torch's own no-wrap list, and autograd's entry
+points (gradients come back as autograd made them: a plain input's gradient stays plain)."""
 _TENSOR_SPLIT = torch.Tensor.tensor_split
 _GETITEM, _SETITEM = torch.Tensor.__getitem__, torch.Tensor.__setitem__
 _SDPA = F.scaled_dot_product_attention
@@ -54,15 +57,13 @@ def finish(func: Any, out: Any, args: tuple, kwargs: dict | None) -> Any:
     """``func``'s result with any plain tensor torch's C++ built from shapes alone made a
     ``Replicate`` DTensor (the same on every rank)."""
     t = type(out)
-    if t is DTensor or t in _PLAIN_VALUES or func in _NOWRAP or func in _AUTOGRAD:
+    if t is DTensor or t in _PLAIN_VALUES or func in _AS_IS:
         return out
     if (t is list or t is tuple) and all(type(o) is DTensor for o in out):  # foreach results
         return out
     return replicate_plain(out, args, kwargs or {})
 
 
-_AUTOGRAD = frozenset({torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward})
-"""Gradients come back as autograd made them: a plain input's gradient stays plain."""
 _PLAIN_VALUES = frozenset({type(None), bool, int, float, complex, str, torch.Size, torch.dtype, torch.device,
                            torch.layout})
 
