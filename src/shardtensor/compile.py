@@ -12,10 +12,10 @@ collectives when the graph runs).  Three things make that sound:
   their own anyway; this matters for the simulated ranks of ``run_spmd``, which are threads
   sharing one dynamo cache.
 - Dynamo never traces shardtensor's own Python: the package is on its skip list, so a call
-  into the library from compiled code (``distribute_tensor``, ``fully_shard``'s hooks) is a
-  graph break and runs eagerly, and dynamo never compiles the library's frames.  The one file
-  it reads is ``parallel/hooks.py``: forward hooks that only pick values and call ``in_graph``
-  functions, so a module with parallel styles is one graph.  (The example models of
+  into the library from compiled code (``distribute_tensor``) is a graph break and runs
+  eagerly, and dynamo never compiles the library's frames.  The files it reads are the hooks of
+  ``_DYNAMO_READS`` (the parallel styles', ``fully_shard``'s): they only pick values and call
+  ``in_graph`` functions, so a module with parallel styles or FSDP is one graph.  (The example models of
   ``shardtensor.examples`` are user code: dynamo traces them as it traces any model.)
 - A DTensor is a plain tensor to dynamo, so a method call on it (``redistribute``,
   ``full_tensor``, ``to_local``) becomes one node of the graph, as does a call of an
@@ -52,9 +52,9 @@ __all__ = ["in_graph", "keep_dynamo_out", "methods_traced", "rank_key", "stable_
 
 _TRACED: list[bool] = []  # whether placements and meshes are graph constants (set when dynamo loads)
 _IN_GRAPH: list[Callable] = []  # functions that compiled code calls as one node of its graph
-_DYNAMO_READS = ("parallel/hooks.py",)
+_DYNAMO_READS = ("parallel/hooks.py", "fsdp/hooks.py")
 """The package's files that dynamo traces: forward hooks whose bodies only call ``in_graph``
-functions, so a compiled module with parallel styles is one graph."""
+functions, so a compiled module with parallel styles or ``fully_shard`` is one graph."""
 _USER_CODE = ("examples",)
 """The package's models (the demo's ``TinyLM``): user code, which dynamo traces like any model's."""
 _ROOT = os.path.dirname(os.path.abspath(__file__))

@@ -51,7 +51,12 @@ explicitly (``[]``: none).  A prefetch a forward leaves unused is dropped at the
 
 Gradient accumulation: ``module.set_requires_gradient_sync(False)`` makes backward keep each
 rank's unsharded local gradients in a buffer with no collective; the next backward with sync
-on reduce-scatters their sum once.
+on reduces their sum once.
+
+Under ``torch.compile`` (``hooks.py``) a module's hooks instead hand it each parameter as one
+graph node, ``gather_traced``: redistribute to Replicate over dp, then to local with a
+``Partial("avg")`` gradient, so the graph holds the all-gather and its backward the
+reduce-scatter; buffers, prefetch and resharding are the compiler's business there.
 """
 from .api import FSDPModule, MixedPrecisionPolicy, fully_shard
 

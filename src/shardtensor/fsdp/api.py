@@ -6,12 +6,13 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 from ..comm import current_transport
 from ..mesh import DeviceMesh, init_device_mesh
 from .group import ParamGroup, Unsharded, unsharded_with_grad
-from .param import FSDPParam, MeshInfo
+from .hooks import PostForward, PreForward, cast_floats
+from .param import FSDPParam, MeshInfo, gather_traced
 
 __all__ = ["FSDPModule", "MixedPrecisionPolicy", "fully_shard"]
 
@@ -71,7 +72,7 @@ class FSDPState:
         if self.root.recording:
             self.root.order.append(self)  # type: ignore[union-attr]
         if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
-            args, kwargs = _cast_floats((args, kwargs), self.mp.param_dtype)
+            args, kwargs = cast_floats((args, kwargs), self.mp.param_dtype)
         handle = self.group.unshard()
         self.handle = handle
         for s in self._prefetch_targets(forward=True):
@@ -121,7 +122,7 @@ class FSDPState:
             for t in outs:
                 t.register_hook(self._pre_backward_hook(handle))
         if self.mp.output_dtype is not None:
-            output = _cast_floats(output, self.mp.output_dtype)
+            output = cast_floats(output, self.mp.output_dtype)
         return output
 
     def _pre_backward_hook(self, handle: Unsharded):
@@ -143,11 +144,6 @@ class FSDPState:
             for h in list(s.group.live):
                 h.free()
             s.group.live.clear()
-
-
-def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
-                    and t.dtype != dtype else t, tree)
 
 
 class FSDPModule:
@@ -285,7 +281,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_af
     group = ParamGroup(params, info, mp_policy.param_dtype, reduce_dtype)
     state = FSDPState(module, group, reshard_after_forward, mp_policy)
     module._fsdp_state = state  # type: ignore[assignment]
-    module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
-    module.register_forward_hook(state.post_forward, always_call=False, with_kwargs=True)
+    module.register_forward_pre_hook(PreForward(state, gather_traced), prepend=True, with_kwargs=True)
+    module.register_forward_hook(PostForward(state), always_call=False, with_kwargs=True)
     module.__class__ = _fsdp_class(type(module))
     return module

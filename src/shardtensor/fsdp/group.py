@@ -106,12 +106,21 @@ class ParamGroup:
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
         self.sync = True
+        self.unreduced = False  # unsynchronized backwards left gradients for the next synchronized one
         self.prefetched: Unsharded | None = None
         self.prefetch_hits = 0  # gathers that found their all-gather already issued (a prefetch)
         self.live: weakref.WeakSet[Unsharded] = weakref.WeakSet()
         self._layout: _Layout | None = None
         self._spare: Unsharded | None = None
         self._reduce_plans: dict[tuple, _ReducePlan] = {}  # by (parameter indices, their gradients' dtypes)
+        self.traced: list[tuple] = []
+        self._trace_args()
+
+    def _trace_args(self) -> None:
+        """What a compiled forward reads (``hooks.py``): per parameter, the sharded one, its owners
+        and ``gather_traced``'s other arguments."""
+        self.traced = [(p.sharded, tuple(p.owners), p.traced_args(self.compute_dtype(p), self.reduce_dtype))
+                       for p in self.params]
 
     def compute_dtype(self, p: FSDPParam) -> torch.dtype:
         if self.param_dtype is not None and p.orig_dtype.is_floating_point:
@@ -159,6 +168,7 @@ class ParamGroup:
             self.prefetched = self._spare = self._layout = None
             self.live = weakref.WeakSet()
             self._reduce_plans.clear()
+        self._trace_args()
 
     def layout(self) -> "_Layout":
         """What the all-gather packs, worked out once: the parameters with elements, their sizes and
@@ -228,12 +238,14 @@ class ParamGroup:
                 if g is not None:
                     dtype = self.reduce_dtype or g.dtype
                     p.accumulated = g.to(dtype, copy=True) if p.accumulated is None else p.accumulated.add_(g)
+                    self.unreduced = True
             return [None] * len(params)
         for i, p in enumerate(params):
             if p.accumulated is not None:
                 mine = local[i]
                 local[i] = p.accumulated if mine is None else p.accumulated.add_(mine)
                 p.accumulated = None
+        self.unreduced = any(p.accumulated is not None for p in self.params)
         dtypes = tuple([None if g is None else g.dtype for g in local])
         plan = self._reduce_plans.get((idx, dtypes))
         if plan is None:

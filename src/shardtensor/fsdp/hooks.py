@@ -1,0 +1,62 @@
+"""``fully_shard``'s forward hooks, which dynamo traces (``compile.py``).
+
+Eagerly each hook hands over to ``FSDPState`` (the all-gather into reused buffers, prefetch,
+freeing storage).  Under ``torch.compile`` a module whose group can be traced instead gets its
+unsharded parameters from ``gather_traced``, one node of the graph per parameter: the
+all-gather and, in backward, the reduce-scatter are the graph's own collectives, so a model
+with ``fully_shard`` compiles with no graph break.  Keep the bodies plain Python.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+__all__ = ["PostForward", "PreForward", "cast_floats"]
+
+
+def cast_floats(tree: Any, dtype: Any) -> Any:
+    """Floating tensors of ``tree`` in ``dtype`` (mixed precision's input and output casts)."""
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                    and t.dtype != dtype else t, tree)
+
+
+class PreForward:
+    """Forward pre-hook (with kwargs): the module computes with unsharded parameters."""
+
+    def __init__(self, state: Any, gather: Any) -> None:
+        self.state, self.gather = state, gather
+
+    def __call__(self, module: Any, args: tuple, kwargs: dict) -> Any:
+        state = self.state
+        group = state.group
+        if not (torch.compiler.is_dynamo_compiling() and group.sync and not group.unreduced):
+            return state.pre_forward(module, args, kwargs)
+        mp = state.mp
+        if mp.param_dtype is not None and mp.cast_forward_inputs:
+            args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
+        for sharded, owners, rest in group.traced:
+            t = self.gather(sharded, *rest)
+            for mod, name in owners:
+                mod._parameters[name] = t
+        return args, kwargs
+
+
+class PostForward:
+    """Forward hook (with kwargs): the sharded parameters come back."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+
+    def __call__(self, module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+        state = self.state
+        group = state.group
+        if not (torch.compiler.is_dynamo_compiling() and group.sync and not group.unreduced):
+            return state.post_forward(module, args, kwargs, output)
+        for sharded, owners, _ in group.traced:
+            for mod, name in owners:
+                mod._parameters[name] = sharded
+        if state.mp.output_dtype is not None:
+            output = cast_floats(output, state.mp.output_dtype)
+        return output
