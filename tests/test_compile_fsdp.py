@@ -84,7 +84,9 @@ def _train(kind: str, backend: str, fullgraph: bool = True, mp: torch.dtype | No
             diffs += [float((_whole(p.grad) - _whole(q.grad)).abs().max()) if p.grad is not None else 0.0
                       for p, q in zip(opts[0].param_groups[0]["params"], opts[1].param_groups[0]["params"])]
         graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-    diffs += [float((_whole(p) - _whole(q)).abs().max()) for p, q in zip(models[0].parameters(), models[1].parameters())]
+    with torch.no_grad():
+        diffs += [float((_whole(p) - _whole(q)).abs().max()) for p, q in zip(models[0].parameters(),
+                                                                              models[1].parameters())]
     return dict(worst=max(diffs), graphs=graphs, n=len(diffs))
 
 

@@ -12,7 +12,8 @@ from ..comm import current_transport
 from ..mesh import DeviceMesh, init_device_mesh
 from .group import ParamGroup, Unsharded, unsharded_with_grad
 from .hooks import PostForward, PreForward, cast_floats
-from .param import FSDPParam, MeshInfo, gather_traced
+from .param import FSDPParam, MeshInfo
+from .traced import gather_group, traced_key
 
 __all__ = ["FSDPModule", "MixedPrecisionPolicy", "fully_shard"]
 
@@ -188,7 +189,9 @@ class FSDPModule:
         """``to_empty``, ``to`` and ``cuda`` give the sharded parameters new local tensors (a
         model built on the meta device gets its memory so); the padded shards follow them."""
         out = super()._apply(fn, recurse)  # type: ignore[misc]  # nn.Module's, next in the MRO
-        self._fsdp_state.group.adopt_locals()
+        group = self._fsdp_state.group
+        group.adopt_locals()
+        group.traced_key = traced_key(group)  # devices and dtypes may have changed
         return out
 
     def _fsdp_modules(self, recurse: bool) -> list["FSDPModule"]:
@@ -281,7 +284,8 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_af
     group = ParamGroup(params, info, mp_policy.param_dtype, reduce_dtype)
     state = FSDPState(module, group, reshard_after_forward, mp_policy)
     module._fsdp_state = state  # type: ignore[assignment]
-    module.register_forward_pre_hook(PreForward(state, gather_traced), prepend=True, with_kwargs=True)
+    group.traced_key = traced_key(group)
+    module.register_forward_pre_hook(PreForward(state, gather_group), prepend=True, with_kwargs=True)
     module.register_forward_hook(PostForward(state), always_call=False, with_kwargs=True)
     module.__class__ = _fsdp_class(type(module))
     return module

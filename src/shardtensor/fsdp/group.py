@@ -113,14 +113,10 @@ class ParamGroup:
         self._layout: _Layout | None = None
         self._spare: Unsharded | None = None
         self._reduce_plans: dict[tuple, _ReducePlan] = {}  # by (parameter indices, their gradients' dtypes)
-        self.traced: list[tuple] = []
-        self._trace_args()
-
-    def _trace_args(self) -> None:
-        """What a compiled forward reads (``hooks.py``): per parameter, the sharded one, its owners
-        and ``gather_traced``'s other arguments."""
-        self.traced = [(p.sharded, tuple(p.owners), p.traced_args(self.compute_dtype(p), self.reduce_dtype))
-                       for p in self.params]
+        # what a compiled forward reads (hooks.py): each parameter's sharded form and owners, and the
+        # key of traced.gather_group (None: the eager hooks run)
+        self.traced = [(p.sharded, tuple(p.owners)) for p in params]
+        self.traced_key: str | None = None
 
     def compute_dtype(self, p: FSDPParam) -> torch.dtype:
         if self.param_dtype is not None and p.orig_dtype.is_floating_point:
@@ -168,7 +164,6 @@ class ParamGroup:
             self.prefetched = self._spare = self._layout = None
             self.live = weakref.WeakSet()
             self._reduce_plans.clear()
-        self._trace_args()
 
     def layout(self) -> "_Layout":
         """What the all-gather packs, worked out once: the parameters with elements, their sizes and

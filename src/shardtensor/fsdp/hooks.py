@@ -2,7 +2,7 @@
 
 Eagerly each hook hands over to ``FSDPState`` (the all-gather into reused buffers, prefetch,
 freeing storage).  Under ``torch.compile`` a module whose group can be traced instead gets its
-unsharded parameters from ``gather_traced``, one node of the graph per parameter: the
+unsharded parameters from ``traced.gather_group``, one node of the graph per group: the
 all-gather and, in backward, the reduce-scatter are the graph's own collectives, so a model
 with ``fully_shard`` compiles with no graph break.  Keep the bodies plain Python.
 """
@@ -22,6 +22,12 @@ def cast_floats(tree: Any, dtype: Any) -> Any:
                     and t.dtype != dtype else t, tree)
 
 
+def _traceable(group: Any) -> bool:
+    """Whether a compiled forward gathers the group in its graph: a group ``traced.py`` can
+    gather, and no unsynchronized gradients (a buffer outside any graph) waiting to be reduced."""
+    return group.traced_key is not None and group.sync and not group.unreduced
+
+
 class PreForward:
     """Forward pre-hook (with kwargs): the module computes with unsharded parameters."""
 
@@ -31,13 +37,13 @@ class PreForward:
     def __call__(self, module: Any, args: tuple, kwargs: dict) -> Any:
         state = self.state
         group = state.group
-        if not (torch.compiler.is_dynamo_compiling() and group.sync and not group.unreduced):
+        if not (torch.compiler.is_dynamo_compiling() and _traceable(group)):
             return state.pre_forward(module, args, kwargs)
         mp = state.mp
         if mp.param_dtype is not None and mp.cast_forward_inputs:
             args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
-        for sharded, owners, rest in group.traced:
-            t = self.gather(sharded, *rest)
+        unsharded = self.gather(group.traced_key, *[sharded for sharded, _ in group.traced])
+        for (_, owners), t in zip(group.traced, unsharded):
             for mod, name in owners:
                 mod._parameters[name] = t
         return args, kwargs
@@ -52,9 +58,9 @@ class PostForward:
     def __call__(self, module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
         state = self.state
         group = state.group
-        if not (torch.compiler.is_dynamo_compiling() and group.sync and not group.unreduced):
+        if not (torch.compiler.is_dynamo_compiling() and _traceable(group)):
             return state.post_forward(module, args, kwargs, output)
-        for sharded, owners, _ in group.traced:
+        for sharded, owners in group.traced:
             for mod, name in owners:
                 mod._parameters[name] = sharded
         if state.mp.output_dtype is not None:

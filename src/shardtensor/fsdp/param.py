@@ -12,13 +12,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..compile import in_graph
 from ..mesh import DeviceMesh, joined_mesh
 from ..placement import Partial, Placement, Replicate, Shard, StridedShard, chunk, display
 from ..spec import DTensorSpec, contiguous_stride
 from ..tensor import DTensor
 
-__all__ = ["FSDPParam", "MeshInfo", "gather_traced"]
+__all__ = ["FSDPParam", "MeshInfo"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -208,34 +207,3 @@ class FSDPParam:
         if self.tp_spec is None:
             return t
         return DTensor(t, self.tp_spec.with_dtype(t.dtype))
-
-    def traced_args(self, compute: torch.dtype, reduce: torch.dtype | None) -> tuple:
-        """``gather_traced``'s arguments for this parameter after the sharded one (graph constants)."""
-        pl, averaged = self.spec.placements, (self.info.dp_dim, self.info.rep_dim)
-        gathered = tuple(Replicate() if j == self.info.dp_dim else q for j, q in enumerate(pl))
-        grads = tuple(Partial("avg") if j in averaged else q for j, q in enumerate(gathered))
-        tp = None if self.tp_spec is None else (self.tp_spec.mesh, self.tp_spec.placements, self.tp_spec.shape,
-                                                self.tp_spec.stride)
-        back = reduce if reduce is not None and self.orig_dtype.is_floating_point else compute
-        alone = self.info.world == 1  # no all-gather: the result would alias the sharded parameter
-        return (self.spec.mesh, gathered, grads, compute if compute != self.orig_dtype else None,
-                back if back != self.orig_dtype else None, tp, alone)
-
-
-@in_graph
-def gather_traced(sharded: Any, mesh: DeviceMesh, gathered: tuple, grads: tuple, forward_dtype: Any,
-                  backward_dtype: Any, tp: tuple | None, alone: bool) -> Any:
-    """The unsharded parameter of a compiled forward: one node of the graph, all-gathered over dp
-    by ``redistribute`` (cast to the compute dtype first); backward reduce-scatters the gradient
-    as ``Partial("avg")`` over dp (cast to the reduce dtype).  A plain tensor, or a DTensor on the
-    tp mesh for a 2-D layout.  ``alone`` (one dp rank): a copy, since a compiled graph whose
-    output aliases a parameter marks the parameter's local tensor as requiring grad (inductor
-    drops the copy where no output aliases an input)."""
-    full = sharded.redistribute(mesh, gathered, forward_dtype=forward_dtype, backward_dtype=backward_dtype)
-    local = full.to_local(grad_placements=grads)
-    if alone:
-        local = local.clone()
-    if tp is None:
-        return local
-    tp_mesh, tp_pl, shape, stride = tp
-    return DTensor.from_local(local, tp_mesh, tp_pl, run_check=False, shape=shape, stride=stride)

@@ -1,0 +1,100 @@
+"""A ``fully_shard`` group's all-gather and reduce-scatter as one node of a compiled graph.
+
+Under ``torch.compile`` the hooks (``hooks.py``) call ``gather_group(key, *sharded)``, which
+AOTAutograd traces on fake tensors: the padded local shards are concatenated (cast to the
+compute dtype), ONE all-gather over dp gives the ``(W, n)`` stack, and each parameter is cut
+out of it.  Backward pads each unsharded gradient to ``W`` blocks, concatenates them (cast to
+the reduce dtype), and ONE reduce-scatter (average over dp; on HSDP then an all-reduce over
+the replicas) gives every sharded gradient.  The same collectives as the eager hooks, with
+the buffers, their freeing and prefetching left to the compiler.  The graph gets the group
+through a key (a string constant of the graph), since a group is no graph value.
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any
+
+import torch
+
+from .. import comm
+from ..compile import in_graph
+from ..tensor import DTensor
+from .group import ParamGroup
+
+__all__ = ["gather_group", "traced_key"]
+
+_GROUPS: "weakref.WeakValueDictionary[str, ParamGroup]" = weakref.WeakValueDictionary()
+_KEYS = itertools.count(1)
+
+
+def traced_key(group: ParamGroup) -> str | None:
+    """The key ``gather_group`` finds ``group`` by, or None where the group cannot be traced
+    (parameters on several devices, or of several compute dtypes: the eager hooks then run)."""
+    devices = {p.padded.device for p in group.params}
+    dtypes = {group.compute_dtype(p) for p in group.params}
+    if not group.params or len(devices) != 1 or len(dtypes) != 1:
+        return None
+    key = f"fsdp group {next(_KEYS)}"  # a string: dynamo would make an int that varies between calls symbolic
+    _GROUPS[key] = group
+    return key
+
+
+def _gather(group: ParamGroup, sharded: tuple) -> tuple:
+    """Copy-in, one all-gather over dp, copy-out: the unsharded parameters."""
+    info, params = group.info, group.params
+    dtype = group.compute_dtype(params[0])
+    pieces = []
+    for p, x in zip(params, sharded):
+        local = x._local_tensor
+        if p.rows < p.c:
+            local = torch.cat([local, local.new_zeros((p.c - p.rows, *p.rest))])
+        pieces.append(local.reshape(-1).to(dtype))
+    stack = comm.all_gather(torch.cat(pieces), info.mesh, info.dp_dim)  # (W, n)
+    outs, at = [], 0
+    for p in params:
+        full = stack[:, at: at + p.padded_numel].reshape(info.world * p.c, *p.rest)[: p.unsharded_shape[0]]
+        at += p.padded_numel
+        outs.append(full if p.tp_spec is None else DTensor(full, p.tp_spec.with_dtype(dtype)))
+    return tuple(outs)
+
+
+def _reduce(group: ParamGroup, grads: tuple) -> tuple:
+    """The sharded gradients (average over dp) of the unsharded ``grads``: one reduce-scatter."""
+    info, params = group.info, group.params
+    if all(g is None for g in grads):
+        return (None,) * len(params)
+    local = [None if g is None else ParamGroup._local_grad(p, g) for p, g in zip(params, grads)]
+    dtype = group.reduce_dtype or next(g.dtype for g in local if g is not None)
+    cols = []
+    for p, g in zip(params, local):
+        g = torch.zeros(p.unsharded_shape, dtype=dtype, device=p.padded.device) if g is None else g.to(dtype)
+        if g.shape[0] < info.world * p.c:
+            g = torch.cat([g, g.new_zeros((info.world * p.c - g.shape[0], *p.rest))])
+        cols.append(g.reshape(info.world, p.padded_numel))
+    red = group._average(torch.cat(cols, dim=1))  # (n,)
+    out, at = [], 0
+    for p, g in zip(params, local):
+        piece = red[at: at + p.padded_numel].reshape(p.c, *p.rest)[: p.rows]
+        at += p.padded_numel
+        out.append(None if g is None else DTensor(piece.to(p.orig_dtype), p.spec))
+    return tuple(out)
+
+
+class _GatherGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, key: str, *sharded: torch.Tensor) -> Any:
+        ctx.key = key
+        ctx.set_materialize_grads(False)
+        return _gather(_GROUPS[key], sharded)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        return (None, *_reduce(_GROUPS[ctx.key], grads))
+
+
+@in_graph
+def gather_group(key: str, *sharded: torch.Tensor) -> tuple:
+    """The unsharded parameters of the group ``key`` (``traced_key``) from its sharded ones: a
+    plain tensor each, or a DTensor on the tp mesh for a 2-D layout.  One node of a graph."""
+    return _GatherGroup.apply(key, *sharded)
