@@ -246,7 +246,7 @@ CONFIGS = {
     "adam": ("Adam", dict(lr=0.1, weight_decay=0.01)),
     "adamw": ("AdamW", dict(lr=0.1, weight_decay=0.1, amsgrad=True)),
 }
-MODES = {"foreach": dict(foreach=True), "fused": dict(fused=True), "single": dict(foreach=False)}
+MODES = {"foreach": dict(foreach=True), "fused": dict(fused=True), "single": dict(foreach=False), "default": {}}
 
 
 def optimizer_steps(name: str, mode: str, params, grads):
@@ -268,13 +268,31 @@ def _opt_values():
     return [[data("any", s, gen(("p", s))) for s in OPT_SHAPES], [data("any", s, gen(("g", s))) for s in OPT_SHAPES]]
 
 
-@pytest.mark.parametrize("mode", ["foreach", "fused"])
+@pytest.mark.parametrize("mode", ["foreach", "fused", "default"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("mesh", MESHES)
 def test_optimizer_mixed_placements_partial_grads(mesh, name, mode):
     n = len(OPT_SHAPES)
     fcheck(functools.partial(optimizer_steps, name, mode), _opt_values(), mesh, grad=False,
           partial=[()] * n + [("sum",)] * n, limit=4, seed=(name, mode))
+
+
+def _defaults_of_torch_optim():
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+    from torch.utils._foreach_utils import _has_foreach_support
+
+    x = distribute_tensor(torch.ones(4, 2), init_device_mesh("cpu", (2,)), [Shard(0)])
+    return _default_to_fused_or_foreach([x], False), _has_foreach_support([x], x.device)
+
+
+def test_optimizers_default_to_foreach_on_dtensors(monkeypatch):
+    # torch.optim picks foreach by default only for tensor types on its lists (and on devices with
+    # foreach kernels: CUDA, not CPU); ours was missing, so on a GPU every optimizer without
+    # foreach=True looped per parameter.  CPU stands in for a foreach device here.
+    import torch.optim.optimizer as optimizer
+
+    monkeypatch.setattr(optimizer, "_get_foreach_kernels_supported_devices", lambda: ["cpu"])
+    assert run_spmd(_defaults_of_torch_optim, 2) == [((False, True), True)] * 2
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
