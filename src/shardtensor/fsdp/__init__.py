@@ -53,10 +53,10 @@ Gradient accumulation: ``module.set_requires_gradient_sync(False)`` makes backwa
 rank's unsharded local gradients in a buffer with no collective; the next backward with sync
 on reduces their sum once.
 
-Under ``torch.compile`` (``hooks.py``) a module's hooks instead hand it each parameter as one
-graph node, ``gather_traced``: redistribute to Replicate over dp, then to local with a
-``Partial("avg")`` gradient, so the graph holds the all-gather and its backward the
-reduce-scatter; buffers, prefetch and resharding are the compiler's business there.
+Under ``torch.compile`` (``hooks.py``) a module's hooks instead get its parameters from one
+graph node (``traced.gather_group``): the same copy-in, all-gather and copy-out, and in
+backward the same reduce-scatter, written functionally, so the graph holds the collectives;
+buffers, prefetch and resharding are the compiler's business there.
 """
 from .api import FSDPModule, MixedPrecisionPolicy, fully_shard
 

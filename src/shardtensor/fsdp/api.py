@@ -139,12 +139,19 @@ class FSDPState:
         return hook
 
     def _finalize_backward(self) -> None:
-        """End of backward (root): free unsharded buffers whose gradients never came."""
+        """End of backward (root): free unsharded buffers whose gradients never came, and give
+        every module its sharded parameters back.  Activation checkpointing (non-reentrant)
+        recomputes a module's forward inside backward and stops it once the saved tensors are
+        back, before the forward hook: the module would keep its unsharded tensors as parameters
+        (without gradients, so ``model.parameters()`` missed every gradient)."""
         self._callback_queued = False
         for s in self.tree:
             for h in list(s.group.live):
                 h.free()
             s.group.live.clear()
+            for p in s.group.params:
+                for mod, name in p.owners:
+                    mod._parameters[name] = p.sharded
 
 
 class FSDPModule:
