@@ -56,22 +56,36 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+class _Outer(nn.Module):
+    """A root without parameters of its own (its ``fully_shard`` group is empty)."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm(x)
+
+
 def _train(kind: str, backend: str, fullgraph: bool = True, mp: torch.dtype | None = None,
-           unsynced_first: bool = False) -> dict:
+           unsynced_first: bool = False, outer: bool = False) -> dict:
     """Three SGD steps compiled and eager: the largest difference of losses, gradients and final
     parameters, and the graphs dynamo made after each step.  ``unsynced_first``: the first step
-    accumulates without gradient sync (``set_requires_gradient_sync(False)``)."""
+    accumulates without gradient sync (``set_requires_gradient_sync(False)``); ``outer``: the
+    model under a ``fully_shard`` root that has no parameters."""
     world = current_transport().world_size
     models = [build_model(0) for _ in range(2)]
     seed = [_shard(m, kind, world, mp) for m in models][0]
+    runs: list[nn.Module] = [fully_shard(_Outer(m), mesh=init_device_mesh("cpu", (world,))) for m in models] \
+        if outer else list(models)
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in models]  # Adam's first steps magnify rounding
-    compiled = torch.compile(models[0], backend=backend, fullgraph=fullgraph)
+    compiled = torch.compile(runs[0], backend=backend, fullgraph=fullgraph)
     diffs, graphs = [], []
     for step in range(3):
         sync = not (unsynced_first and step == 0)
         x, y = batch(step, seed)
         losses = []
-        for f, m, opt in zip((compiled, models[1]), models, opts):
+        for f, m, opt in zip((compiled, runs[1]), runs, opts):
             m.set_requires_gradient_sync(sync)
             loss = nn.functional.cross_entropy(f(x).reshape(-1, VOCAB).float(), y.reshape(-1))
             loss.backward()
@@ -100,6 +114,12 @@ def _ok(res: dict, tol: float = 1e-5) -> bool:
 def test_a_fully_shard_model_compiles_whole_and_trains_like_eager(kind, backend):
     # the hooks were graph breaks: the root's forward was skipped whole, and fullgraph=True raised
     res = run_spmd(_train, 1, kind, backend)[0]
+    assert _ok(res), res
+
+
+@TRACED
+def test_a_fully_shard_root_without_parameters_of_its_own_compiles_whole():
+    res = run_spmd(_train, 1, "fsdp", "aot_eager", outer=True)[0]
     assert _ok(res), res
 
 

@@ -42,7 +42,7 @@ class PreForward:
         mp = state.mp
         if mp.param_dtype is not None and mp.cast_forward_inputs:
             args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
-        unsharded = self.gather(group.traced_key, *[sharded for sharded, _ in group.traced])
+        unsharded = self.gather(group.traced_key, *[sharded for sharded, _ in group.traced]) if group.traced else ()
         for (_, owners), t in zip(group.traced, unsharded):
             for mod, name in owners:
                 mod._parameters[name] = t

@@ -29,11 +29,12 @@ _KEYS = itertools.count(1)
 
 
 def traced_key(group: ParamGroup) -> str | None:
-    """The key ``gather_group`` finds ``group`` by, or None where the group cannot be traced
-    (parameters on several devices, or of several compute dtypes: the eager hooks then run)."""
+    """The key ``gather_group`` finds ``group`` by (a group without parameters has nothing to
+    gather), or None where the group cannot be traced (parameters on several devices, or of
+    several compute dtypes: the eager hooks then run)."""
     devices = {p.padded.device for p in group.params}
     dtypes = {group.compute_dtype(p) for p in group.params}
-    if not group.params or len(devices) != 1 or len(dtypes) != 1:
+    if len(devices) > 1 or len(dtypes) > 1:
         return None
     key = f"fsdp group {next(_KEYS)}"  # a string: dynamo would make an int that varies between calls symbolic
     _GROUPS[key] = group
