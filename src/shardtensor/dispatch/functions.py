@@ -41,6 +41,7 @@ def optimizers_take_foreach() -> None:
         if isinstance(types, list) and DTensor not in types:
             types.append(DTensor)
 
+
 _AS_IS = frozenset(torch.overrides.get_default_nowrap_functions()) | {
     torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward}
 """Functions whose results ``finish`` leaves alone: torch's own no-wrap list, and autograd's entry

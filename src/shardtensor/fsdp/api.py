@@ -108,9 +108,7 @@ class FSDPState:
             self.root.post_order.append(self)
             if self.is_root:
                 self.recording = False  # the order is known after the first forward
-        for p in self.group.params:
-            for mod, name in p.owners:
-                mod._parameters[name] = p.sharded
+        self.group.show_sharded()
         handle = self.handle
         assert handle is not None
         if not self._graph_built or not torch.is_grad_enabled():
@@ -149,9 +147,7 @@ class FSDPState:
             for h in list(s.group.live):
                 h.free()
             s.group.live.clear()
-            for p in s.group.params:
-                for mod, name in p.owners:
-                    mod._parameters[name] = p.sharded
+            s.group.show_sharded()
 
 
 class FSDPModule:
@@ -284,11 +280,9 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_af
         raise TypeError(f"mesh must be a shardtensor DeviceMesh, got {type(mesh).__name__}")
     info = MeshInfo.of(mesh)
     params = [FSDPParam(p, owners, info) for p, owners in _managed_params(module)]
-    for fp in params:  # only once every parameter is accepted: a refusal leaves the module as it was
-        for mod, name in fp.owners:
-            mod._parameters[name] = fp.sharded
     reduce_dtype = mp_policy.reduce_dtype if mp_policy.reduce_dtype is not None else mp_policy.param_dtype
     group = ParamGroup(params, info, mp_policy.param_dtype, reduce_dtype)
+    group.show_sharded()  # only once every parameter is accepted: a refusal leaves the module as it was
     state = FSDPState(module, group, reshard_after_forward, mp_policy)
     module._fsdp_state = state  # type: ignore[assignment]
     group.traced_key = traced_key(group)

@@ -113,10 +113,14 @@ class ParamGroup:
         self._layout: _Layout | None = None
         self._spare: Unsharded | None = None
         self._reduce_plans: dict[tuple, _ReducePlan] = {}  # by (parameter indices, their gradients' dtypes)
-        # what a compiled forward reads (hooks.py): each parameter's sharded form and owners, and the
-        # key of traced.gather_group (None: the eager hooks run)
-        self.traced = [(p.sharded, tuple(p.owners)) for p in params]
-        self.traced_key: str | None = None
+        self.traced_key: str | None = None  # traced.gather_group's key (None: compiled code runs the eager hooks)
+
+    def show_sharded(self) -> None:
+        """Every owner of each parameter holds the sharded parameter (``hooks.py`` writes the
+        same loop inline: dynamo traces that file only)."""
+        for p in self.params:
+            for mod, name in p.owners:
+                mod._parameters[name] = p.sharded
 
     def compute_dtype(self, p: FSDPParam) -> torch.dtype:
         if self.param_dtype is not None and p.orig_dtype.is_floating_point:

@@ -42,9 +42,10 @@ class PreForward:
         mp = state.mp
         if mp.param_dtype is not None and mp.cast_forward_inputs:
             args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
-        unsharded = self.gather(group.traced_key, *[sharded for sharded, _ in group.traced]) if group.traced else ()
-        for (_, owners), t in zip(group.traced, unsharded):
-            for mod, name in owners:
+        params = group.params
+        unsharded = self.gather(group.traced_key, *[p.sharded for p in params]) if params else ()
+        for p, t in zip(params, unsharded):
+            for mod, name in p.owners:
                 mod._parameters[name] = t
         return args, kwargs
 
@@ -60,9 +61,9 @@ class PostForward:
         group = state.group
         if not (torch.compiler.is_dynamo_compiling() and _traceable(group)):
             return state.post_forward(module, args, kwargs, output)
-        for sharded, owners in group.traced:
-            for mod, name in owners:
-                mod._parameters[name] = sharded
+        for p in group.params:  # (group.show_sharded, which dynamo would not trace)
+            for mod, name in p.owners:
+                mod._parameters[name] = p.sharded
         if state.mp.output_dtype is not None:
             output = cast_floats(output, state.mp.output_dtype)
         return output

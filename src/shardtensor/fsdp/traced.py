@@ -36,7 +36,9 @@ def traced_key(group: ParamGroup) -> str | None:
     dtypes = {group.compute_dtype(p) for p in group.params}
     if len(devices) > 1 or len(dtypes) > 1:
         return None
-    key = f"fsdp group {next(_KEYS)}"  # a string: dynamo would make an int that varies between calls symbolic
+    # a string: dynamo would make an int that varies between calls symbolic; a group keeps its key
+    # (after nn.Module._apply too), and its graphs' guards on the parameters' dtypes still hold
+    key = group.traced_key or f"fsdp group {next(_KEYS)}"
     _GROUPS[key] = group
     return key
 
