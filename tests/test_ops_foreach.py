@@ -441,3 +441,79 @@ def test_adamw_over_two_meshes_matches_one_device(mode):
     for got, want in run_spmd(body, 4):
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["foreach", "fused"])
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
+def test_optimizer_over_dtensors_and_plain_params(name, mode):
+    """A TP model's optimizer holds sharded weights and plain (unsharded) ones in one list: each
+    plain parameter steps as a plain tensor on its own rank, even where ranks hold different
+    values (they used to be fingerprinted and, where ranks differed, written into rank 0's copy:
+    ranks 1.. lost their update), and the sharded ones as one device would."""
+    cls, kw = {"sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9)), "adam": (torch.optim.Adam, dict(lr=0.1)),
+               "adamw": (torch.optim.AdamW, dict(lr=0.1))}[name]
+
+    def body():
+        mesh = init_device_mesh("cpu", (2,))
+        rank = mesh.get_rank()
+        dense = data("any", (5, 3), gen("w"))
+        own = [data("any", s, gen(("own", rank, s))) for s in [(4,), (3, 2)]]  # differ per rank
+        ps = [torch.nn.Parameter(own[0].clone()), torch.nn.Parameter(distribute_tensor(dense, mesh, [Shard(0)])),
+              torch.nn.Parameter(own[1].clone())]
+        ref = [torch.nn.Parameter(own[0].clone()), torch.nn.Parameter(dense.clone()),
+               torch.nn.Parameter(own[1].clone())]
+        opt, ref_opt = cls(ps, **kw, **{mode: True}), cls(ref, **kw, **{mode: True})
+        for step in range(3):
+            for p, r in zip(ps, ref):
+                g = data("any", r.shape, gen(("grad", step, rank if p.ndim != 2 or p.shape != (5, 3) else -1,
+                                               tuple(r.shape))))
+                r.grad = g
+                p.grad = distribute_tensor(g, mesh, [Shard(0)]) if isinstance(p, DTensor) else g.clone()
+            opt.step()
+            ref_opt.step()
+        return ([isinstance(p, DTensor) for p in ps], [p.full_tensor() if isinstance(p, DTensor) else p.detach() for p in ps],
+                [r.detach() for r in ref])
+
+    for types, got, want in run_spmd(body, 2):
+        assert types == [False, True, False]
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+def test_foreach_results_over_dtensors_and_plain_tensors_keep_each_kind():
+    """An out-of-place foreach op over DTensors and plain tensors: plain in, plain out (it was
+    wrapped as a replicated DTensor, so the next foreach op mixed them wrongly)."""
+    def body():
+        mesh = init_device_mesh("cpu", (2,))
+        a = distribute_tensor(torch.arange(6.0).reshape(3, 2), mesh, [Shard(0)])
+        b = torch.full((4,), float(mesh.get_rank() + 1))
+        out = torch._foreach_sqrt([a, b])
+        torch._foreach_addcdiv_([a, b], out, [x + 1 for x in out], [0.5, 2.0])
+        return type(out[0]), type(out[1]), a.full_tensor(), b
+
+    for rank, (t0, t1, a, b) in enumerate(run_spmd(body, 2)):
+        assert (t0, t1) == (DTensor, torch.Tensor)
+        want_a = torch.arange(6.0).reshape(3, 2)
+        s = want_a.sqrt()
+        torch.testing.assert_close(a, want_a + 0.5 * s / (s + 1))
+        v = torch.tensor(float(rank + 1))
+        torch.testing.assert_close(b, torch.full((4,), float(v + 2.0 * v.sqrt() / (v.sqrt() + 1))))
+
+
+def test_clip_grad_norm_foreach_over_dtensors_and_plain_grads():
+    """``clip_grad_norm_(foreach=True)`` over a sharded and a plain gradient (the same on every
+    rank): the total norm and the clipped gradients of one device."""
+    def body():
+        mesh = init_device_mesh("cpu", (2,))
+        ga, gb = data("any", (4, 3), gen("ga")), data("any", (5,), gen("gb"))
+        a = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)]))
+        b = torch.nn.Parameter(torch.zeros(5))
+        a.grad, b.grad = distribute_tensor(ga, mesh, [Shard(0)]), gb.clone()
+        total = torch.nn.utils.clip_grad_norm_([a, b], 0.5, foreach=True)
+        return total.full_tensor(), a.grad.full_tensor(), b.grad, ga, gb
+
+    for total, a, b, ga, gb in run_spmd(body, 2):
+        want = torch.linalg.vector_norm(torch.cat([ga.reshape(-1), gb]))
+        torch.testing.assert_close(total, want)
+        torch.testing.assert_close(a, ga * (0.5 / (want + 1e-6)))
+        torch.testing.assert_close(b, gb * (0.5 / (want + 1e-6)))

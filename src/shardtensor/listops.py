@@ -6,6 +6,10 @@ split by the mesh of each element of the first list, the op runs once per mesh (
 meshes first appear, the same on every rank), and the results are put back in list order, each
 output on its own input's mesh.  A single tensor argument on another mesh (a learning rate or a
 clip coefficient) is taken as-is when it is replicated over a mesh covering the group's ranks.
+
+Plain tensors in the first list are a group of their own, run as plain tensors (a TP model's
+unsharded norm weights in one optimizer step with its sharded weights): what a loop of
+single-tensor ops would do, with no DTensor dispatch and no question whether ranks agree.
 """
 from __future__ import annotations
 
@@ -16,13 +20,27 @@ from .placement import Replicate
 from .propagation import MeshMismatchError
 from .spec import DTensorSpec
 
-__all__ = ["is_list_op", "run_per_mesh"]
+__all__ = ["is_list_op", "run_per_mesh", "splits_plain"]
+
+_LIST_OPS: dict[int, bool] = {}
 
 
 def is_list_op(func: Any) -> bool:
-    args = func._schema.arguments
-    name = func._schema.name.split("::")[-1]
-    return bool(args) and str(args[0].type) == "List[Tensor]" and name.startswith(("_foreach_", "_fused_"))
+    r = _LIST_OPS.get(id(func))
+    if r is None:
+        args = func._schema.arguments
+        name = func._schema.name.split("::")[-1]
+        r = _LIST_OPS[id(func)] = (bool(args) and str(args[0].type) == "List[Tensor]"
+                                   and name.startswith(("_foreach_", "_fused_")))
+    return r
+
+
+def splits_plain(func: Any, args: tuple) -> bool:
+    """Whether ``func`` is a list op whose first list holds both DTensors and plain tensors."""
+    if not args or not isinstance(args[0], (list, tuple)) or not is_list_op(func):
+        return False
+    kinds = {_mesh_of(t) is None for t in args[0]}
+    return len(kinds) == 2
 
 
 def _mesh_of(t: Any) -> DeviceMesh | None:
@@ -62,8 +80,28 @@ def run_per_mesh(func: Any, args: tuple, kwargs: dict, call: Callable, wrap: Cal
             else:
                 part[k] = v if mesh is None else _onto(v, mesh, func, wrap)
         pos = [part.pop(k) for k in names[:len(args)]]
-        results.append((idx, call(func, tuple(pos), part)))
+        plain = mesh is None and _plain_call(pos, part)
+        results.append((idx, func(*pos, **part) if plain else call(func, tuple(pos), part)))
     return _merge(results, n)
+
+
+def _plain_call(pos: list, part: dict) -> bool:
+    """Whether a group of plain list elements runs as plain tensors: every other list is plain
+    too, and every single tensor plain or a replicated DTensor (a clip coefficient), which is
+    then replaced by its local value."""
+    for v in [*pos, *part.values()]:
+        if isinstance(v, (list, tuple)):
+            if any(_mesh_of(t) is not None for t in v):
+                return False
+        elif _mesh_of(v) is not None and not all(isinstance(p, Replicate) for p in v._spec.placements):
+            return False
+    pos[:] = [_local(v) for v in pos]
+    part.update({k: _local(v) for k, v in part.items()})
+    return True
+
+
+def _local(v: Any) -> Any:
+    return v._local_tensor if _mesh_of(v) is not None else v
 
 
 def _merge(results: list[tuple[list[int], Any]], n: int) -> Any:

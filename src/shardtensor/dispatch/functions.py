@@ -73,11 +73,12 @@ def finish(func: Any, out: Any, args: tuple, kwargs: dict | None) -> Any:
     t = type(out)
     if t is DTensor or t in _PLAIN_VALUES or func in _AS_IS:
         return out
-    if (t is list or t is tuple) and all(type(o) is DTensor for o in out):  # foreach results
-        return out
+    if (t is list or t is tuple) and (all(type(o) is DTensor for o in out) or func in _LIST_FUNCS):
+        return out  # foreach results (a plain one comes from plain list elements: listops.py)
     return replicate_plain(out, args, kwargs or {})
 
 
+_LIST_FUNCS = frozenset(getattr(torch, n) for n in dir(torch) if n.startswith("_foreach_"))
 _PLAIN_VALUES = frozenset({type(None), bool, int, float, complex, str, torch.Size, torch.dtype, torch.device,
                            torch.layout})
 

@@ -26,7 +26,7 @@ from .. import comm
 from ..aliasing import COPIES, NOTHING, OWN, VIEWS, check, op_kind, record
 from ..errors import MeshMismatchError, UnsupportedOpError
 from ..implicit import built_by_torch, implicit_allowed, implicit_replication, plain_tensor_error
-from ..listops import is_list_op, run_per_mesh
+from ..listops import is_list_op, run_per_mesh, splits_plain
 from ..propagation import flatten_call, propagate, rule_for, unflatten_call
 from ..propagation.engine import freezer
 from ..redistribute import redistribute_local
@@ -80,7 +80,11 @@ def _full(func, args: tuple, kwargs: dict, view: bool, writes: tuple) -> tuple[A
     what it is to the first argument (``aliasing.NOTHING``, ``VIEWS`` ...), for ``record``."""
     flat, treedef = flatten_call(args, kwargs)
     specs, plain, first, packed = _scan(func, flat)
-    how, what = _choose(func, flat, specs, treedef, plain, packed, first)
+    what: Any = None
+    if plain is not None and splits_plain(func, args):  # plain list elements run as plain tensors
+        how = _PER_MESH
+    else:
+        how, what = _choose(func, flat, specs, treedef, plain, packed, first)
     keep = False
     if writes:
         me, new, moved, keep = _self_change(func, how, what, flat, specs, first)
@@ -104,7 +108,7 @@ _DIRECT, _DECOMPOSE, _PACKED, _PLAIN, _PER_MESH, _FALLBACK, _OFF_MESH = (
     "rule", "decomposition", "packed", "plain", "per mesh", "fallback", "off mesh")
 """How the full path runs an op: its rule's decision; a decomposition into ops that have rules;
 gathered from StridedShard (``strided.py``); with plain tensors as replicated values; per mesh
-(list ops over tensors on several meshes); on replicated inputs (``fallback.py``); on a rank
+(list ops over tensors on several meshes, or on DTensors and plain tensors); on replicated inputs (``fallback.py``); on a rank
 outside the mesh (nothing runs)."""
 
 
