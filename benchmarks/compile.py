@@ -3,8 +3,12 @@
     python benchmarks/compile.py                    # the demo model, worlds 1 and 4, eager/aot_eager/inductor
     python benchmarks/compile.py --big              # a 12-layer d=768 model instead (slow on 2 CPU cores)
     python benchmarks/compile.py --quick --modes aot_eager --worlds 4
+    python benchmarks/compile.py --quick --worlds 1 --optim compiled   # Adam's step compiled too
 
-A step is ``zero_grad``, the compiled forward, cross-entropy, backward and an (eager) Adam step.
+A step is ``zero_grad``, the compiled forward, cross-entropy, backward and an Adam step: with
+``--optim default`` torch's own choice (on CPU its single-tensor loop, eager), ``foreach`` (what
+torch picks by default on a GPU, eager), or ``compiled`` (foreach, ``torch.compile(opt.step)``
+with the case's backend; eager cases keep an eager step).
 Every case runs in its own gloo processes (``OMP_NUM_THREADS=1``; a case that hangs or fails is a
 row saying so), ours and PyTorch's DTensor over the same cases, model, initial values and batches:
 
@@ -106,7 +110,7 @@ def _wrap(model, lib: str, parallel: str, world: int):
     return model, 0, 1
 
 
-def _case(lib: str, parallel: str, mode: str, world: int, cfg: dict, warmup: int, iters: int) -> dict:
+def _case(lib: str, parallel: str, mode: str, world: int, cfg: dict, warmup: int, iters: int, optim: str) -> dict:
     """One case on this rank: counters, the first step's time, the steady steps' times, the losses."""
     import torch
     import torch.distributed as dist
@@ -117,7 +121,8 @@ def _case(lib: str, parallel: str, mode: str, world: int, cfg: dict, warmup: int
     counters.clear()
     model, dp, dps = _wrap(_model(cfg), lib, parallel, world)
     step_model = model if mode == "eager" else torch.compile(model, backend=mode)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, **({} if optim == "default" else {"foreach": True}))
+    opt_step = torch.compile(opt.step, backend=mode) if optim == "compiled" and mode != "eager" else opt.step
     g = torch.Generator().manual_seed(1)
     share = cfg["batch"] // dps
     times, losses, graphs_after_first = [], [], 0
@@ -130,7 +135,7 @@ def _case(lib: str, parallel: str, mode: str, world: int, cfg: dict, warmup: int
         logits = step_model(x)
         loss = F.cross_entropy(logits.reshape(-1, cfg["vocab"]), y.reshape(-1))
         loss.backward()
-        opt.step()
+        opt_step()
         dt = torch.tensor([time.perf_counter() - t0])
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         times.append(dt.item())
@@ -177,11 +182,11 @@ def _rank_setup() -> None:
     faulthandler.dump_traceback_later(float(os.environ.get("COMPILE_BENCH_STALL_S", "400")), exit=True)
 
 
-def _rank(rank: int, world: int, lib: str, case: tuple, cfg: dict, warmup: int, iters: int) -> dict:
+def _rank(rank: int, world: int, lib: str, case: tuple, cfg: dict, warmup: int, iters: int, optim: str) -> dict:
     """One case on this rank; a case that raises is reported, not fatal."""
     _rank_setup()
     try:
-        return _case(lib, *case, world, cfg, warmup, iters)
+        return _case(lib, *case, world, cfg, warmup, iters, optim)
     except Exception as e:  # noqa: BLE001 - reported in the table
         return dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
 
@@ -200,9 +205,9 @@ def _launch(fn: Any, world: int, args: tuple) -> Any:
             ln.strip() for ln in str(e).splitlines() if ln.strip().startswith("rank "))[:200]
 
 
-def _run(lib: str, world: int, cases: list, cfg: dict, warmup: int, iters: int) -> list:
+def _run(lib: str, world: int, cases: list, cfg: dict, warmup: int, iters: int, optim: str) -> list:
     """Each case in its own processes."""
-    out = [_launch(_rank, world, (lib, case, cfg, warmup, iters)) for case in cases]
+    out = [_launch(_rank, world, (lib, case, cfg, warmup, iters, optim)) for case in cases]
     return [dict(error=r) if isinstance(r, str) else r for r in out]
 
 
@@ -224,6 +229,8 @@ def main() -> int:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--worlds", default="1,4")
     ap.add_argument("--parallel", default=",".join(PARALLEL))
+    ap.add_argument("--optim", default="default", choices=("default", "foreach", "compiled"),
+                    help="Adam's step: torch's default choice, foreach, or foreach under torch.compile")
     args = ap.parse_args()
     cfg = BIG if args.big else DEMO
     warmup, iters = (1, 3) if args.quick else (2, 10)
@@ -232,21 +239,24 @@ def main() -> int:
     import torch
 
     print(f"torch {torch.__version__}, model {cfg}, {warmup} warm-up + {iters} timed steps, gloo processes, "
-          f"OMP_NUM_THREADS=1")
+          f"OMP_NUM_THREADS=1, Adam step: {args.optim}")
     head = ["world", "case", "mode", "lib", "graphs", "breaks", "recompiles", "compile s", "step ms", "|dloss| vs eager",
-            "step ours/torch", "fullgraph=True"]
+            "step ours/torch", "step/plain", "fullgraph=True"]
     rows: list[list[str]] = []
     for world in [int(w) for w in args.worlds.split(",")]:
         cases = [(p, m) for p in pars for m in modes]
-        res = {lib: _run(lib, world, cases, cfg, warmup, iters) for lib in ("ours", "torch")}
+        res = {lib: _run(lib, world, cases, cfg, warmup, iters, args.optim) for lib in ("ours", "torch")}
         compiled = any(m != "eager" for m in modes)
         full = {(lib, p): _probe(lib, world, p, cfg) if compiled else "-" for lib in ("ours", "torch") for p in pars}
+        base: dict[str, float] = {}
         if world == 1:
-            plain = _run("ours", 1, [("plain", m) for m in modes], cfg, warmup, iters)
+            plain = _run("ours", 1, [("plain", m) for m in modes], cfg, warmup, iters, args.optim)
             plain_full = _probe("ours", 1, "plain", cfg) if compiled else "-"
             for m, r in zip(modes, plain):
                 f = _fmt(r, "-" if m == "eager" else plain_full)
-                rows.append([str(world), "plain", m, "-", *f[:5], "", "", f[5]])
+                rows.append([str(world), "plain", m, "-", *f[:5], "", "", "1", f[5]])
+                if "error" not in r:
+                    base[m] = r["step"]
         for i, (p, m) in enumerate(cases):
             for lib in ("ours", "torch"):
                 r, eager = res[lib][i], res[lib][cases.index((p, "eager"))] if (p, "eager") in cases else None
@@ -258,7 +268,8 @@ def main() -> int:
                 if lib == "ours" and "error" not in o and "error" not in t:
                     ratio = f"{o['step'] / t['step']:.2f}"
                 f = _fmt(r, "-" if m == "eager" else full[lib, p])
-                rows.append([str(world), p, m, lib, *f[:5], d, ratio, f[5]])
+                vs = f"{r['step'] / base[m]:.2f}" if m in base and "error" not in r else ""
+                rows.append([str(world), p, m, lib, *f[:5], d, ratio, vs, f[5]])
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
     print("  ".join("-" * w for w in widths))

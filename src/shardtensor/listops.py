@@ -53,7 +53,7 @@ def _onto(t: Any, mesh: DeviceMesh, func: Any, wrap: Callable) -> Any:
     m = _mesh_of(t)
     if m is None or m == mesh:
         return t
-    covers = set(mesh.mesh.flatten().tolist()) <= set(m.mesh.flatten().tolist())
+    covers = set(mesh._all) <= set(m._all)  # rank tuples, no tensor op: fake tensors under compile
     if not covers or not all(isinstance(p, Replicate) for p in t._spec.placements):
         raise MeshMismatchError(f"{func}: argument on {m!r} with placements {t._spec.placements} cannot join "
                                 f"tensors on {mesh!r}; make it Replicate on a mesh covering those ranks")

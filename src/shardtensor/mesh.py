@@ -98,7 +98,7 @@ class DeviceMesh:
                 raise ValueError("get_local_rank() needs mesh_dim on a mesh with more than one dim")
             mesh_dim = 0
         if self._coord is None:
-            raise RuntimeError(f"rank {self.transport.rank} is not in mesh {self.mesh.tolist()}")
+            raise RuntimeError(f"rank {self.transport.rank} is not in mesh {self._rank_grid()}")
         return self._coord[self._dim(mesh_dim)]
 
     def get_group(self, mesh_dim: int | str | None = None) -> Any:
@@ -110,7 +110,7 @@ class DeviceMesh:
             mesh_dim = 0
         dim = self._dim(mesh_dim)
         if self._coord is None:
-            raise RuntimeError(f"rank {self.transport.rank} is not in mesh {self.mesh.tolist()}, so it has no group there")
+            raise RuntimeError(f"rank {self.transport.rank} is not in mesh {self._rank_grid()}, so it has no group there")
         return self.transport.process_group(self.group_ranks(dim))
 
     def get_all_groups(self) -> list[Any]:
@@ -134,7 +134,7 @@ class DeviceMesh:
         if len(set(dims)) != len(dims):
             raise ValueError(f"mesh dims {names} repeat")
         if self._coord is None:
-            raise RuntimeError(f"rank {self.transport.rank} is not in mesh {self.mesh.tolist()}")
+            raise RuntimeError(f"rank {self.transport.rank} is not in mesh {self._rank_grid()}")
         idx: list[object] = list(self._coord)
         for d in dims:
             idx[d] = slice(None)
@@ -219,9 +219,17 @@ class DeviceMesh:
         _BY_KEY.setdefault(self._key, self)
         return f"mesh_of({self._key!r})", {"mesh_of": mesh_of}
 
+    def _rank_grid(self) -> list:
+        """The rank grid as nested lists (``mesh.tolist()``, without a tensor op: safe inside
+        compiled code, where tensor ops see fake tensors)."""
+        out: list = list(self._all)
+        for n in reversed(self._shape[1:]):
+            out = [out[i:i + n] for i in range(0, len(out), n)]
+        return out
+
     def __repr__(self) -> str:
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
-        return f"DeviceMesh('{self.device_type}', {self.mesh.tolist()}{names})"
+        return f"DeviceMesh('{self.device_type}', {self._rank_grid()}{names})"
 
 
 _BY_KEY: dict[tuple, DeviceMesh] = {}
