@@ -108,8 +108,8 @@ _DIRECT, _DECOMPOSE, _PACKED, _PLAIN, _PER_MESH, _FALLBACK, _OFF_MESH = (
     "rule", "decomposition", "packed", "plain", "per mesh", "fallback", "off mesh")
 """How the full path runs an op: its rule's decision; a decomposition into ops that have rules;
 gathered from StridedShard (``strided.py``); with plain tensors as replicated values; per mesh
-(list ops over tensors on several meshes, or on DTensors and plain tensors); on replicated inputs (``fallback.py``); on a rank
-outside the mesh (nothing runs)."""
+(list ops over tensors on several meshes, or over DTensors and plain tensors); on replicated
+inputs (``fallback.py``); on a rank outside the mesh (nothing runs)."""
 
 
 def _scan(func, flat: list) -> tuple[list[DTensorSpec | None], list[int] | None, DTensor | None, bool]:
