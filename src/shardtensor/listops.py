@@ -80,24 +80,22 @@ def run_per_mesh(func: Any, args: tuple, kwargs: dict, call: Callable, wrap: Cal
             else:
                 part[k] = v if mesh is None else _onto(v, mesh, func, wrap)
         pos = [part.pop(k) for k in names[:len(args)]]
-        plain = mesh is None and _plain_call(pos, part)
-        results.append((idx, func(*pos, **part) if plain else call(func, tuple(pos), part)))
+        plain = _as_plain(pos, part) if mesh is None else None
+        results.append((idx, func(*plain[0], **plain[1]) if plain is not None else call(func, tuple(pos), part)))
     return _merge(results, n)
 
 
-def _plain_call(pos: list, part: dict) -> bool:
-    """Whether a group of plain list elements runs as plain tensors: every other list is plain
-    too, and every single tensor plain or a replicated DTensor (a clip coefficient), which is
-    then replaced by its local value."""
+def _as_plain(pos: list, part: dict) -> tuple[list, dict] | None:
+    """A group of plain list elements as a plain call's arguments, where every other list is plain
+    too and every single tensor plain or a replicated DTensor (a clip coefficient: its local
+    value); else ``None`` (the group dispatches, with its plain tensors as replicated values)."""
     for v in [*pos, *part.values()]:
         if isinstance(v, (list, tuple)):
             if any(_mesh_of(t) is not None for t in v):
-                return False
+                return None
         elif _mesh_of(v) is not None and not all(isinstance(p, Replicate) for p in v._spec.placements):
-            return False
-    pos[:] = [_local(v) for v in pos]
-    part.update({k: _local(v) for k, v in part.items()})
-    return True
+            return None
+    return [_local(v) for v in pos], {k: _local(v) for k, v in part.items()}
 
 
 def _local(v: Any) -> Any:

@@ -73,7 +73,7 @@ def finish(func: Any, out: Any, args: tuple, kwargs: dict | None) -> Any:
     t = type(out)
     if t is DTensor or t in _PLAIN_VALUES or func in _AS_IS:
         return out
-    if (t is list or t is tuple) and (all(type(o) is DTensor for o in out) or func in _LIST_FUNCS):
+    if (t is list or t is tuple) and (func in _LIST_FUNCS or all(type(o) is DTensor for o in out)):
         return out  # foreach results (a plain one comes from plain list elements: listops.py)
     return replicate_plain(out, args, kwargs or {})
 
