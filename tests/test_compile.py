@@ -353,6 +353,20 @@ def test_the_compile_metadata_names_the_rank():
     assert run_spmd(fn, 2) == [(0, True, False), (1, True, False)]
 
 
+def test_the_compile_metadata_follows_a_changed_spec():
+    # guards read it twice per DTensor input per call, so it is made once; an in-place op that
+    # changes the placements must still show in it (else a graph for the old ones would run)
+    def fn():
+        mesh = init_device_mesh("cpu", (2,))
+        x = distribute_tensor(torch.ones(4), mesh, [Shard(0)])
+        first = x.__tensor_flatten__()[1]
+        same = x.__tensor_flatten__()[1] is first
+        x._spec = x._spec.with_placements([Replicate()])
+        return same, x.__tensor_flatten__()[1] == (x._spec, first[1]), first[0] != x._spec
+
+    assert run_spmd(fn, 2) == [(True, True, True)] * 2
+
+
 def _gloo_compiled(rank: int, world: int, backend: str):
     torch._dynamo.reset()
     return _tp_mlp(backend, world, fullgraph=methods_traced())

@@ -106,6 +106,7 @@ class DTensor(torch.Tensor):
     _has_views: bool = False  # reads fast where unset, unlike an empty slot
     _source: tuple | None = None  # a copy's (base, view op, args, kwargs, output index) (aliasing.py)
     _copies: list | None = None  # weak references to the copies of a root's family (aliasing.py)
+    _flat_meta: tuple | None = None  # ``__tensor_flatten__``'s (spec, rank), made on its first call
 
     @staticmethod
     def __new__(cls, local_tensor: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool = False) -> "DTensor":
@@ -286,7 +287,12 @@ class DTensor(torch.Tensor):
 
     # -- torch.compile (see compile.py): the metadata is the spec and the calling rank ----
     def __tensor_flatten__(self):
-        return ["_local_tensor"], (self._spec, rank_key())
+        # compiled code's guards call this twice per DTensor input per call: the pair is made
+        # once (a DTensor stays on the rank that made it) and again only when the spec changed
+        meta = self._flat_meta
+        if meta is None or meta[0] is not self._spec:
+            meta = self._flat_meta = (self._spec, rank_key())
+        return ["_local_tensor"], meta
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):

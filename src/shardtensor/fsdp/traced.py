@@ -21,6 +21,7 @@ from .. import comm
 from ..compile import in_graph
 from ..tensor import DTensor
 from .group import ParamGroup
+from .param import FSDPParam
 
 __all__ = ["gather_group", "traced_key"]
 
@@ -47,6 +48,9 @@ def _gather(group: ParamGroup, sharded: tuple) -> tuple:
     """Copy-in, one all-gather over dp, copy-out: the unsharded parameters."""
     info, params = group.info, group.params
     dtype = group.compute_dtype(params[0])
+    if info.world == 1:  # one dp rank: copies of its shards (no collective); an output that is
+        # an input of the Function would turn on requires_grad of the shard (a recompile)
+        return tuple(_unsharded(p, x._local_tensor.to(dtype, copy=True), dtype) for p, x in zip(params, sharded))
     pieces = []
     for p, x in zip(params, sharded):
         local = x._local_tensor
@@ -58,8 +62,13 @@ def _gather(group: ParamGroup, sharded: tuple) -> tuple:
     for p in params:
         full = stack[:, at: at + p.padded_numel].reshape(info.world * p.c, *p.rest)[: p.unsharded_shape[0]]
         at += p.padded_numel
-        outs.append(full if p.tp_spec is None else DTensor(full, p.tp_spec.with_dtype(dtype)))
+        outs.append(_unsharded(p, full, dtype))
     return tuple(outs)
+
+
+def _unsharded(p: FSDPParam, full: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The unsharded parameter from its dp-gathered local tensor (a DTensor on tp for 2-D)."""
+    return full if p.tp_spec is None else DTensor(full, p.tp_spec.with_dtype(dtype))
 
 
 def _reduce(group: ParamGroup, grads: tuple) -> tuple:
@@ -69,6 +78,8 @@ def _reduce(group: ParamGroup, grads: tuple) -> tuple:
         return (None,) * len(params)
     local = [None if g is None else ParamGroup._local_grad(p, g) for p, g in zip(params, grads)]
     dtype = group.reduce_dtype or next(g.dtype for g in local if g is not None)
+    if info.world == 1 and info.rep_dim is None:  # one rank: its gradients are the average
+        return tuple(None if g is None else DTensor(g.to(dtype).to(p.orig_dtype), p.spec) for p, g in zip(params, local))
     cols = []
     for p, g in zip(params, local):
         g = torch.zeros(p.unsharded_shape, dtype=dtype, device=p.padded.device) if g is None else g.to(dtype)
