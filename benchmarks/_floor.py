@@ -7,11 +7,12 @@ handling is disabled (torch's C implementation), as PyTorch's DTensor does.
 """
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 
-__all__ = ["Floor"]
+__all__ = ["Floor", "torch_function_off"]
 
 
 class Floor(torch.Tensor):
@@ -41,3 +42,18 @@ class Floor(torch.Tensor):
 
 def _unwrap_list(xs: list) -> list:
     return [x._inner if type(x) is Floor else x for x in xs]
+
+
+@contextlib.contextmanager
+def torch_function_off() -> Iterator[None]:
+    """Our DTensor with torch's C++ stand-in for ``__torch_function__`` (what PyTorch's DTensor and
+    the floor use): the time our Python ``__torch_function__`` adds per op is ours hit minus the
+    hit under this.  Benchmark-only: it drops the repairs that handler makes (docs/propagation.md)."""
+    from shardtensor import DTensor
+
+    mine = DTensor.__dict__["__torch_function__"]
+    DTensor.__torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        DTensor.__torch_function__ = mine  # type: ignore[method-assign]

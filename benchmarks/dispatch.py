@@ -32,14 +32,14 @@ import contextlib
 import statistics
 import sys
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import warnings
 import torch.nn.functional as F
 
-from _floor import Floor
+from _floor import Floor, torch_function_off
 
 
 def _timeit(fn: Callable[[], object], iters: int, repeats: int = 5, before: Callable[[], None] | None = None,
@@ -90,21 +90,6 @@ def _interleaved(fns: list[Callable[[], object]], iters: int, repeats: int = 7,
                 after()
                 out.append((time.perf_counter() - t0) / iters)
     return [statistics.median(x) for x in samples]
-
-
-@contextlib.contextmanager
-def _torch_function_off() -> Iterator[None]:
-    """Our DTensor with torch's C++ stand-in for ``__torch_function__`` (what PyTorch's DTensor and
-    the floor use): the time our Python ``__torch_function__`` adds per op is ours hit minus the
-    hit under this.  Benchmark-only: it drops the repairs that handler makes (docs/propagation.md)."""
-    from shardtensor import DTensor
-
-    mine = DTensor.__dict__["__torch_function__"]
-    DTensor.__torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        DTensor.__torch_function__ = mine  # type: ignore[method-assign]
 
 
 def _cases(two_d: bool, device: str = "cpu"):
@@ -211,7 +196,7 @@ def main() -> int:
             null = contextlib.nullcontext
             t_local, t_floor, t_ours, t_dt, t_notf = _interleaved(
                 [lambda: fn(*local_in), lambda: fn(*floor_in), lambda: fn(*ours_in), lambda: fn(*dt_in),
-                 lambda: fn(*ours_in)], iters, after=sync, around=[null, null, null, null, _torch_function_off])
+                 lambda: fn(*ours_in)], iters, after=sync, around=[null, null, null, null, torch_function_off])
             t_ours_miss = _timeit(lambda: fn(*ours_in), miss_iters, before=clear_cache, after=sync)
             t_dt_miss = _timeit(lambda: fn(*dt_in), miss_iters, before=dt_clear, after=sync)
             r = (t_ours / t_floor, t_ours / t_dt, t_ours / t_local, t_ours_miss / t_dt_miss, t_notf / t_dt)

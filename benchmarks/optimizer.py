@@ -17,7 +17,10 @@ parameter) -- it times ``optimizer.step()`` on:
 * ``ours``: shardtensor DTensor parameters;
 * ``dt``: PyTorch DTensor parameters;
 
-and ``torch.nn.utils.clip_grad_norm_`` over the same gradients (foreach).  Times are medians
+and ``torch.nn.utils.clip_grad_norm_`` over the same gradients (foreach).  ``-TF/dt``: ours
+with torch's C++ stand-in for our Python ``__torch_function__`` (``_floor.torch_function_off``)
+over PyTorch's: what the step would cost without that handler, which an optimizer calls once per
+foreach op and once per parameter in ``torch.is_complex``.  Times are medians
 of the per-step host time; ratios are ``ours/local`` (targets: foreach and fused <= 1.3, single
 <= 2), ``dt/local`` and ``ours/dt``.  The updated parameters of both libraries are compared
 with the local step's after the timed steps (a mismatch is printed and fails the run).
@@ -34,7 +37,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from _floor import Floor
+from _floor import Floor, torch_function_off
 
 SHAPES = ((256, 64), (64,))
 WORLD = 4
@@ -106,6 +109,13 @@ def _median_times(fns: dict[str, Callable[[], object]], steps: int, warmup: int)
     return {lib: statistics.median(samples[lib]) if lib in samples else float("nan") for lib in fns}
 
 
+def _without_torch_function(fn: Callable[[], object]) -> Callable[[], object]:
+    def run() -> object:
+        with torch_function_off():
+            return fn()
+    return run
+
+
 def _local_of(p) -> torch.Tensor:
     t = p.data
     if isinstance(t, Floor):
@@ -127,12 +137,12 @@ def main() -> int:
     import shardtensor as st
     from torch.distributed.device_mesh import init_device_mesh as t_init
 
-    meshes = {"ours": st.init_device_mesh("cpu", (WORLD,)), "dt": t_init("cpu", (WORLD,)), "local": None,
-              "floor": None}
+    ours_mesh = st.init_device_mesh("cpu", (WORLD,))
+    meshes = {"ours": ours_mesh, "-TF": ours_mesh, "dt": t_init("cpu", (WORLD,)), "local": None, "floor": None}
     print(f"torch {torch.__version__}, cpu, fake process group (world {WORLD}, rank 0), 1 thread; params half "
           f"256x64, half 64, Shard(0); {steps} timed steps after {warmup}, the variants in turns, median ms per step")
     head = (f"{'params':>6} {'optimizer':9} {'impl':8} {'local':>9} {'floor':>9} {'ours':>9} {'dt':>9} "
-            f"{'floor/local':>11} {'ours/local':>10} {'dt/local':>9} {'ours/dt':>8} {'ours/floor':>10}")
+            f"{'floor/local':>11} {'ours/local':>10} {'dt/local':>9} {'ours/dt':>8} {'ours/floor':>10} {'-TF/dt':>7}")
     print(head)
     print("-" * len(head))
     bad = 0
@@ -141,25 +151,26 @@ def main() -> int:
         rows = [(o, i) for o in ("AdamW", "Adam", "SGD") for i in ("foreach", "fused", "single")]
         for name, impl in rows + [("clip_grad", "foreach")]:
             fns, made = {}, {}
-            for lib in ("local", "floor", "ours", "dt"):
-                params = made[lib] = _make(lib, full, meshes[lib])
+            for lib in ("local", "floor", "ours", "dt", "-TF"):
+                params = made[lib] = _make("ours" if lib == "-TF" else lib, full, meshes[lib])
                 if name == "clip_grad":
                     def fn(params=params):
                         return torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
                 else:
                     fn = _optimizer(name, impl, params).step
-                fns[lib] = fn
+                fns[lib] = fn if lib != "-TF" else _without_torch_function(fn)
             times = _median_times(fns, steps, warmup)
             bad += times["ours"] != times["ours"]  # NaN: ours failed
             finals = {lib: [_local_of(p) for p in made[lib]] for lib in made if times[lib] == times[lib]}
-            for lib in ("floor", "ours", "dt"):
+            for lib in ("floor", "ours", "dt", "-TF"):
                 if lib in finals and not all(torch.allclose(a, b, rtol=1e-4, atol=1e-5)
                                              for a, b in zip(finals[lib], finals["local"])):
                     print(f"   mismatch: {lib} differs from the local step ({name}, {impl}, {n} params)")
                     bad += lib == "ours"
             t_l, t_f, t_o, t_d = times["local"], times["floor"], times["ours"], times["dt"]
             print(f"{n:>6} {name:9} {impl:8} {t_l * 1e3:8.2f}m {t_f * 1e3:8.2f}m {t_o * 1e3:8.2f}m {t_d * 1e3:8.2f}m "
-                  f"{t_f / t_l:11.2f} {t_o / t_l:10.2f} {t_d / t_l:9.2f} {t_o / t_d:8.2f} {t_o / t_f:10.2f}")
+                  f"{t_f / t_l:11.2f} {t_o / t_l:10.2f} {t_d / t_l:9.2f} {t_o / t_d:8.2f} {t_o / t_f:10.2f} "
+                  f"{times['-TF'] / t_d:7.2f}")
     dist.destroy_process_group()
     return 1 if bad else 0
 

@@ -48,8 +48,7 @@ def _gather(group: ParamGroup, sharded: tuple) -> tuple:
     """Copy-in, one all-gather over dp, copy-out: the unsharded parameters."""
     info, params = group.info, group.params
     dtype = group.compute_dtype(params[0])
-    if info.world == 1:  # one dp rank: copies of its shards (no collective); an output that is
-        # an input of the Function would turn on requires_grad of the shard (a recompile)
+    if info.world == 1:  # one dp rank: copies of its shards (no collective)
         return tuple(_unsharded(p, x._local_tensor.to(dtype, copy=True), dtype) for p, x in zip(params, sharded))
     pieces = []
     for p, x in zip(params, sharded):
@@ -67,7 +66,9 @@ def _gather(group: ParamGroup, sharded: tuple) -> tuple:
 
 
 def _unsharded(p: FSDPParam, full: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The unsharded parameter from its dp-gathered local tensor (a DTensor on tp for 2-D)."""
+    """The unsharded parameter from its dp-gathered local tensor (a DTensor on tp for 2-D).  A
+    new tensor, never a view of the shard: the root's hooks are a graph of their own, and an
+    output of it that aliases an input turned on the shard's ``requires_grad`` (a recompile)."""
     return full if p.tp_spec is None else DTensor(full, p.tp_spec.with_dtype(dtype))
 
 
