@@ -367,6 +367,14 @@ def test_the_compile_metadata_follows_a_changed_spec():
     assert run_spmd(fn, 2) == [(True, True, True)] * 2
 
 
+def test_the_compile_metadata_names_the_rank_that_reads_it():
+    # a DTensor made (and flattened) on one rank and read on others, as a deep copy carries
+    # the cached pair along: each simulated rank must see its own rank there
+    x = distribute_tensor(torch.ones(4), init_device_mesh("cpu", (1,)), [Replicate()])
+    assert x.__tensor_flatten__()[1][1] == 0
+    assert run_spmd(lambda: x.__tensor_flatten__()[1][1], 3) == [0, 1, 2]
+
+
 def _gloo_compiled(rank: int, world: int, backend: str):
     torch._dynamo.reset()
     return _tp_mlp(backend, world, fullgraph=methods_traced())

@@ -48,7 +48,7 @@ from .version import __version__
 if TYPE_CHECKING:
     from .spec import DTensorSpec
 
-__all__ = ["in_graph", "keep_dynamo_out", "methods_traced", "rank_key", "stable_hash"]
+__all__ = ["in_graph", "keep_dynamo_out", "methods_traced", "metadata", "rank_key", "stable_hash"]
 
 _TRACED: list[bool] = []  # whether placements and meshes are graph constants (set when dynamo loads)
 _IN_GRAPH: list[Callable] = []  # functions that compiled code calls as one node of its graph
@@ -212,6 +212,19 @@ class _AfterDynamo(importlib.abc.MetaPathFinder):
 def rank_key() -> int:
     """The calling rank, part of a DTensor's compile metadata (see the module docstring)."""
     return current_transport().rank
+
+
+def metadata(cached: tuple | None, spec: Any) -> tuple:
+    """A DTensor's compile metadata ``(spec, rank)``: ``cached`` (its last) where it still holds.
+    Dynamo's guards ask for it twice per DTensor input per call, and the rank lookup costs 1-2 us
+    under torch.distributed, so it is made again only when the spec changed or when a simulated
+    rank other than the one that made it reads it (a copy handed between ranks' threads); a
+    process keeps its rank."""
+    if cached is not None and cached[0] is spec:
+        t = simulated.current_sim_transport()
+        if t is None or t.rank == cached[1]:
+            return cached
+    return spec, rank_key()
 
 
 @functools.cache

@@ -13,7 +13,7 @@ import torch
 
 from . import blocks, comm
 from .comm.generators import draws_itself
-from .compile import in_graph, keep_dynamo_out, rank_key, stable_hash
+from .compile import in_graph, keep_dynamo_out, metadata, stable_hash
 from .implicit import TORCH_FUNCTION_CODES
 from .mesh import DeviceMesh, resolve_mesh
 from .pieces import check_pieces, check_shape, layout_stride, local_order
@@ -287,11 +287,7 @@ class DTensor(torch.Tensor):
 
     # -- torch.compile (see compile.py): the metadata is the spec and the calling rank ----
     def __tensor_flatten__(self):
-        # compiled code's guards call this twice per DTensor input per call: the pair is made
-        # once (a DTensor stays on the rank that made it) and again only when the spec changed
-        meta = self._flat_meta
-        if meta is None or meta[0] is not self._spec:
-            meta = self._flat_meta = (self._spec, rank_key())
+        self._flat_meta = meta = metadata(self._flat_meta, self._spec)
         return ["_local_tensor"], meta
 
     @staticmethod
