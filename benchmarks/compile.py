@@ -118,11 +118,26 @@ def _wrap(model, lib: str, parallel: str, world: int):
     return model, 0, 1
 
 
+def _train_step(model: Any, opt: Any, opt_step: Any, x: Any, y: Any, vocab: int) -> Any:
+    """``zero_grad``, forward, cross-entropy, backward and the optimizer step; returns the loss."""
+    import torch.nn.functional as F
+
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
+    loss.backward()
+    opt_step()
+    return loss
+
+
+def _reason(e: BaseException, limit: int = 120) -> str:
+    """A failed case's row: the exception's type and the first line of its message."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:limit] if str(e) else ''}"
+
+
 def _case(lib: str, parallel: str, mode: str, world: int, cfg: dict, warmup: int, iters: int, optim: str) -> dict:
     """One case on this rank: counters, the first step's time, the steady steps' times, the losses."""
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -139,11 +154,7 @@ def _case(lib: str, parallel: str, mode: str, world: int, cfg: dict, warmup: int
         x, y = x[dp * share:(dp + 1) * share], ((x + 1) % cfg["vocab"])[dp * share:(dp + 1) * share]
         dist.barrier()
         t0 = time.perf_counter()
-        opt.zero_grad()
-        logits = step_model(x)
-        loss = F.cross_entropy(logits.reshape(-1, cfg["vocab"]), y.reshape(-1))
-        loss.backward()
-        opt_step()
+        loss = _train_step(step_model, opt, opt_step, x, y, cfg["vocab"])
         dt = torch.tensor([time.perf_counter() - t0])
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         times.append(dt.item())
@@ -196,7 +207,7 @@ def _rank(rank: int, world: int, lib: str, case: tuple, cfg: dict, warmup: int, 
     try:
         return _case(lib, *case, world, cfg, warmup, iters, optim)
     except Exception as e:  # noqa: BLE001 - reported in the table
-        return dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+        return dict(error=_reason(e))
 
 
 def _launch(fn: Any, world: int, args: tuple) -> Any:
@@ -226,7 +237,6 @@ def _probe(lib: str, world: int, parallel: str, cfg: dict) -> str:
 def _interleaved(rank: int, world: int, cases: list, cfg: dict, warmup: int, rounds: int) -> list[tuple]:
     """Each case's median step (ms), or its error, with the steps of all cases taken in turns."""
     import torch
-    import torch.nn.functional as F
 
     _rank_setup()
     torch._dynamo.config.cache_size_limit = 64  # one entry per case on the shared forward and step code
@@ -237,9 +247,7 @@ def _interleaved(rank: int, world: int, cases: list, cfg: dict, warmup: int, rou
     def step(model: Any, opt: Any, opt_step: Any) -> float:
         x = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g)
         t0 = time.perf_counter()
-        opt.zero_grad()
-        F.cross_entropy(model(x).reshape(-1, cfg["vocab"]), ((x + 1) % cfg["vocab"]).reshape(-1)).backward()
-        opt_step()
+        _train_step(model, opt, opt_step, x, (x + 1) % cfg["vocab"], cfg["vocab"])
         return time.perf_counter() - t0
 
     for lib, parallel in cases:
@@ -252,7 +260,7 @@ def _interleaved(rank: int, world: int, cases: list, cfg: dict, warmup: int, rou
                 step(*live[lib, parallel])
         except Exception as e:  # noqa: BLE001 - reported in the table
             live.pop((lib, parallel), None)
-            out[lib, parallel] = f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
+            out[lib, parallel] = _reason(e, 100)
     times: dict[tuple, list[float]] = {k: [] for k in live}
     keys = list(live)
     for r in range(rounds):
