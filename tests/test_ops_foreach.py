@@ -500,16 +500,19 @@ def test_foreach_results_over_dtensors_and_plain_tensors_keep_each_kind():
         torch.testing.assert_close(b, torch.full((4,), float(v + 2.0 * v.sqrt() / (v.sqrt() + 1))))
 
 
-def test_clip_grad_norm_foreach_over_dtensors_and_plain_grads():
-    """``clip_grad_norm_(foreach=True)`` over a sharded and a plain gradient (the same on every
-    rank): the total norm and the clipped gradients of one device."""
+@pytest.mark.parametrize("foreach", [True, False])
+def test_clip_grad_norm_over_dtensors_and_plain_grads(foreach):
+    """``clip_grad_norm_`` over a sharded and a plain gradient (the same on every rank): the total
+    norm and the clipped gradients of one device.  Without foreach, torch's loop scales the plain
+    gradient in place by the DTensor coefficient (it raised there, after the DTensor gradient had
+    been scaled)."""
     def body():
         mesh = init_device_mesh("cpu", (2,))
         ga, gb = data("any", (4, 3), gen("ga")), data("any", (5,), gen("gb"))
         a = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)]))
         b = torch.nn.Parameter(torch.zeros(5))
         a.grad, b.grad = distribute_tensor(ga, mesh, [Shard(0)]), gb.clone()
-        total = torch.nn.utils.clip_grad_norm_([a, b], 0.5, foreach=True)
+        total = torch.nn.utils.clip_grad_norm_([a, b], 0.5, foreach=foreach)
         return total.full_tensor(), a.grad.full_tensor(), b.grad, ga, gb
 
     for total, a, b, ga, gb in run_spmd(body, 2):
@@ -517,3 +520,25 @@ def test_clip_grad_norm_foreach_over_dtensors_and_plain_grads():
         torch.testing.assert_close(total, want)
         torch.testing.assert_close(a, ga * (0.5 / (want + 1e-6)))
         torch.testing.assert_close(b, gb * (0.5 / (want + 1e-6)))
+
+
+def test_plain_tensor_written_in_place_by_dtensors():
+    """An in-place op on a plain tensor with replicated DTensor arguments runs on plain tensors (the
+    DTensors' local values), per rank, and returns the plain tensor; a sharded argument still
+    raises, naming the plain tensor, and writes nothing."""
+    def body():
+        mesh = init_device_mesh("cpu", (2,))
+        rank = mesh.get_rank()
+        plain = torch.full((3,), float(rank + 1))
+        r = distribute_tensor(torch.tensor([1.0, 2.0, 3.0]), mesh, [Replicate()])
+        out = plain.mul_(r).add_(r, alpha=2.0)
+        s = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
+        other = torch.full((4,), float(rank))
+        with pytest.raises(RuntimeError, match="plain torch.Tensor of shape"):
+            other.add_(s)
+        return out is plain, type(out), plain, other
+
+    for rank, (same, kind, plain, other) in enumerate(run_spmd(body, 2)):
+        assert same and kind is torch.Tensor
+        torch.testing.assert_close(plain, torch.tensor([1.0, 2.0, 3.0]) * (rank + 3))
+        torch.testing.assert_close(other, torch.full((4,), float(rank)))

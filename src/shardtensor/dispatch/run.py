@@ -31,7 +31,7 @@ from ..propagation import flatten_call, propagate, rule_for, unflatten_call
 from ..propagation.engine import freezer
 from ..redistribute import redistribute_local
 from ..rng import agreed
-from ..placement import Partial, Shard
+from ..placement import Partial, Replicate, Shard
 from ..spec import DTensorSpec, placements_text
 from ..submesh import off_mesh_result
 from ..tensor import DTensor
@@ -266,10 +266,17 @@ def _dispatch_with_plain(func, flat: list, specs: list, treedef, plain: list[int
     """Dispatch with the plain tensors at ``plain`` taken as replicated values (see ``implicit``).
 
     An in-place op on a plain ``self`` leaves the whole result in that plain tensor and returns it.
+    Where every DTensor is replicated and ``self`` is not a replicated value, the op runs on plain
+    tensors with their local values (``clip_grad_norm_(foreach=False)`` scaling a TP model's plain
+    gradients by its DTensor coefficient): what the foreach op does for plain elements (``listops``).
     """
     mesh = next(s.mesh for s in specs if s is not None)
     flat = list(flat)
     plain_self = flat[0] if plain[0] == 0 and _returns_self(func) else None
+    if plain_self is not None and not implicit_allowed(plain_self) and all(
+            s is None or all(type(p) is Replicate for p in s.placements) for s in specs):
+        args, kwargs = unflatten_call([a._local_tensor if isinstance(a, DTensor) else a for a in flat], treedef)
+        return func(*args, **kwargs)
     drawn = _RANDOM_SAMPLES.get(func)
     for i in plain:
         t = flat[i]
