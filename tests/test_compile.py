@@ -325,6 +325,40 @@ def test_a_graph_break_hands_placements_built_in_compiled_code_to_eager_code(bac
                                                                   ([6.0, 8.0, 10.0], [0.0, 3.0, 6.0])]  # rank 0's data
 
 
+def _gloo_get_group(rank: int, world: int):
+    """``dist.all_reduce(t, group=mesh.get_group(dim))`` in a fullgraph-compiled function, called
+    before any eager ``get_group`` (Hugging Face's TP layers do this at inference)."""
+    import torch.distributed as dist
+
+    torch._dynamo.reset()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"]  # slicing names this rank's row: not in compiled code (see the simulated world)
+
+    def f(t):
+        t = t * 2
+        dist.all_reduce(t, group=mesh.get_group("tp"))
+        dist.all_reduce(t, group=dp.get_group())
+        return t + 1
+
+    out = torch.compile(f, backend="aot_eager", fullgraph=True)(torch.full((3,), float(rank)))
+    return out.tolist(), mesh.get_group("tp") is mesh["tp"].get_group()
+
+
+@pytest.mark.skipif(not gloo_available() or not methods_traced(), reason="needs gloo and torch 2.13 or newer")
+def test_get_group_in_fullgraph_compiled_code_in_gloo_processes():
+    res = run_multiprocess(_gloo_get_group, 4, timeout=300)
+    assert res == [([2.0 * (0 + 1 + 2 + 3) + 1] * 3, True)] * 4, res
+
+
+def test_get_group_in_compiled_code_in_the_simulated_world_raises_as_eager():
+    def fn():
+        mesh = init_device_mesh("cpu", (2,))
+        with pytest.raises(RuntimeError, match="no torch.distributed process groups"):
+            torch.compile(lambda t: (t + 1, mesh.get_group()), backend="aot_eager")(torch.ones(1))
+        return True
+    assert run_spmd(fn, 2) == [True, True]
+
+
 def test_mesh_attributes_read_in_compiled_code():
     def fn():
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))

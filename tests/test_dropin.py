@@ -199,3 +199,25 @@ def test_hugging_face_tensor_parallelism_runs_unchanged(kind, world, dtype, tmp_
         assert mine.keys() == ref.keys()
         for k in mine:
             torch.testing.assert_close(mine[k], ref[k], **tol, msg=k)
+
+
+@pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
+def test_hugging_face_tensor_parallelism_compiles_into_one_graph(tmp_path):
+    """torch.compile(fullgraph=True) of transformers' TP model under the drop-in, compiled before
+    any eager call: a training forward and backward, and a no-grad forward whose layers run
+    ``dist.all_reduce(out, group=mesh.get_group())`` in the graph; equal to the eager model."""
+    from shardtensor.compile import methods_traced
+
+    if not methods_traced():
+        pytest.skip("placements and meshes are graph constants from torch 2.13")
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    path = str(tmp_path / "llama")
+    _script("hf_tp").build("llama", path)
+    out = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "shardtensor.dropin",
+                "tests/torch_style/hf_tp_compiled.py", path], timeout=300, results=2)
+    lines = sorted((json.loads(m) for m in re.findall(r'\{"rank".*?\}', out or "")), key=lambda r: r["rank"])
+    assert [r["rank"] for r in lines] == [0, 1], (out or "")[-3000:]
+    for r in lines:
+        compiled, eager = r["loss"]
+        assert abs(compiled - eager) <= 1e-5 and r["logits_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5, r

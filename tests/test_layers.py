@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("ground: placements, errors, local kernels", (
         "errors", "placement", "observe", "kernels", "version", "implicit", "aliasing")),
     ("collectives", ("comm",)),
-    ("meshes", ("mesh",)),
+    ("meshes", ("mesh", "groups")),
     ("specs and local pieces", ("spec", "pieces", "rng", "submesh", "async_tensor", "compile", "blocks")),
     ("redistribution", ("redistribute",)),
     ("the tensor, and propagation (rules decide)", ("tensor", "propagation")),

@@ -52,7 +52,7 @@ __all__ = ["in_graph", "keep_dynamo_out", "methods_traced", "metadata", "rank_ke
 
 _TRACED: list[bool] = []  # whether placements and meshes are graph constants (set when dynamo loads)
 _IN_GRAPH: list[Callable] = []  # functions that compiled code calls as one node of its graph
-_DYNAMO_READS = ("parallel/hooks.py", "fsdp/hooks.py")
+_DYNAMO_READS = ("parallel/hooks.py", "fsdp/hooks.py", "groups.py")
 """The package's files that dynamo traces: forward hooks whose bodies only call ``in_graph``
 functions, so a compiled module with parallel styles or ``fully_shard`` is one graph."""
 _USER_CODE = ("examples",)
@@ -169,12 +169,16 @@ def _register_constants() -> bool:
     members = {Shard: placement + ("dim",), StridedShard: placement + ("dim", "split_factor"), Replicate: placement,
                Partial: placement + ("reduce_op",), NormPartial: placement + ("reduce_op", "norm"),
                # not the calling rank's get_rank/get_coordinate/get_local_rank: read at compile time they would
-               # be baked into a graph that simulated ranks (threads sharing dynamo's cache) reuse
-               DeviceMesh: ("ndim", "shape", "size", "mesh_dim_names", "device_type", "__eq__", "__hash__")}
+               # be baked into a graph that simulated ranks (threads sharing dynamo's cache) reuse.  _group_key
+               # names this rank's group too, but only processes have groups: in a simulated world the
+               # lookup it keys finds none and the eager call raises
+               DeviceMesh: ("ndim", "shape", "size", "mesh_dim_names", "device_type", "_group_key", "__eq__", "__hash__")}
+    inlined: dict[type, tuple[str, ...]] = {DeviceMesh: ("get_group",)}  # groups.py: reads its process group from a module global
     for typ in ("constant", "value"):  # torch 2.15 renamed "value" to "constant"
         try:
             for cls, names in members.items():  # read at compile time on the real object
-                register(cls, typ=typ, members=dict.fromkeys(names, MemberType.USE_REAL))
+                register(cls, typ=typ, members={**dict.fromkeys(names, MemberType.USE_REAL),
+                                                **dict.fromkeys(inlined.get(cls, ()), MemberType.INLINED)})
             return True
         except (AssertionError, TypeError, ValueError):  # an unknown kind, or a base class required (2.11)
             continue

@@ -9,8 +9,11 @@ from typing import Any, Sequence
 import torch
 
 from .comm import Transport, current_transport
+from . import groups
 from .comm.base import Group
 from .placement import unfake
+
+_SERIALS = itertools.count()
 
 
 class DeviceMesh:
@@ -53,6 +56,7 @@ class DeviceMesh:
         self._root_dims: tuple[int, ...] = tuple(range(ranks.ndim))
         if _prepare:
             transport.prepare_groups(self._all_groups())
+            groups.remember(self)
 
     def _all_groups(self) -> list[Group]:
         """Every group a collective may use: each mesh dim's, each flattened set of mesh dims'
@@ -101,9 +105,11 @@ class DeviceMesh:
             raise RuntimeError(f"rank {self.transport.rank} is not in mesh {self._rank_grid()}")
         return self._coord[self._dim(mesh_dim)]
 
-    def get_group(self, mesh_dim: int | str | None = None) -> Any:
-        """torch.distributed's ProcessGroup of this rank's group along ``mesh_dim`` (under
-        torchrun; the simulated world has none and says so)."""
+    get_group = groups.get_group
+
+    def _group_key(self, mesh_dim: int | str | None) -> tuple[int, Group]:
+        """``get_group``'s key in ``groups.GROUPS``: the transport's serial number and the ranks of
+        this rank's group along ``mesh_dim`` (a constant of compiled code)."""
         if mesh_dim is None:
             if self.ndim != 1:
                 raise ValueError(f"get_group() needs mesh_dim on a {self.ndim}-D mesh; get_all_groups() gives one per dim")
@@ -111,7 +117,14 @@ class DeviceMesh:
         dim = self._dim(mesh_dim)
         if self._coord is None:
             raise RuntimeError(f"rank {self.transport.rank} is not in mesh {self._rank_grid()}, so it has no group there")
-        return self.transport.process_group(self.group_ranks(dim))
+        transport = self.transport
+        serial = transport.__dict__.get("_group_serial")
+        if serial is None:
+            serial = transport.__dict__["_group_serial"] = next(_SERIALS)
+        return serial, self.group_ranks(dim)
+
+    def _new_group(self, key: tuple[int, Group]) -> Any:
+        return self.transport.process_group(key[1])
 
     def get_all_groups(self) -> list[Any]:
         """One ProcessGroup per mesh dim, in order."""

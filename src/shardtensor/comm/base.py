@@ -145,6 +145,8 @@ class Transport(ABC):
     rank: int
     world_size: int
     world_id: int = 0
+    has_process_groups: bool = False
+    """Whether ``process_group`` returns torch.distributed groups (torchrun's worlds)."""
     """Tags this world's ``CommEvent``s (simulated worlds number themselves from 1)."""
     owner: int = 0
     """The thread that started a simulated world (``threading.get_ident()``); 0 for torch.distributed."""

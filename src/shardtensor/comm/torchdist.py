@@ -38,6 +38,8 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 class TorchDistTransport(Transport):
     """This process's rank in the default torch.distributed process group."""
 
+    has_process_groups = True
+
     def __init__(self, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized")

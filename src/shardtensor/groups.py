@@ -1,0 +1,36 @@
+"""``DeviceMesh.get_group``, in a file dynamo traces (``compile._DYNAMO_READS``).
+
+Code that runs its own collectives on a mesh's process group (Hugging Face's tensor parallel
+layers at inference: ``dist.all_reduce(out, group=mesh.get_group())``) calls ``get_group`` inside
+compiled forwards.  A process group enters a graph only from a place dynamo can guard, a module
+global, so each group a mesh hands out is kept in ``GROUPS`` under a key that compiled code reads
+as a constant (``DeviceMesh._group_key``).  A mesh puts its groups there when it is built
+(``remember``), so compiled code finds them; a group of one rank is built by its first call.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+GROUPS: dict[tuple[int, tuple[int, ...]], Any] = {}
+"""(the transport's serial number, the group's ranks) -> torch.distributed's ProcessGroup."""
+
+
+def get_group(mesh: Any, mesh_dim: int | str | None = None) -> Any:
+    """torch.distributed's ProcessGroup of this rank's group along ``mesh_dim`` (under torchrun; the
+    simulated world has none and says so)."""
+    key = mesh._group_key(mesh_dim)
+    group = GROUPS.get(key)
+    if group is None:
+        group = GROUPS[key] = mesh._new_group(key)
+    return group
+
+
+def remember(mesh: Any) -> None:
+    """Keeps this rank's group along each dim of ``mesh`` (of more than one rank), where its world has
+    process groups: compiled code then finds them without building one (a graph break)."""
+    if not mesh.transport.has_process_groups or mesh.get_coordinate() is None:
+        return
+    for dim in range(mesh.ndim):
+        key = mesh._group_key(dim)
+        if len(key[1]) > 1 and key not in GROUPS:
+            GROUPS[key] = mesh._new_group(key)
