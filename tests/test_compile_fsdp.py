@@ -159,3 +159,59 @@ def test_unsynchronized_accumulation_under_compile_runs_the_eager_hooks():
     # do: those forwards take the eager hooks (graph breaks), and the next synced step reduces the sum
     res = run_spmd(_train, 1, "fsdp", "aot_eager", fullgraph=False, unsynced_first=True)[0]
     assert res["worst"] <= 1e-5, res
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(24, 40), nn.Linear(40, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.relu(self.a(x)))
+
+
+def _saved_by_compiled_forward(rank: int, world: int, reshard: bool) -> tuple[list, float]:
+    """The shapes the compiled forward saves for backward (AOTAutograd with inductor's min-cut
+    partitioner), and the largest gradient difference from eager."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    torch._dynamo.reset()
+    mesh = init_device_mesh("cpu", (world,))
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        m = nn.Sequential(_Block(), _Block(), nn.Linear(24, 8))
+        for blk in list(m)[:2]:
+            fully_shard(blk, mesh=mesh, reshard_after_forward=reshard)
+        models.append(fully_shard(m, mesh=mesh))
+    saved: list = []
+
+    def forward_graph(gm, inputs):
+        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        saved.extend(tuple(o.meta["val"].shape) for o in out if hasattr(o, "meta") and "val" in o.meta)
+        return gm
+
+    backend = aot_autograd(fw_compiler=forward_graph, bw_compiler=lambda gm, _: gm,
+                           partition_fn=min_cut_rematerialization_partition)
+    x = torch.randn(4, 24, generator=torch.Generator().manual_seed(1))
+    for f in (torch.compile(models[0], backend=backend, fullgraph=True), models[1]):
+        f(x).square().sum().backward()
+    diff = max(float((_whole(p.grad) - _whole(q.grad)).abs().max()) for p, q in zip(*(m.parameters() for m in models)))
+    return saved, diff
+
+
+@pytest.mark.skipif(not gloo_available() or not methods_traced(), reason="needs gloo and torch 2.13 or newer")
+def test_compiled_blocks_that_reshard_after_forward_gather_again_in_backward():
+    """reshard_after_forward under compile: a nested group's gather is run again in backward, so
+    the forward keeps its sharded parameters, not the unsharded ones (as eager frees them); with
+    False the unsharded ones are kept.  The root keeps its own, as eager.  Gradients equal eager."""
+    unsharded, sharded = {(40, 24), (24, 40)}, {(20, 24), (12, 40)}
+    for reshard in (True, False):
+        for saved, diff in run_multiprocess(_saved_by_compiled_forward, 2, timeout=300, args=(reshard,)):
+            assert diff <= 1e-5, (reshard, diff)
+            assert (8, 24) in saved, saved  # the root's weight
+            if reshard:
+                assert sharded <= set(saved) and not unsharded & set(saved), saved
+            else:
+                assert unsharded <= set(saved) and not sharded & set(saved), saved

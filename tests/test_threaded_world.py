@@ -70,6 +70,19 @@ class ThreadedWorld(MultiThreadedTestCase):
             dist.all_reduce(t, group=g)
             self.assertEqual(t.item(), float(sum(ranks)))
 
+    def test_get_group_in_compiled_code_is_this_threads(self) -> None:
+        """The ranks are threads sharing dynamo's cache: compiled code hands each rank its own
+        group (read eagerly in these worlds, ``Transport.compiled_groups``), call after call."""
+        mesh = init_device_mesh("cpu", (2, 2))
+
+        def f(t: torch.Tensor) -> tuple:
+            return t + 1, mesh.get_group(1)
+
+        for _ in range(2):
+            out, g = torch.compile(f, backend="eager")(torch.zeros(1))
+            self.assertEqual(dist.get_process_group_ranks(g), sorted(mesh.group_ranks(1)))
+            self.assertEqual(out.item(), 1.0)
+
     def test_tp_and_fsdp_train_as_one_device(self) -> None:
         def build() -> nn.Module:  # the threads share torch's global generator: values from a private one
             model = nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 4))

@@ -12,7 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 GROUPS: dict[tuple[int, tuple[int, ...]], Any] = {}
-"""(the transport's serial number, the group's ranks) -> torch.distributed's ProcessGroup."""
+"""(the transport's serial number, the group's ranks) -> torch.distributed's ProcessGroup.  The
+serial number is -1 where the transport's groups may not be baked into compiled code
+(``Transport.compiled_groups``): that key is never stored, so compiled code reads it eagerly."""
 
 
 def get_group(mesh: Any, mesh_dim: int | str | None = None) -> Any:
@@ -21,14 +23,16 @@ def get_group(mesh: Any, mesh_dim: int | str | None = None) -> Any:
     key = mesh._group_key(mesh_dim)
     group = GROUPS.get(key)
     if group is None:
-        group = GROUPS[key] = mesh._new_group(key)
+        group = mesh._new_group(key)
+        if key[0] >= 0:  # -1: ranks that are threads sharing dynamo's cache find their group eagerly
+            GROUPS[key] = group
     return group
 
 
 def remember(mesh: Any) -> None:
     """Keeps this rank's group along each dim of ``mesh`` (of more than one rank), where its world has
     process groups: compiled code then finds them without building one (a graph break)."""
-    if not mesh.transport.has_process_groups or mesh.get_coordinate() is None:
+    if not mesh.transport.compiled_groups or mesh.get_coordinate() is None:
         return
     for dim in range(mesh.ndim):
         key = mesh._group_key(dim)

@@ -120,7 +120,7 @@ class DeviceMesh:
         transport = self.transport
         serial = transport.__dict__.get("_group_serial")
         if serial is None:
-            serial = transport.__dict__["_group_serial"] = next(_SERIALS)
+            serial = transport.__dict__["_group_serial"] = next(_SERIALS) if transport.compiled_groups else -1
         return serial, self.group_ranks(dim)
 
     def _new_group(self, key: tuple[int, Group]) -> Any:

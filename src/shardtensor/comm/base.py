@@ -145,9 +145,11 @@ class Transport(ABC):
     rank: int
     world_size: int
     world_id: int = 0
-    has_process_groups: bool = False
-    """Whether ``process_group`` returns torch.distributed groups (torchrun's worlds)."""
     """Tags this world's ``CommEvent``s (simulated worlds number themselves from 1)."""
+    compiled_groups: bool = False
+    """Whether compiled code may hold this rank's process groups as graph inputs found by a key
+    it bakes in (``groups.py``): a process's own groups under torchrun, not those of ranks that
+    are threads sharing dynamo's cache."""
     owner: int = 0
     """The thread that started a simulated world (``threading.get_ident()``); 0 for torch.distributed."""
 

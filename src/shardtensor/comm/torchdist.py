@@ -38,8 +38,6 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 class TorchDistTransport(Transport):
     """This process's rank in the default torch.distributed process group."""
 
-    has_process_groups = True
-
     def __init__(self, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized")
@@ -47,6 +45,7 @@ class TorchDistTransport(Transport):
         self.world_size = dist.get_world_size()
         self.backend = str(dist.get_backend())
         self.name = f"torch.distributed/{self.backend}"
+        self.compiled_groups = self.backend != "threaded"  # torch's threaded test worlds: ranks are threads
         self.timeout = timedelta(seconds=timeout)
         self._groups: dict[Group, dist.ProcessGroup] = {}
         self._found: dict[Group, tuple[dist.ProcessGroup, list[int] | None]] = {}  # _pg's answers

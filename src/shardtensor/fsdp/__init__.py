@@ -56,7 +56,8 @@ on reduces their sum once.
 Under ``torch.compile`` (``hooks.py``) a module's hooks instead get its parameters from one
 graph node (``traced.gather_group``): the same copy-in, all-gather and copy-out, and in
 backward the same reduce-scatter, written functionally, so the graph holds the collectives;
-buffers, prefetch and resharding are the compiler's business there.
+``reshard_after_forward`` runs the gather again in backward (``hooks.py``), and buffers and
+prefetch are the compiler's business there.
 """
 from .api import FSDPModule, MixedPrecisionPolicy, fully_shard
 

@@ -44,6 +44,7 @@ class FSDPState:
         self.reshard_after_forward = reshard_after_forward
         self.mp = mp
         self.is_root: bool | None = None
+        self.nested = False  # under another fully_shard module (a root never reshards after forward)
         self.handle: Unsharded | None = None
         self._graph_built = False
         self._callback_queued = False
@@ -284,6 +285,9 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_af
     group = ParamGroup(params, info, mp_policy.param_dtype, reduce_dtype)
     group.show_sharded()  # only once every parameter is accepted: a refusal leaves the module as it was
     state = FSDPState(module, group, reshard_after_forward, mp_policy)
+    for m in module.modules():  # known before the first forward, which compiled code never sees eagerly
+        if isinstance(m, FSDPModule):
+            m._fsdp_state.nested = True
     module._fsdp_state = state  # type: ignore[assignment]
     group.traced_key = traced_key(group)
     module.register_forward_pre_hook(PreForward(state, gather_group), prepend=True, with_kwargs=True)

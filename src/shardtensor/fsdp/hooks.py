@@ -5,6 +5,12 @@ freeing storage).  Under ``torch.compile`` a module whose group can be traced in
 unsharded parameters from ``traced.gather_group``, one node of the graph per group: the
 all-gather and, in backward, the reduce-scatter are the graph's own collectives, so a model
 with ``fully_shard`` compiles with no graph break.  Keep the bodies plain Python.
+
+A nested module with ``reshard_after_forward`` (and more than one dp rank) has its gather
+checkpointed with every op run again in backward (``traced.regather_in_backward``): the compiled
+forward keeps the sharded parameters and backward gathers again, as eager frees and re-gathers.
+A root keeps its unsharded parameters, as eager.  (A partitioner that honours recompute tags does
+this, as inductor's; the ``aot_eager`` backend's keeps what it saves.)
 """
 from __future__ import annotations
 
@@ -12,6 +18,9 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
+from torch.utils.checkpoint import checkpoint
+
+from .traced import regather_in_backward
 
 __all__ = ["PostForward", "PreForward", "cast_floats"]
 
@@ -43,7 +52,14 @@ class PreForward:
         if mp.param_dtype is not None and mp.cast_forward_inputs:
             args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
         params = group.params
-        unsharded = self.gather(group.traced_key, *[p.sharded for p in params]) if params else ()
+        sharded = [p.sharded for p in params]
+        if not params:
+            unsharded: Any = ()
+        elif state.reshard_after_forward and state.nested and group.info.world > 1:  # as eager frees them
+            unsharded = checkpoint(self.gather, group.traced_key, *sharded, use_reentrant=False,
+                                   context_fn=regather_in_backward)
+        else:
+            unsharded = self.gather(group.traced_key, *sharded)
         for p, t in zip(params, unsharded):
             for mod, name in p.owners:
                 mod._parameters[name] = t

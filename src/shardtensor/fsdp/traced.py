@@ -11,11 +11,13 @@ through a key (a string constant of the graph), since a group is no graph value.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .. import comm
 from ..compile import in_graph
@@ -23,7 +25,7 @@ from ..tensor import DTensor
 from .group import ParamGroup
 from .param import FSDPParam
 
-__all__ = ["gather_group", "traced_key"]
+__all__ = ["gather_group", "regather_in_backward", "traced_key"]
 
 _GROUPS: "weakref.WeakValueDictionary[str, ParamGroup]" = weakref.WeakValueDictionary()
 _KEYS = itertools.count(1)
@@ -113,3 +115,12 @@ def gather_group(key: str, *sharded: torch.Tensor) -> tuple:
     """The unsharded parameters of the group ``key`` (``traced_key``) from its sharded ones: a
     plain tensor each, or a DTensor on the tp mesh for a 2-D layout.  One node of a graph."""
     return _GatherGroup.apply(key, *sharded)
+
+
+def _recompute(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+regather_in_backward = functools.partial(create_selective_checkpoint_contexts, _recompute)
+"""``checkpoint``'s ``context_fn`` for a group's gather: every op of it is run again in backward,
+so the graph keeps the sharded parameters, not the unsharded ones (``reshard_after_forward``)."""
