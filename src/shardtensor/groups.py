@@ -12,9 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 GROUPS: dict[tuple[int, tuple[int, ...]], Any] = {}
-"""(the transport's serial number, the group's ranks) -> torch.distributed's ProcessGroup.  The
-serial number is -1 where the transport's groups may not be baked into compiled code
-(``Transport.compiled_groups``): that key is never stored, so compiled code reads it eagerly."""
+"""(``Transport.group_serial``, the group's ranks) -> torch.distributed's ProcessGroup.  A key of
+serial -1 is never stored, so compiled code finds those groups eagerly."""
 
 
 def get_group(mesh: Any, mesh_dim: int | str | None = None) -> Any:
@@ -32,9 +31,8 @@ def get_group(mesh: Any, mesh_dim: int | str | None = None) -> Any:
 def remember(mesh: Any) -> None:
     """Keeps this rank's group along each dim of ``mesh`` (of more than one rank), where its world has
     process groups: compiled code then finds them without building one (a graph break)."""
-    if not mesh.transport.compiled_groups or mesh.get_coordinate() is None:
+    if mesh.transport.group_serial < 0 or mesh.get_coordinate() is None:
         return
-    for dim in range(mesh.ndim):
-        key = mesh._group_key(dim)
-        if len(key[1]) > 1 and key not in GROUPS:
-            GROUPS[key] = mesh._new_group(key)
+    for dim, size in enumerate(mesh.shape):
+        if size > 1:
+            get_group(mesh, dim)

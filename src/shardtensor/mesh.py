@@ -13,8 +13,6 @@ from . import groups
 from .comm.base import Group
 from .placement import unfake
 
-_SERIALS = itertools.count()
-
 
 class DeviceMesh:
     """Ranks arranged as an n-D array; mirrors ``torch.distributed.device_mesh.DeviceMesh``.
@@ -108,7 +106,7 @@ class DeviceMesh:
     get_group = groups.get_group
 
     def _group_key(self, mesh_dim: int | str | None) -> tuple[int, Group]:
-        """``get_group``'s key in ``groups.GROUPS``: the transport's serial number and the ranks of
+        """``get_group``'s key in ``groups.GROUPS``: the transport's ``group_serial`` and the ranks of
         this rank's group along ``mesh_dim`` (a constant of compiled code)."""
         if mesh_dim is None:
             if self.ndim != 1:
@@ -117,11 +115,7 @@ class DeviceMesh:
         dim = self._dim(mesh_dim)
         if self._coord is None:
             raise RuntimeError(f"rank {self.transport.rank} is not in mesh {self._rank_grid()}, so it has no group there")
-        transport = self.transport
-        serial = transport.__dict__.get("_group_serial")
-        if serial is None:
-            serial = transport.__dict__["_group_serial"] = next(_SERIALS) if transport.compiled_groups else -1
-        return serial, self.group_ranks(dim)
+        return self.transport.group_serial, self.group_ranks(dim)
 
     def _new_group(self, key: tuple[int, Group]) -> Any:
         return self.transport.process_group(key[1])

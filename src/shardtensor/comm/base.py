@@ -146,10 +146,10 @@ class Transport(ABC):
     world_size: int
     world_id: int = 0
     """Tags this world's ``CommEvent``s (simulated worlds number themselves from 1)."""
-    compiled_groups: bool = False
-    """Whether compiled code may hold this rank's process groups as graph inputs found by a key
-    it bakes in (``groups.py``): a process's own groups under torchrun, not those of ranks that
-    are threads sharing dynamo's cache."""
+    group_serial: int = -1
+    """This world's part of the keys compiled code bakes in to find its process groups
+    (``groups.py``): a number of its own in the process under torchrun; -1 where there are no
+    groups to bake in, or where ranks are threads sharing dynamo's cache (found eagerly)."""
     owner: int = 0
     """The thread that started a simulated world (``threading.get_ident()``); 0 for torch.distributed."""
 

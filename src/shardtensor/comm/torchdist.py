@@ -11,6 +11,7 @@ run when the returned ``Work`` is waited on.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from datetime import timedelta
 from typing import Callable
@@ -31,6 +32,7 @@ _OPS = {
 
 # the tensor forms of all-gather and reduce-scatter; torch 2.13 renamed them (``*_single``) and
 # the old names warn on every call, which costs as much as the call itself on small tensors
+_SERIALS = itertools.count()  # Transport.group_serial
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -45,7 +47,7 @@ class TorchDistTransport(Transport):
         self.world_size = dist.get_world_size()
         self.backend = str(dist.get_backend())
         self.name = f"torch.distributed/{self.backend}"
-        self.compiled_groups = self.backend != "threaded"  # torch's threaded test worlds: ranks are threads
+        self.group_serial = next(_SERIALS) if self.backend != "threaded" else -1  # threaded: ranks are threads
         self.timeout = timedelta(seconds=timeout)
         self._groups: dict[Group, dist.ProcessGroup] = {}
         self._found: dict[Group, tuple[dist.ProcessGroup, list[int] | None]] = {}  # _pg's answers

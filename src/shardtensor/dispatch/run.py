@@ -31,7 +31,7 @@ from ..propagation import flatten_call, propagate, rule_for, unflatten_call
 from ..propagation.engine import freezer
 from ..redistribute import redistribute_local
 from ..rng import agreed
-from ..placement import Partial, Replicate, Shard
+from ..placement import Partial, Shard
 from ..spec import DTensorSpec, placements_text
 from ..submesh import off_mesh_result
 from ..tensor import DTensor
@@ -274,7 +274,7 @@ def _dispatch_with_plain(func, flat: list, specs: list, treedef, plain: list[int
     flat = list(flat)
     plain_self = flat[0] if plain[0] == 0 and _returns_self(func) else None
     if plain_self is not None and not implicit_allowed(plain_self) and all(
-            s is None or all(type(p) is Replicate for p in s.placements) for s in specs):
+            s is None or all(p.is_replicate() for p in s.placements) for s in specs):
         args, kwargs = unflatten_call([a._local_tensor if isinstance(a, DTensor) else a for a in flat], treedef)
         return func(*args, **kwargs)
     drawn = _RANDOM_SAMPLES.get(func)

@@ -285,9 +285,10 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_af
     group = ParamGroup(params, info, mp_policy.param_dtype, reduce_dtype)
     group.show_sharded()  # only once every parameter is accepted: a refusal leaves the module as it was
     state = FSDPState(module, group, reshard_after_forward, mp_policy)
-    for m in module.modules():  # known before the first forward, which compiled code never sees eagerly
-        if isinstance(m, FSDPModule):
-            m._fsdp_state.nested = True
+    # the FSDP modules below (``module`` is not one yet) are nested: known before the first
+    # forward, which compiled code never runs eagerly
+    for s in state.states_in_tree():
+        s.nested = True
     module._fsdp_state = state  # type: ignore[assignment]
     group.traced_key = traced_key(group)
     module.register_forward_pre_hook(PreForward(state, gather_group), prepend=True, with_kwargs=True)
