@@ -3,6 +3,8 @@ rank a thread of one process, as in torch's ``DTensorOpTestBase`` and downstream
 tests.  Each thread is a rank of torch.distributed; values are checked against one device."""
 from __future__ import annotations
 
+import unittest
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -10,6 +12,7 @@ from torch.testing._internal.common_distributed import MultiThreadedTestCase
 from torch.testing._internal.common_utils import run_tests
 
 from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor, fully_shard, init_device_mesh
+from shardtensor.compile import methods_traced
 from shardtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 
@@ -70,9 +73,11 @@ class ThreadedWorld(MultiThreadedTestCase):
             dist.all_reduce(t, group=g)
             self.assertEqual(t.item(), float(sum(ranks)))
 
+    @unittest.skipIf(not methods_traced(), "get_group traces into compiled code from torch 2.13; on 2.11 any "
+                     "torch.compile in these threads made a later test of the worker segfault (meta_mm)")
     def test_get_group_in_compiled_code_is_this_threads(self) -> None:
         """The ranks are threads sharing dynamo's cache: compiled code hands each rank its own
-        group (read eagerly in these worlds, ``Transport.compiled_groups``), call after call."""
+        group (read eagerly in these worlds, ``Transport.group_serial``), call after call."""
         mesh = init_device_mesh("cpu", (2, 2))
 
         def f(t: torch.Tensor) -> tuple:
