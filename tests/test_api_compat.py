@@ -383,3 +383,52 @@ def test_get_group_in_the_simulated_world_says_what_to_use():
         return True
 
     assert run_recorded((2, 2), body)[0] == [True] * 4
+
+
+def test_local_map_reads_a_tuple_of_placement_sequences_as_one_per_flattened_output():
+    """torch's reading: ``out_placements=((Partial(),),)`` is one output's placements; outputs
+    are flattened as pytrees (a dict of tensors takes one entry per leaf)."""
+    from shardtensor.experimental import local_map
+
+    def body():
+        mesh = init_device_mesh("cpu", (2,))
+        x = distribute_tensor(torch.arange(6.), mesh, [Shard(0)])
+        total = local_map(lambda a: a.sum(), out_placements=((Partial(),),))(x)
+        parts = local_map(lambda a: {"sum": a.sum(), "double": a * 2},
+                          out_placements=((Partial(),), (Shard(0),)))(x)
+        with pytest.raises(ValueError, match="2 outputs .flattened. for 1 out_placements"):
+            local_map(lambda a: (a, a), out_placements=((Shard(0),),))(x)
+        return total.full_tensor().item(), parts["sum"].full_tensor().item(), parts["double"].full_tensor()
+
+    for total, s, double in run_spmd(body, 2):
+        assert total == s == 15.0 and torch.equal(double, torch.arange(6.) * 2)
+
+
+def test_unflatten_and_flatten_build_meshes_as_torchtitan_does():
+    """torchtitan builds every mesh from one world mesh: ``_unflatten(0, sizes, names)``, then
+    ``mesh["a", "b"]._flatten("name")``, which the mesh also gives as ``mesh["name"]``; the rank
+    grids are torch's (row-major)."""
+    def body():
+        world = init_device_mesh("cpu", (8,), mesh_dim_names=("world",))
+        mesh = world._unflatten(0, (2, 2, 2), ("dp", "cp", "tp"), backend_override={"cp": "fake"})
+        loss = mesh["dp", "cp"]._flatten("loss")
+        sub = mesh["dp", "tp"]._unflatten("tp", (2, 1), ("a", "b"))
+        x = distribute_tensor(torch.arange(8.), loss, [Shard(0)])
+        errors = []
+        for call in (lambda: world._unflatten(0, (3, 3), ("a", "b")), lambda: world._unflatten(0, (2, 4), ("a",)),
+                     lambda: mesh["dp", "tp"]._flatten("cp"), lambda: mesh["dp", "loss"],
+                     lambda: world._unflatten(0, (2, 4), ("a", "b"), backend_override={"c": "fake"})):
+            with pytest.raises((ValueError, NotImplementedError)) as info:
+                call()
+            errors.append(str(info.value))
+        return (mesh.mesh.tolist(), mesh.mesh_dim_names, loss.mesh.tolist(), mesh["loss"] == loss,
+                sub.mesh.tolist(), sub.mesh_dim_names, x.to_local().tolist(), x.full_tensor().tolist(), errors)
+
+    out = run_spmd(body, 8)
+    grid, names, loss, same, sub, sub_names, local, full, errors = out[0]
+    assert grid == torch.arange(8).reshape(2, 2, 2).tolist() and names == ("dp", "cp", "tp")
+    assert loss == [0, 2, 4, 6] and same and sub == [[[0], [1]], [[4], [5]]] and sub_names == ("dp", "a", "b")
+    assert local == [0.0, 1.0] and full == list(map(float, range(8)))
+    assert out[3][2] == [1, 3, 5, 7] and out[3][6] == [2.0, 3.0]  # rank 3 is (0, 1, 1): the tp=1 loss group
+    assert "multiply to 9" in errors[0] and "as many positive sizes as names" in errors[1]
+    assert "already names a dim" in errors[2] and "sliced alone" in errors[3] and "backend_override" in errors[4]

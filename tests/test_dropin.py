@@ -69,10 +69,20 @@ def test_install_points_torchs_public_names_at_ours_and_uninstall_restores():
         assert DeviceMesh is shardtensor.DeviceMesh and fully_shard is shardtensor.fully_shard
         assert get_state_dict.__module__ == "shardtensor.checkpoint.state_dict"
         assert compute_local_shape_and_global_offset is shardtensor.compute_local_shape_and_global_offset
-        # torch's own modules keep torch's classes; private names fall through to torch
+        # the private and older paths users import from show ours too; torch's own modules keep
+        # torch's classes; private names fall through to torch
+        import torch.distributed._composable.fsdp as composable
+        import torch.distributed._tensor as old_path
+        from torch.distributed.fsdp._fully_shard._fully_shard import FSDPModule
         from torch.distributed.tensor import _api
+        from torch.distributed.tensor.parallel.api import parallelize_module
 
-        assert _api.DTensor is not shardtensor.DTensor and torch.distributed.tensor._api is _api
+        assert _api.DTensor is shardtensor.DTensor and old_path.DTensor is shardtensor.DTensor
+        assert composable.FSDPModule is FSDPModule is shardtensor.fsdp.FSDPModule
+        assert composable.fully_shard is shardtensor.fully_shard  # the function, not its module of that name
+        assert parallelize_module is shardtensor.parallel.parallelize_module
+        assert dropin._ORIGINAL["torch.distributed.tensor._api"].__dict__["DTensor"] is not shardtensor.DTensor
+        assert _api._ToTorchTensor is dropin._ORIGINAL["torch.distributed.tensor._api"]._ToTorchTensor
         # a public name shardtensor lacks raises, naming it; nothing is an instance of it
         with pytest.raises(NotImplementedError, match=r"torch\.distributed\.fsdp\.FullyShardedDataParallel"):
             FullyShardedDataParallel(nn.Linear(2, 2))
@@ -83,9 +93,12 @@ def test_install_points_torchs_public_names_at_ours_and_uninstall_restores():
             context_parallel(None)
     finally:
         dropin.uninstall()
-    for n in names:
+    import torch.distributed._composable.fsdp as composable
+
+    assert composable.fully_shard is not shardtensor.fully_shard and callable(composable.fully_shard)
+    for n in (*names, "torch.distributed._tensor", "torch.distributed.tensor._api"):
         assert not isinstance(sys.modules[n], dropin._Switched)  # torch's module again
-        assert before[n] is None or sys.modules[n] is before[n]
+        assert before.get(n) is None or sys.modules[n] is before[n]
     assert torch.distributed.tensor.DTensor is not shardtensor.DTensor
 
 
@@ -139,6 +152,55 @@ def test_a_torchrun_script_runs_unchanged_and_matches_torchs_dtensor():
         assert abs(ours["checksum"] - theirs["checksum"]) < 1e-4, runs
     mean = [sum(r["losses"][s] for r in runs["ours"]) / world for s in range(3)]  # each dp loss on 2 tp ranks
     torch.testing.assert_close(torch.tensor(mean), torch.tensor(_dense_losses(world)), rtol=1e-5, atol=1e-6)
+
+
+def _torchrun_both(script: str, world: int) -> dict:
+    """``script`` under torchrun with torch's DTensor and under the drop-in: each rank's JSON line."""
+    runs: dict = {}
+    for who, pre in (("torch", []), ("ours", ["-m", "shardtensor.dropin"])):
+        out = _run(["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", *pre,
+                    f"tests/torch_style/{script}.py"], results=world)
+        lines = [json.loads(m) for m in re.findall(r'\{"rank".*?\}', out)]
+        assert sorted(r["rank"] for r in lines) == list(range(world)), out[-3000:]
+        runs[who] = sorted(lines, key=lambda r: r["rank"])
+    assert all(r["dtensor"] == "shardtensor.tensor" and r["mesh"] == "shardtensor.mesh" for r in runs["ours"])
+    assert all(r["dtensor"] == "torch.distributed.tensor" for r in runs["torch"])
+    return runs
+
+
+@pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
+def test_what_trainers_touch_beyond_the_public_names_runs_unchanged():
+    """torchtitan's edges (``_unflatten``/``_flatten`` meshes, ``fully_shard([norm, out])``,
+    ``isinstance(m, torch.distributed._composable.fsdp.FSDPModule)`` then
+    ``set_gradient_divide_factor(1.0)``, functional collectives over a mesh, ``local_map`` with
+    per-output placements, ``parallelize_module`` from ``parallel.api``) give torch's losses,
+    gradients and parameters, and one device's: the divide factor was silently lost before (every
+    gradient 1/dp of torch's)."""
+    runs = _torchrun_both("trainer_edges", 4)
+    for ours, theirs in zip(runs["ours"], runs["torch"]):
+        assert ours["fsdp_modules"] == theirs["fsdp_modules"] == 4
+        for key in ("losses", "grad_sq"):
+            torch.testing.assert_close(torch.tensor(ours[key]), torch.tensor(theirs[key]), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{key}: {m}\n{runs}")
+        assert abs(ours["checksum"] - theirs["checksum"]) < 1e-4, runs
+    script = _script("trainer_edges")
+    model = script.build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, grad_sq = [], []
+    for step in range(script.STEPS):
+        total = 0.0
+        for micro in range(script.MICRO):
+            x, y = script.batch(step, micro, 2)
+            loss = ((model(x) - y) ** 2).sum() / (x.shape[0] * script.MICRO)
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+        grad_sq.append(sum(float((p.grad.double() ** 2).sum()) for p in script.tp_sharded(model)))
+        opt.step()
+        opt.zero_grad()
+    torch.testing.assert_close(torch.tensor(runs["ours"][0]["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(runs["ours"][0]["grad_sq"]), torch.tensor(grad_sq),
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_torch_compile_of_code_naming_torchs_dtensor():

@@ -76,3 +76,60 @@ def _train(reentrant: bool, two_d: bool) -> list:
 @pytest.mark.parametrize("two_d", [False, True], ids=["fsdp", "fsdp_x_tp"])
 def test_checkpointed_fsdp_blocks_train_like_plain_ones(reentrant, two_d):
     assert run_spmd(_train, 4, reentrant, two_d) == [[True] * 5] * 4
+
+
+def _policy(ctx, op, *args, **kwargs):
+    """torchtitan's selective policy in small: matmul outputs are saved, the rest recomputed."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    save = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+    return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _train_wrapped(kind: str, two_d: bool) -> list:
+    """torchtitan's memory recipe: each block in ``checkpoint_wrapper`` (full, or selective with a
+    ``create_selective_checkpoint_contexts`` policy), ``fully_shard`` on each wrapped block, then
+    on the root; two steps against the same model without checkpointing."""
+    import functools
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    world, rank = current_transport().world_size, current_transport().rank
+    models = [build_model(0) for _ in range(2)]
+    for i, m in enumerate(models):
+        if two_d:
+            parent = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+            for blk in m.blocks:
+                parallelize_module(blk, parent["tp"], tp_plan())
+            mesh, seed = parent["dp"], rank // 2
+        else:
+            mesh, seed = init_device_mesh("cpu", (world,)), rank
+        for j, blk in enumerate(list(m.blocks)):
+            if i == 0:
+                ctx = {} if kind == "full" else {"context_fn": functools.partial(create_selective_checkpoint_contexts,
+                                                                                  _policy)}
+                blk = m.blocks[j] = checkpoint_wrapper(blk, **ctx)
+            fully_shard(blk, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in models]
+    ok = []
+    for step in range(2):
+        x, y = batch(step, seed)
+        for m, opt in zip(models, opts):
+            nn.functional.cross_entropy(m(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
+        params = [[p for n, p in m.named_parameters()] for m in models]
+        ok.append(all(isinstance(p, DTensor) and p.grad is not None for ps in params for p in ps))
+        ok.append(all(torch.allclose(_whole(p.grad), _whole(q.grad), atol=1e-6) for p, q in zip(*params)))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return ok
+
+
+@pytest.mark.parametrize("kind", ["full", "selective"])
+@pytest.mark.parametrize("two_d", [False, True], ids=["fsdp", "fsdp_x_tp"])
+def test_checkpoint_wrapped_blocks_under_fully_shard_train_like_plain_ones(kind, two_d):
+    """The wrapper's recompute runs the inner block, which no FSDP hook precedes: the block must
+    compute with its unsharded parameters (it saw the sharded ones and raised)."""
+    assert run_spmd(_train_wrapped, 4, kind, two_d) == [[True] * 4] * 4

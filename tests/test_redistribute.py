@@ -395,6 +395,43 @@ def test_backward_table_5_3():
             assert full_ok and local_ok, name
 
 
+@pytest.mark.parametrize("mesh_shape,placements", [((4,), [PS]), ((4,), [Partial("avg")]), ((2, 2), [S0, PS]),
+                                                    ((2, 2), [PS, PS])])
+def test_to_local_then_from_local_of_a_partial_is_the_identity_in_backward(mesh_shape, placements):
+    """PyTorch issue 172932's pattern (MoE code): ``from_local(x.to_local(), placements)`` of a
+    Partial ``x`` is the identity, so ``x.grad`` is the gradient of one device's loss (it came back
+    summed once more, n times too large); an explicit ``grad_placements`` still wins."""
+    full, W = dense((6, 5), 41), dense((6, 5), 42)
+
+    def fn():
+        mesh = init_device_mesh("cpu", mesh_shape)
+        x = make_source(full, mesh, placements, requires_grad=True)
+        grads = []
+        for grad_placements in (None, placements):
+            y = DTensor.from_local(x.to_local(grad_placements=grad_placements), mesh, placements,
+                                   shape=full.shape, stride=full.stride())
+            (y.full_tensor() * W).sum().backward()
+            grads.append(x.grad.full_tensor())
+            x.grad = None
+        return grads
+
+    n = math.prod(mesh_shape[j] for j, p in enumerate(placements) if p.is_partial())
+    for default, explicit in run_spmd(fn, math.prod(mesh_shape)):
+        assert torch.equal(default, W)  # as on one device
+        # the Partial again: a sum's terms are summed once more, an average's are averaged
+        assert torch.equal(explicit, W * n if placements[-1] == PS else W / n)
+
+
+def test_to_local_of_a_partial_product_asks_for_grad_placements():
+    def fn():
+        mesh = init_device_mesh("cpu", (2,))
+        x = DTensor.from_local(torch.ones(3), mesh, [Partial("product")]).detach().requires_grad_()
+        x.to_local().sum().backward()
+
+    with pytest.raises(NotImplementedError, match="grad_placements="):
+        run_spmd(fn, 2)
+
+
 def test_backward_2d_collectives():
     """(S0,S1) -> (R,R): backward only chunks; (R,R) -> (S0,S1): one all-gather per mesh dim."""
 

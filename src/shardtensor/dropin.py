@@ -31,7 +31,7 @@ def _switched() -> dict[str, dict[str, Any]]:
     from .checkpoint import state_dict as sd
     from .debug import CommDebugMode, visualize_sharding
     from .experimental import implicit_replication, local_map
-    from .fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from .fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, UnshardHandle, fully_shard
     from .parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput,
                            PrepareModuleOutput, RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module)
 
@@ -40,20 +40,36 @@ def _switched() -> dict[str, dict[str, Any]]:
               "PrepareModuleInput": PrepareModuleInput, "PrepareModuleInputOutput": PrepareModuleInputOutput,
               "PrepareModuleOutput": PrepareModuleOutput, "RowwiseParallel": RowwiseParallel,
               "SequenceParallel": SequenceParallel}
+    api = {"DTensor": DTensor, "distribute_tensor": distribute_tensor, "distribute_module": distribute_module,
+           "ones": ones, "empty": empty, "full": full, "rand": rand, "randn": randn, "zeros": zeros}
+    meshes = {"DeviceMesh": DeviceMesh, "init_device_mesh": init_device_mesh}
+    fsdp = {"fully_shard": fully_shard, "FSDPModule": FSDPModule, "MixedPrecisionPolicy": MixedPrecisionPolicy,
+            "UnshardHandle": UnshardHandle, "OffloadPolicy": OffloadPolicy, "CPUOffloadPolicy": CPUOffloadPolicy}
+    # every module path torch users import these names from, the older and private ones included
+    # (``isinstance(m, torch.distributed._composable.fsdp.FSDPModule)`` holds for ours)
     return {
-        "torch.distributed.tensor": {
-            "DTensor": DTensor, "distribute_tensor": distribute_tensor, "distribute_module": distribute_module,
-            "ones": ones, "empty": empty, "full": full, "rand": rand, "randn": randn, "zeros": zeros,
-            "init_device_mesh": init_device_mesh, "DeviceMesh": DeviceMesh, **placements},
+        "torch.distributed.tensor": {**api, **meshes, **placements},
+        "torch.distributed.tensor._api": api,
+        "torch.distributed._tensor": {**api, **meshes, **placements},
+        "torch.distributed._tensor.api": api,
         "torch.distributed.tensor.placement_types": {**placements, "_StridedShard": StridedShard},
-        "torch.distributed.device_mesh": {"DeviceMesh": DeviceMesh, "init_device_mesh": init_device_mesh},
+        "torch.distributed._tensor.placement_types": {**placements, "_StridedShard": StridedShard},
+        "torch.distributed.device_mesh": meshes,
+        "torch.distributed.tensor.device_mesh": meshes,
         "torch.distributed.tensor.parallel": {**styles, "parallelize_module": parallelize_module,
                                               "loss_parallel": loss_parallel},
+        "torch.distributed.tensor.parallel.api": {"parallelize_module": parallelize_module},
+        "torch.distributed.tensor.parallel.loss": {"loss_parallel": loss_parallel},
         "torch.distributed.tensor.parallel.style": styles,
         "torch.distributed.tensor.experimental": {"local_map": local_map, "implicit_replication": implicit_replication},
+        "torch.distributed.tensor.experimental._func_map": {"local_map": local_map},
         "torch.distributed.tensor.debug": {"visualize_sharding": visualize_sharding, "CommDebugMode": CommDebugMode},
-        "torch.distributed.fsdp": {"fully_shard": fully_shard, "FSDPModule": FSDPModule,
-                                   "MixedPrecisionPolicy": MixedPrecisionPolicy},
+        "torch.distributed.fsdp": fsdp,
+        "torch.distributed.fsdp._fully_shard": fsdp,
+        "torch.distributed.fsdp._fully_shard._fully_shard": fsdp,
+        "torch.distributed.fsdp._fully_shard._fsdp_api": {"MixedPrecisionPolicy": MixedPrecisionPolicy},
+        "torch.distributed._composable.fsdp": fsdp,
+        "torch.distributed._composable.fsdp.fully_shard": fsdp,
         "torch.distributed.checkpoint.state_dict": {
             **{n: getattr(sd, n) for n in sd.__all__},
             **dict.fromkeys(("FQNS_T", "PrimitiveType", "ValueType", "DictValueType", "ListDictValueType",
@@ -102,7 +118,9 @@ class _Switched(types.ModuleType):
         for attr in ("__file__", "__path__", "__spec__", "__package__", "__loader__", "__all__"):
             if hasattr(torch_module, attr):
                 setattr(self, attr, getattr(torch_module, attr))
-        shown = {n: _missing(f"{torch_module.__name__}.{n}") for n in getattr(torch_module, "__all__", ())}
+        # a public module's other public names are stand-ins; a private one's stay torch's
+        public = not any(part.startswith("_") for part in torch_module.__name__.split("."))
+        shown = {n: _missing(f"{torch_module.__name__}.{n}") for n in getattr(torch_module, "__all__", ()) if public}
         shown.update({n: getattr(torch_module, n) if ours is KEEP else ours for n, ours in names.items()})
         object.__setattr__(self, "_torch_module", torch_module)
         object.__setattr__(self, "_shown", shown)
@@ -147,12 +165,21 @@ def _prime_torch() -> None:
     _Probe((1,)).detach()
 
 
-_ORIGINAL: dict[str, types.ModuleType] = {}
-_RESET: dict[str, Any] = {}  # names set on torch.distributed itself -> torch's objects
+_ORIGINAL: dict[str, types.ModuleType] = {}  # sys.modules names -> torch's modules
+_PARENT_ATTRS: list[tuple[types.ModuleType, str, Any]] = []  # (module, attribute, torch's value) set here
 
 _ON_DIST = ("DeviceMesh", "init_device_mesh")
 """Names torch.distributed re-exports (``torch.distributed.init_device_mesh``, as transformers
 calls it), set on the module itself: no torch code reads them there."""
+
+
+def _patches() -> list[tuple[Any, str, Any]]:
+    """(torch module, attribute, ours): single functions the drop-in replaces in place."""
+    import torch.distributed._functional_collectives as funcol
+
+    from .groups import resolving_meshes
+    from .mesh import DeviceMesh
+    return [(funcol, "_resolve_group", resolving_meshes(funcol._resolve_group, DeviceMesh))]
 
 
 def installed() -> bool:
@@ -167,28 +194,39 @@ def install() -> None:
     table = _switched()
     _prime_torch()
     torch_modules = {name: importlib.import_module(name) for name in table}  # theirs bind torch's classes first
+    shims = {}
     for name in sorted(table, key=lambda n: n.count(".")):  # parents first: children attach to their shims
-        shim = _Switched(torch_modules[name], table[name])
-        _ORIGINAL[name] = torch_modules[name]
+        module = torch_modules[name]
+        shim = shims[id(module)] = _Switched(module, table[name])
+        _ORIGINAL[name] = module
         sys.modules[name] = shim
         parent, _, leaf = name.rpartition(".")
-        setattr(sys.modules[parent], leaf, shim)
+        holder = sys.modules[parent]
+        if getattr(holder, leaf, None) is module:  # (a package may bind a function of the same name there)
+            _PARENT_ATTRS.append((holder, leaf, module))
+            setattr(holder, leaf, shim)
+    # torch's aliases of a switched module (torch.distributed._tensor.device_mesh) show the shim too
+    for name, module in list(sys.modules.items()):
+        if id(module) in shims and name not in _ORIGINAL and module is not shims[id(module)]:
+            _ORIGINAL[name] = module
+            sys.modules[name] = shims[id(module)]
     mesh_names = table["torch.distributed.device_mesh"]
     for name in _ON_DIST:
-        _RESET[name] = getattr(torch.distributed, name)
+        _PARENT_ATTRS.append((torch.distributed, name, getattr(torch.distributed, name)))
         setattr(torch.distributed, name, mesh_names[name])
+    for module, attr, ours in _patches():
+        _PARENT_ATTRS.append((module, attr, getattr(module, attr)))
+        setattr(module, attr, ours)
 
 
 def uninstall() -> None:
     """Put torch's modules back (objects already imported from the shims stay what they are)."""
-    for name in sorted(_ORIGINAL, key=lambda n: -n.count(".")):
-        sys.modules[name] = _ORIGINAL[name]
-        parent, _, leaf = name.rpartition(".")
-        setattr(sys.modules[parent], leaf, _ORIGINAL[name])
-    for name, theirs in _RESET.items():
-        setattr(torch.distributed, name, theirs)
+    for name, module in _ORIGINAL.items():
+        sys.modules[name] = module
+    for holder, leaf, theirs in reversed(_PARENT_ATTRS):
+        setattr(holder, leaf, theirs)
     _ORIGINAL.clear()
-    _RESET.clear()
+    _PARENT_ATTRS.clear()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -200,7 +238,9 @@ def main(argv: list[str] | None = None) -> None:
               "runs the script with torch.distributed.tensor, device_mesh, tensor.parallel, fsdp and "
               "checkpoint.state_dict pointing at shardtensor (also under torchrun)", file=sys.stderr)
         raise SystemExit(0 if args and args[0] in ("-h", "--help") else 2)
-    install()
+    # install from the module itself, not from this ``__main__`` copy of it: its objects and
+    # state are then the ones user code and dynamo see (dynamo skips ``__main__``'s file here)
+    importlib.import_module("shardtensor.dropin").install()
     if args[0] == "-m":
         sys.argv = [args[1], *args[2:]]
         runpy.run_module(args[1], run_name="__main__", alter_sys=True)

@@ -25,8 +25,8 @@ def local_map(func: Callable[..., Any] | None = None, out_placements: Any = None
     ``in_placements`` gives, per flattened argument, the placements a DTensor argument must
     have (``None`` for other arguments); one that differs is redistributed with
     ``redistribute_inputs=True`` and refused otherwise.  ``out_placements`` gives the placements
-    of each output (one placements sequence for a single output, a tuple of them for several,
-    ``None`` for an output that is not a tensor).  ``in_grad_placements`` are the placements of
+    of each flattened output (one placements sequence for a single output, a tuple of them, one
+    per output, for any number, ``None`` for an output that is not a tensor).  ``in_grad_placements`` are the placements of
     the gradients flowing back to the inputs (default, or ``None`` entries: the inputs'); a
     replicated input whose local gradients are only this rank's terms needs ``[Partial()]``
     there, as in torch.  Without DTensor arguments
@@ -74,12 +74,17 @@ def local_map(func: Callable[..., Any] | None = None, out_placements: Any = None
 
 
 def _wrap_outputs(out: Any, out_placements: Any, mesh: DeviceMesh) -> Any:
-    single = out_placements is None or all(isinstance(p, Placement) for p in out_placements)
-    if isinstance(out, (tuple, list)) and not single:
-        if len(out) != len(out_placements):
-            raise ValueError(f"local_map: func returned {len(out)} outputs for {len(out_placements)} out_placements")
-        return type(out)(_wrap_one(o, p, mesh) for o, p in zip(out, out_placements))
-    return _wrap_one(out, out_placements, mesh)
+    """The outputs as DTensors: a tuple (or list) of placement sequences gives one per flattened
+    output (torch's reading: ``((Partial(),),)`` for one output); a sequence of placements or
+    ``None`` is the one output's."""
+    flat, tree = tree_flatten(out)
+    per_output = isinstance(out_placements, (tuple, list)) and (
+        not out_placements or not all(isinstance(p, Placement) for p in out_placements))
+    entries = tuple(out_placements) if per_output else (out_placements,)
+    if len(entries) != len(flat):
+        raise ValueError(f"local_map: func returned {len(flat)} outputs (flattened) for {len(entries)} out_placements "
+                         "entries; give one placements sequence (or None) per output")
+    return tree_unflatten([_wrap_one(o, p, mesh) for o, p in zip(flat, entries)], tree)
 
 
 def _wrap_one(out: Any, placements: PlacementType, mesh: DeviceMesh) -> Any:

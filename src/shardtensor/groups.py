@@ -36,3 +36,20 @@ def remember(mesh: Any) -> None:
     for dim, size in enumerate(mesh.shape):
         if size > 1:
             get_group(mesh, dim)
+
+
+def resolving_meshes(theirs: Any, mesh_type: Any) -> Any:
+    """torch's functional collectives' group resolver (``_resolve_group``), also taking this
+    library's meshes as torch's take its own: ``group=mesh`` (1-D) or ``group=(mesh, dim)`` is
+    that mesh dim's process group.  The drop-in installs it; here, since compiled code runs it."""
+
+    def resolve(group: Any, tag: str = "") -> Any:
+        if isinstance(group, mesh_type):
+            if group.ndim != 1:
+                raise ValueError(f"a {group.ndim}-D mesh as a collective's group: pass (mesh, mesh_dim)")
+            group = get_group(group, 0)
+        elif isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], mesh_type):
+            group = get_group(group[0], group[1])
+        return theirs(group, tag)
+
+    return resolve

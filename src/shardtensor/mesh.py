@@ -52,6 +52,7 @@ class DeviceMesh:
         self._hash = hash(self._key)
         self._root: DeviceMesh | None = None  # the mesh this one was cut from by mesh[...], and its dims there
         self._root_dims: tuple[int, ...] = tuple(range(ranks.ndim))
+        self._flattened: dict[str, tuple[int, ...]] = {}  # root only: _flatten's names -> the dims they join
         if _prepare:
             transport.prepare_groups(self._all_groups())
             groups.remember(self)
@@ -134,9 +135,17 @@ class DeviceMesh:
         return mesh_dim % self.ndim
 
     def __getitem__(self, names: str | int | Sequence[str | int]) -> "DeviceMesh":
-        """Sub-mesh of the named dims that contains this rank (shares this mesh's groups)."""
+        """Sub-mesh of the named dims that contains this rank (shares this mesh's groups); a
+        name given to ``_flatten`` gives that flattened mesh."""
         if isinstance(names, (str, int)):
             names = (names,)
+        root = self._root if self._root is not None else self
+        flat = [n for n in names if isinstance(n, str) and n in root._flattened
+                and not (self.mesh_dim_names and n in self.mesh_dim_names)]
+        if flat:
+            if len(names) > 1:
+                raise NotImplementedError(f"mesh[{names!r}]: a flattened dim ({flat[0]!r}) is sliced alone")
+            return root._flat_mesh(flat[0], root._flattened[flat[0]])
         dims = [self._dim(n) for n in names]
         if len(set(dims)) != len(dims):
             raise ValueError(f"mesh dims {names} repeat")
@@ -153,6 +162,57 @@ class DeviceMesh:
         out._root = self._root if self._root is not None else self
         out._root_dims = tuple(self._root_dims[d] for d in dims)
         return out
+
+    def _flatten(self, mesh_dim_name: str | None = None, backend_override: Any = None) -> "DeviceMesh":
+        """This mesh's dims as one dim (row-major): a 1-D mesh of its ranks, which the mesh it
+        was cut from also gives as ``mesh[mesh_dim_name]`` (torch's private API, used by
+        torchtitan; ``backend_override`` is accepted: the groups exist already)."""
+        root = self._root if self._root is not None else self
+        name = mesh_dim_name if mesh_dim_name is not None else "_".join(self.mesh_dim_names or ())
+        if not isinstance(name, str) or not name:
+            raise ValueError("_flatten: give mesh_dim_name (this mesh's dims have no names to join)")
+        dims = self._root_dims
+        if root.mesh_dim_names and name in root.mesh_dim_names and (len(dims) != 1 or root.mesh_dim_names[dims[0]] != name):
+            raise ValueError(f"_flatten: {name!r} already names a dim of {root!r}")
+        if root._flattened.get(name, dims) != dims:
+            raise ValueError(f"_flatten: {name!r} already names another flattened set of dims")
+        root._flattened[name] = dims
+        return root._flat_mesh(name, dims)
+
+    def _flat_mesh(self, name: str, dims: tuple[int, ...]) -> "DeviceMesh":
+        """Root only: this rank's group along ``dims`` as a 1-D mesh named ``name`` (the root
+        prepared every group of every set of its dims)."""
+        if self._coord is None:
+            raise RuntimeError(f"rank {self.transport.rank} is not in mesh {self._rank_grid()}")
+        ranks = self.group_ranks(dims) if dims != tuple(range(self.ndim)) else self._all
+        return DeviceMesh(self.device_type, list(ranks), mesh_dim_names=(name,), _prepare=False)
+
+    def _unflatten(self, dim: int | str, mesh_sizes: Sequence[int], mesh_dim_names: Sequence[str],
+                   backend_override: Any = None) -> "DeviceMesh":
+        """This mesh with dim ``dim`` split into ``mesh_sizes`` named ``mesh_dim_names``
+        (row-major; torch's private API, used by torchtitan to build its meshes from one world
+        mesh).  Every rank calls it alike: the new mesh's groups are made for the whole world."""
+        d = self._dim(dim)
+        sizes, names = tuple(mesh_sizes), tuple(mesh_dim_names)
+        if len(sizes) != len(names) or any(not isinstance(n, int) or n < 1 for n in sizes):
+            raise ValueError(f"_unflatten: mesh_sizes {sizes} and mesh_dim_names {names} must be as many positive sizes as names")
+        if math.prod(sizes) != self._shape[d]:
+            raise ValueError(f"_unflatten: mesh_sizes {sizes} multiply to {math.prod(sizes)}, not to dim {dim!r}'s size {self._shape[d]}")
+        if backend_override is not None and set(backend_override) - set(names):
+            raise ValueError(f"_unflatten: backend_override names {sorted(set(backend_override) - set(names))}, "
+                             f"which are not among mesh_dim_names {names}")
+        root = self._root if self._root is not None else self
+        rd = self._root_dims[d]
+        old = root.mesh_dim_names or tuple(f"dim{j}" for j in range(root.ndim))
+        new_names = old[:rd] + names + old[rd + 1:]
+        grid = root.mesh.reshape(root._shape[:rd] + sizes + root._shape[rd + 1:])
+        new_root = DeviceMesh(root.device_type, grid, mesh_dim_names=new_names)
+        if self is root:
+            return new_root
+        kept = [j + (len(sizes) - 1 if j > rd else 0) for j in self._root_dims]
+        at = kept.index(rd)
+        kept[at: at + 1] = range(rd, rd + len(sizes))
+        return new_root[tuple(new_names[j] for j in kept)]
 
     # -- what the comm layer needs -----------------------------------------------------
     def group_ranks(self, mesh_dim: int | tuple[int, ...] | None) -> Group:

@@ -29,6 +29,12 @@ class Placement:
     def is_partial(self, reduce_op: str | None = None) -> bool:
         return False
 
+    def local_grad(self) -> "Placement":
+        """The placement of the gradient a rank's local tensor receives (``to_local``'s backward
+        default): where each rank's local gradient is dL/d(its local tensor), the placement that
+        makes them the gradient of the global value.  A shard or a replica keeps its placement."""
+        return self
+
 
 @dataclass(frozen=True, slots=True)
 class Shard(Placement):
@@ -148,6 +154,17 @@ class Partial(Placement):
     def is_partial(self, reduce_op: str | None = None) -> bool:
         return reduce_op is None or reduce_op == self.reduce_op
 
+    def local_grad(self) -> Placement:
+        """A sum's terms each get the whole gradient (``Replicate``); an average's get 1/n of it
+        and a max's or min's the gradient where they win, so their sum is the gradient.  A
+        product's has no placement (each term's gradient is divided by the term)."""
+        if self.reduce_op == "sum":
+            return Replicate()
+        if self.reduce_op == "product":
+            raise NotImplementedError("to_local() of a Partial(product) DTensor: its gradient has no placement; "
+                                      "pass grad_placements= to say what the local gradients are")
+        return Partial("sum")
+
     def __repr__(self) -> str:
         return f"Partial({self.reduce_op})"
 
@@ -180,6 +197,14 @@ class NormPartial(Partial):
         op = "max" if norm == float("inf") else "min" if norm == float("-inf") else "sum"
         object.__setattr__(self, "reduce_op", op)
         object.__setattr__(self, "norm", norm)
+
+    def local_grad(self) -> Placement:
+        """Norms 0 and 1 add (``Replicate``), the infinite ones are a max or min; any other norm's
+        terms have gradients scaled by their own value: no placement."""
+        if self.norm in (0.0, 1.0, float("inf"), float("-inf")):
+            return Partial.local_grad(Partial(self.reduce_op))
+        raise NotImplementedError(f"to_local() of a {self!r} DTensor: its gradient has no placement; "
+                                  "pass grad_placements= to say what the local gradients are")
 
     def __repr__(self) -> str:
         return f"NormPartial({self.norm:g})"

@@ -218,7 +218,8 @@ class DTensor(torch.Tensor):
         return _FromLocal.apply(local_tensor, spec, bool(run_check) and member)
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
-        """This rank's local shard (autograd: the gradient comes back with ``grad_placements``)."""
+        """This rank's local shard (autograd: the gradient comes back with ``grad_placements``, by
+        default each placement's ``local_grad()``: the gradient of the global value)."""
         if not (torch.is_grad_enabled() and self.requires_grad):
             return self._local_tensor
         return _ToLocal.apply(self, grad_placements)
@@ -399,7 +400,8 @@ class _ToLocal(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         spec: DTensorSpec = ctx.spec
-        pl = spec.placements if ctx.grad_placements is None else ctx.grad_placements
+        # a Partial(sum)'s terms each get the whole gradient: Replicate, never the Partial again
+        pl = tuple(p.local_grad() for p in spec.placements) if ctx.grad_placements is None else ctx.grad_placements
         gspec = DTensorSpec.build(spec.mesh, pl, spec.shape, spec.stride, grad.dtype,
                                   spec.shard_order if ctx.grad_placements is None else None)
         return DTensor(grad, gspec), None

@@ -59,6 +59,6 @@ backward the same reduce-scatter, written functionally, so the graph holds the c
 ``reshard_after_forward`` runs the gather again in backward (``hooks.py``), and buffers and
 prefetch are the compiler's business there.
 """
-from .api import FSDPModule, MixedPrecisionPolicy, fully_shard
+from .api import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, UnshardHandle, fully_shard
 
-__all__ = ["FSDPModule", "MixedPrecisionPolicy", "fully_shard"]
+__all__ = ["CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "UnshardHandle", "fully_shard"]

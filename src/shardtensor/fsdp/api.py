@@ -15,7 +15,7 @@ from .hooks import PostForward, PreForward, cast_floats
 from .param import FSDPParam, MeshInfo
 from .traced import gather_group, traced_key
 
-__all__ = ["FSDPModule", "MixedPrecisionPolicy", "fully_shard"]
+__all__ = ["CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "UnshardHandle", "fully_shard"]
 
 
 @dataclass(frozen=True)
@@ -34,18 +34,32 @@ class MixedPrecisionPolicy:
     cast_forward_inputs: bool = True
 
 
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """No offloading (FSDP2's default policy)."""
+
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    """Sharded parameters, gradients and optimizer states on the CPU (FSDP2's policy)."""
+
+    pin_memory: bool = True
+
+
 class FSDPState:
     """Per-module FSDP state: the parameter group, hooks' settings and the live forward handle."""
 
-    def __init__(self, module: nn.Module, group: ParamGroup, reshard_after_forward: bool,
+    def __init__(self, modules: list[nn.Module], group: ParamGroup, reshard_after_forward: bool,
                  mp: MixedPrecisionPolicy) -> None:
-        self.module = module
+        self.modules = modules  # several for fully_shard([a, b]): one group, gathered once per forward
+        self._to_run: set[int] = set()  # modules of the list this forward has not run yet
         self.group = group
         self.reshard_after_forward = reshard_after_forward
         self.mp = mp
         self.is_root: bool | None = None
         self.nested = False  # under another fully_shard module (a root never reshards after forward)
         self.handle: Unsharded | None = None
+        self.unsharded: list[torch.Tensor] = []  # what the latest forward computed with
         self._graph_built = False
         self._callback_queued = False
         self.root: FSDPState = self
@@ -57,10 +71,19 @@ class FSDPState:
         self.backward_prefetch: list[FSDPState] | None = None  # None: the next one in backward
 
     def states_in_tree(self) -> list["FSDPState"]:
-        return [m._fsdp_state for m in self.module.modules() if isinstance(m, FSDPModule)]
+        found = {id(m._fsdp_state): m._fsdp_state for top in self.modules for m in top.modules()
+                 if isinstance(m, FSDPModule)}
+        return list(found.values())
 
     # -- hooks ----------------------------------------------------------------------------
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self._to_run:  # a later module of the group: its parameters are unsharded already
+            self._to_run.discard(id(module))
+            if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
+                args, kwargs = cast_floats((args, kwargs), self.mp.param_dtype)
+            return args, kwargs
+        if len(self.modules) > 1:
+            self._to_run = {id(m) for m in self.modules if m is not module}
         if self.is_root is None:
             self.tree = self.states_in_tree()  # fixed from the first forward on, as in FSDP2
             for s in self.tree:
@@ -79,7 +102,7 @@ class FSDPState:
         self.handle = handle
         for s in self._prefetch_targets(forward=True):
             s.group.prefetch()
-        tensors = unsharded_with_grad(handle)
+        tensors = self.unsharded = unsharded_with_grad(handle)
         self._graph_built = any(t.requires_grad for t in tensors)
         for p, t in zip(self.group.params, tensors):
             for mod, name in p.owners:
@@ -105,6 +128,10 @@ class FSDPState:
         return [order[i]] if 0 <= i < len(order) else []
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if self._to_run:  # the group's other modules have yet to run: keep the parameters unsharded
+            if self._graph_built and torch.is_grad_enabled():
+                self._hook_outputs(output)
+            return output if self.mp.output_dtype is None else cast_floats(output, self.mp.output_dtype)
         if self.root.recording:
             self.root.post_order.append(self)
             if self.is_root:
@@ -118,23 +145,36 @@ class FSDPState:
         else:
             if self.reshard_after_forward and not self.is_root:
                 handle.free()
-            outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-            for t in outs:
-                t.register_hook(self._pre_backward_hook(handle))
+            self._hook_outputs(output)
         if self.mp.output_dtype is not None:
             output = cast_floats(output, self.mp.output_dtype)
         return output
 
+    def _hook_outputs(self, output: Any) -> None:
+        """Backward through ``output`` first gathers the parameters again if they were freed."""
+        assert self.handle is not None
+        for t in tree_flatten(output)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._pre_backward_hook(self.handle))
+
     def _pre_backward_hook(self, handle: Unsharded):
+        tensors = self.unsharded
+
         def hook(grad: torch.Tensor) -> None:
             if handle.freed:
                 handle.gather()
+            # the module computes with its unsharded parameters again: a checkpoint wrapper under
+            # fully_shard recomputes its inner forward now, which no forward hook precedes
+            for p, t in zip(self.group.params, tensors):
+                for mod, name in p.owners:
+                    mod._parameters[name] = t  # type: ignore[assignment]  # a plain tensor on purpose
             for s in self._prefetch_targets(forward=False):
                 if s.handle is not None and s.handle.freed:
                     s.handle.start()
-            if self.is_root and not self._callback_queued:
-                self._callback_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
+            root = self.root  # (any module's backward queues it: a root may have no parameters)
+            if not root._callback_queued:
+                root._callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(root._finalize_backward)
         return hook
 
     def _finalize_backward(self) -> None:
@@ -159,18 +199,63 @@ class FSDPModule:
     def reshard(self) -> None:
         """Free the unsharded parameters of this module (they are re-gathered when needed)."""
         group = self._fsdp_state.group
-        for h in list(group.live):
+        for h in [*group.live, *([group.kept] if group.kept is not None else [])]:
             h.free()
         group.live.clear()
+        group.kept = None
 
-    def unshard(self) -> None:
-        """All-gather now (the next forward gathers again; this is for inspection)."""
+    def unshard(self, async_op: bool = False) -> "UnshardHandle | None":
+        """All-gather now (the next forward gathers again; this is for inspection).  With
+        ``async_op=True`` the all-gather is left in flight and an ``UnshardHandle`` is returned;
+        its ``wait()`` (or the module's next use of the parameters) completes it."""
         st = self._fsdp_state
-        st.handle = st.group.unshard()
+        if not async_op:
+            st.handle = st.group.unshard()
+            return None
+        st.group.prefetch(asked=True)  # the next forward's gather, issued now
+        return UnshardHandle(st.group)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         for m in self._fsdp_modules(recurse):
             m._fsdp_state.reshard_after_forward = bool(reshard_after_forward)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """With ``False`` the unsharded parameters stay after backward and the next forward uses
+        them without an all-gather (gradient accumulation: memory for communication).  Set it
+        back to ``True`` before the optimizer step changes the sharded parameters."""
+        for m in self._fsdp_modules(recurse):
+            m._fsdp_state.group.reshard_after_backward = bool(reshard_after_backward)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this module's reduced gradients by ``factor`` instead of the dp size (``1.0``:
+        the plain sum, for a trainer that scales the loss by the global token count itself)."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor: factor must be a positive number, got {factor!r}")
+        self._fsdp_state.group.divide_factor = float(factor)
+
+    set_reduce_scatter_divide_factor = set_gradient_divide_factor  # FSDP2's older name
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Reduce with sum collectives only and divide locally (for backends without an average
+        or pre-multiplied sum); the result is the same."""
+        self._fsdp_state.group.force_sum = bool(enable)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: ``False`` would skip the all-reduce over replicas (not supported: gradients stay
+        exact by reducing every backward; use ``set_requires_gradient_sync(False)``, which
+        skips both collectives).  Without replicas there is no all-reduce: nothing changes."""
+        for m in self._fsdp_modules(recurse):
+            if not requires_all_reduce and m._fsdp_state.group.info.rep_dim is not None:
+                raise NotImplementedError("set_requires_all_reduce(False) on an HSDP module: use "
+                                          "set_requires_gradient_sync(False) to accumulate without communication")
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for FSDP2 code: every reduce-scatter here completes within its backward, so
+        nothing waits for the last one."""
+
+    def set_post_optim_event(self, event: Any) -> None:
+        """Accepted for FSDP2 code: the all-gathers run on the current stream, after the
+        optimizer step's work, so there is no event to wait on."""
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """With ``False``, backward reduces no gradient: each rank adds its unsharded local
@@ -213,6 +298,18 @@ class FSDPModule:
         return [] if h is None else list(h.views)
 
 
+class UnshardHandle:
+    """``FSDPModule.unshard(async_op=True)``'s handle: ``wait()`` completes the all-gather."""
+
+    def __init__(self, group: ParamGroup) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        h = self._group.prefetched
+        if h is not None and h.pending is not None:
+            h.gather()
+
+
 def _state_of(m: Any, who: str) -> FSDPState:
     if not isinstance(m, FSDPModule):
         raise TypeError(f"{who}: expected modules that fully_shard was applied to, got {type(m).__name__}")
@@ -229,8 +326,8 @@ def _fsdp_class(cls: type) -> type:
     return new
 
 
-def _managed_params(module: nn.Module) -> list[tuple[nn.Parameter, list[tuple[nn.Module, str]]]]:
-    """Parameters of ``module`` not under a child ``fully_shard``, each with every (owner, name)."""
+def _managed_params(modules: list[nn.Module]) -> list[tuple[nn.Parameter, list[tuple[nn.Module, str]]]]:
+    """Parameters of ``modules`` not under a child ``fully_shard``, each with every (owner, name)."""
     found: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str]]]] = {}
 
     def visit(m: nn.Module) -> None:
@@ -241,8 +338,9 @@ def _managed_params(module: nn.Module) -> list[tuple[nn.Parameter, list[tuple[nn
             if not isinstance(child, FSDPModule):
                 visit(child)
 
-    visit(module)
-    children = {q.orig_id: q for m in module.modules() if isinstance(m, FSDPModule) and m is not module
+    for module in modules:
+        visit(module)
+    children = {q.orig_id: q for top in modules for m in top.modules() if isinstance(m, FSDPModule) and m is not top
                 for q in m._fsdp_state.group.params}
     for k, (_, owners) in found.items():
         if k in children:
@@ -253,8 +351,10 @@ def _managed_params(module: nn.Module) -> list[tuple[nn.Parameter, list[tuple[nn
     return list(found.values())
 
 
-def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_after_forward: bool = True,
-                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()) -> nn.Module:
+def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None,
+                reshard_after_forward: bool | None = True, shard_placement_fn: Any = None,
+                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), offload_policy: "OffloadPolicy | None" = None,
+                ignored_params: set[nn.Parameter] | None = None, dp_mesh_dims: Any = None) -> Any:
     """Shard ``module``'s parameters (those no child ``fully_shard`` manages) along dim 0 over dp.
 
     Apply bottom-up: blocks first, then the root.  Parameters become ``nn.Parameter(DTensor)``
@@ -265,33 +365,68 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_af
     their gradients with one reduce-scatter (average over dp) into ``param.grad``.
     ``reshard_after_forward`` frees the unsharded parameters after forward (re-gathered
     before the module's backward); the root keeps them until its backward.  Returns
-    ``module``, whose class becomes ``FSDP<Class>`` (an ``FSDPModule``).
+    ``module``, whose class becomes ``FSDP<Class>`` (an ``FSDPModule``).  A list of modules is
+    one unit (FSDP2's list form): one group, gathered when the first of them runs and resharded
+    after all of them ran.  ``ignored_params`` stay plain, unsharded and unreduced.
+    ``offload_policy=CPUOffloadPolicy()`` holds where every parameter is on the CPU already.
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard needs an nn.Module, got {type(module).__name__}")
-    if isinstance(module, FSDPModule):
-        raise RuntimeError(f"fully_shard was already applied to this {type(module).__name__}")
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard needs an nn.Module or a list of them, got {type(m).__name__}")
+        if isinstance(m, FSDPModule):
+            raise RuntimeError(f"fully_shard was already applied to this {type(m).__name__}")
+    if not modules:
+        raise ValueError("fully_shard: the list of modules is empty")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    _check_unsupported(modules, reshard_after_forward, shard_placement_fn, offload_policy, dp_mesh_dims)
     if mesh is None:
-        first = next(module.parameters(), None)
+        first = next((p for m in modules for p in m.parameters()), None)
         device_type = first.device.type if first is not None else "cpu"
         mesh = init_device_mesh(device_type, (current_transport().world_size,))
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a shardtensor DeviceMesh, got {type(mesh).__name__}")
     info = MeshInfo.of(mesh)
-    params = [FSDPParam(p, owners, info) for p, owners in _managed_params(module)]
+    ignored = {id(p) for p in ignored_params or ()}
+    params = [FSDPParam(p, owners, info) for p, owners in _managed_params(modules) if id(p) not in ignored]
     reduce_dtype = mp_policy.reduce_dtype if mp_policy.reduce_dtype is not None else mp_policy.param_dtype
     group = ParamGroup(params, info, mp_policy.param_dtype, reduce_dtype)
     group.show_sharded()  # only once every parameter is accepted: a refusal leaves the module as it was
-    state = FSDPState(module, group, reshard_after_forward, mp_policy)
+    state = FSDPState(modules, group, reshard_after_forward is not False, mp_policy)
     # the FSDP modules below (``module`` is not one yet) are nested: known before the first
     # forward, which compiled code never runs eagerly
     for s in state.states_in_tree():
         s.nested = True
-    module._fsdp_state = state  # type: ignore[assignment]
-    group.traced_key = traced_key(group)
-    module.register_forward_pre_hook(PreForward(state, gather_group), prepend=True, with_kwargs=True)
-    module.register_forward_hook(PostForward(state), always_call=False, with_kwargs=True)
-    module.__class__ = _fsdp_class(type(module))
+    # compiled code gathers a group per hooked call: a list's group takes the eager hooks
+    group.traced_key = traced_key(group) if len(modules) == 1 else None
+    for m in modules:
+        m._fsdp_state = state  # type: ignore[assignment]
+        m.register_forward_pre_hook(PreForward(state, gather_group), prepend=True, with_kwargs=True)
+        m.register_forward_hook(PostForward(state), always_call=False, with_kwargs=True)
+        m.__class__ = _fsdp_class(type(m))
     return module
+
+
+def _check_unsupported(modules: list[nn.Module], reshard_after_forward: Any, shard_placement_fn: Any,
+                       offload_policy: Any, dp_mesh_dims: Any) -> None:
+    """Refuse, naming the argument, what this FSDP does not do (rather than do something else)."""
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(f"fully_shard: reshard_after_forward={reshard_after_forward!r} (resharding to a "
+                                  "smaller group) is not supported; pass True or False")
+    if shard_placement_fn is not None:
+        for m in modules:
+            for name, p in m.named_parameters():
+                got = shard_placement_fn(p)
+                if got is not None and getattr(got, "dim", None) != 0:
+                    raise NotImplementedError(f"fully_shard: shard_placement_fn gives {got!r} for {name}; only "
+                                              "Shard(0) (or None) is supported")
+    if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"fully_shard: offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}")
+    if isinstance(offload_policy, CPUOffloadPolicy):
+        on = {p.device.type for m in modules for p in m.parameters()} - {"cpu", "meta"}
+        if on:
+            raise NotImplementedError(f"fully_shard: offload_policy=CPUOffloadPolicy() with parameters on {sorted(on)} "
+                                      "is not supported yet (parameters on the CPU are offloaded already)")
+    if dp_mesh_dims is not None:
+        raise NotImplementedError("fully_shard: dp_mesh_dims is not supported; pass the data-parallel mesh as mesh=")

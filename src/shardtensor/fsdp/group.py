@@ -106,6 +106,11 @@ class ParamGroup:
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
         self.sync = True
+        self.divide_factor: float | None = None  # None: the dp size (an average); 1.0: a plain sum
+        self.force_sum = False  # reduce with sums and divide locally (no avg collective)
+        self.reshard_after_backward = True
+        self.kept: Unsharded | None = None  # unsharded after a backward that did not reshard
+        self.asked = False  # the prefetch is an unshard(async_op=True) a forward has not used yet
         self.unreduced = False  # unsynchronized backwards left gradients for the next synchronized one
         self.prefetched: Unsharded | None = None
         self.prefetch_hits = 0  # gathers that found their all-gather already issued (a prefetch)
@@ -130,18 +135,27 @@ class ParamGroup:
     # -- all-gather ------------------------------------------------------------------------
     def unshard(self) -> Unsharded:
         """The unsharded buffers for one forward call: the prefetched ones, or gathered now."""
+        h, self.kept = self.kept, None
+        if h is not None and not h.freed:  # kept since the last backward: no gather
+            self.drop_prefetch()
+            self.live.add(h)
+            return h
         h, self.prefetched = self.prefetched, None
+        self.asked = False
         if h is None:
             h = self._idle_handle()
-        h.gather()
+        if h.freed or h.pending is not None:  # (a waited-for prefetch is already gathered)
+            h.gather()
         self.live.add(h)
         return h
 
-    def prefetch(self) -> None:
-        """Start the next forward's all-gather now, so it overlaps the current module's compute."""
-        if self.prefetched is None:
+    def prefetch(self, asked: bool = False) -> None:
+        """Start the next forward's all-gather now, so it overlaps the current module's compute
+        (``asked``: the user's ``unshard(async_op=True)``, kept until a forward uses it)."""
+        if self.prefetched is None and self.kept is None:
             self.prefetched = self._idle_handle()
             self.prefetched.start()
+        self.asked = self.asked or asked
 
     def _idle_handle(self) -> Unsharded:
         """The last handle again when no forward call holds it (it is freed then), else a new one.
@@ -157,7 +171,7 @@ class ParamGroup:
 
     def drop_prefetch(self) -> None:
         """Forget a prefetch the forward never used (its data may be stale by the next one)."""
-        if self.prefetched is not None:
+        if self.prefetched is not None and not self.asked:
             self.prefetched.free()
             self.prefetched = None
 
@@ -272,21 +286,25 @@ class ParamGroup:
         return out
 
     def _average(self, flat: torch.Tensor) -> torch.Tensor:
-        """This rank's block of the ``(W, n)`` gradients averaged over dp (reduce-scatter) and, on
-        HSDP, over the replicas (all-reduce); integer and low-precision sums are divided in two
-        steps to keep them in range."""
+        """This rank's block of the ``(W, n)`` gradients reduced over dp (reduce-scatter) and, on
+        HSDP, over the replicas (all-reduce), divided by the dp size (or by the module's
+        ``set_gradient_divide_factor``); integer and low-precision sums are divided in two steps
+        to keep them in range."""
         info = self.info
-        if info.world == 1 and info.rep_dim is None:  # one rank: its block is the average (no copy)
-            return flat[0]
-        if flat.dtype in (torch.float32, torch.bfloat16, torch.float64):
+        n = info.world * info.replicas
+        factor = n if self.divide_factor is None else self.divide_factor
+        if info.world == 1 and info.rep_dim is None:  # one rank: its block is the result (no copy)
+            return flat[0] if factor == 1 else flat[0] / factor
+        if factor == n and not self.force_sum and flat.dtype in (torch.float32, torch.bfloat16, torch.float64):
             red = comm.reduce_scatter(flat, "avg", info.mesh, info.dp_dim)
             return red if info.rep_dim is None else comm.all_reduce(red, "avg", info.mesh, info.rep_dim)
-        pre, post = _divide_factors(info.world * info.replicas)
-        flat.div_(pre)
+        pre, post = _divide_factors(n) if factor == n else (1.0, factor)
+        if pre != 1:
+            flat.div_(pre)
         red = comm.reduce_scatter(flat, "sum", info.mesh, info.dp_dim)
         if info.rep_dim is not None:
             red = comm.all_reduce(red, "sum", info.mesh, info.rep_dim)
-        return red.div_(post)
+        return red if post == 1 else red.div_(post)
 
     @staticmethod
     def _local_grad(p: FSDPParam, g: torch.Tensor) -> torch.Tensor:
@@ -404,7 +422,10 @@ class _Unshard(torch.autograd.Function):
         handle: Unsharded = ctx.handle
         group = handle.group
         out = group.reduce_grads(ctx.idx, grads)
-        handle.free()
+        if group.reshard_after_backward:
+            handle.free()
+        else:  # the next forward uses them as they are (FSDP2's set_reshard_after_backward(False))
+            group.kept = handle
         group.live.discard(handle)
         return (None, None, *out)
 

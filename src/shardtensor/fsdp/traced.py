@@ -81,7 +81,7 @@ def _reduce(group: ParamGroup, grads: tuple) -> tuple:
         return (None,) * len(params)
     local = [None if g is None else ParamGroup._local_grad(p, g) for p, g in zip(params, grads)]
     dtype = group.reduce_dtype or next(g.dtype for g in local if g is not None)
-    if info.world == 1 and info.rep_dim is None:  # one rank: its gradients are the average
+    if info.world == 1 and info.rep_dim is None and group.divide_factor in (None, 1.0):  # one rank: its gradients
         return tuple(None if g is None else DTensor(g.to(dtype).to(p.orig_dtype), p.spec) for p, g in zip(params, local))
     cols = []
     for p, g in zip(params, local):
