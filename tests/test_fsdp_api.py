@@ -180,3 +180,53 @@ def test_cpu_offload_holds_for_parameters_on_the_cpu():
         ((model(x) - y) ** 2).sum().backward()
         return {p.grad.device.type for p in model.parameters()}, isinstance(CPUOffloadPolicy(), OffloadPolicy)
     assert run_spmd(fn, WORLD)[0] == ({"cpu"}, True)
+
+
+def test_chunked_loss_over_a_list_unit_as_torchtitan_calls_it():
+    """torchtitan's chunked loss: the model runs the list unit's ``norm``, then the loss calls its
+    ``out`` once per chunk with a backward after each (no reshard, gradient sync only on the
+    last chunk); two steps equal one device, and every parameter is sharded after each."""
+    def fn():
+        mesh = init_device_mesh("cpu", (WORLD,))
+        model, dense = _net(), _net()
+        fully_shard(model.mid, mesh=mesh)
+        fully_shard([model.norm, model.out], mesh=mesh, reshard_after_forward=False)
+        fully_shard(model, mesh=mesh)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, dense)]
+        me, out = mesh.get_rank(), []
+        for step in range(2):
+            x, y = _data(step)
+            for m, rows in ((model, slice(2 * me, 2 * me + 2)), (dense, slice(None))):
+                h = m.norm(torch.tanh(m.mid(m.inp(x[rows])))) if m is dense else _hidden(m, x[rows])
+                chunks = [c.detach().requires_grad_() for c in h.detach().chunk(2)]
+                if m is model:
+                    m.out.set_reshard_after_backward(False)
+                    m.out.set_requires_gradient_sync(False, recurse=False)
+                    m.out.unshard()
+                grads = []
+                for i, (c, t) in enumerate(zip(chunks, y[rows].chunk(2))):
+                    if m is model and i == 1:
+                        m.out.set_requires_gradient_sync(True, recurse=False)
+                        m.out.set_reshard_after_backward(True)
+                    ((m.out(c) - t) ** 2).sum().div(1 if m is model else WORLD).backward()
+                    grads.append(c.grad)
+                h.backward(torch.cat(grads))
+            out.append(all(isinstance(p, DTensor) for p in model.parameters()))
+            for (n, p), q in zip(model.named_parameters(), dense.parameters()):
+                out.append((n, torch.allclose(p.grad.full_tensor(), q.grad)))
+            for o in opts:
+                o.step()
+                o.zero_grad()
+        return out
+    for res in run_spmd(fn, WORLD):
+        assert all(r if isinstance(r, bool) else r[1] for r in res), [r for r in res if r is False or (not isinstance(r, bool) and r[1] is False)]
+
+
+def _hidden(model, x):
+    """The model's forward up to the list unit's first module (the chunked loss runs the rest)."""
+    saved = model.forward
+    model.forward = lambda x: model.norm(torch.tanh(model.mid(model.inp(x))))
+    try:
+        return model(x)
+    finally:
+        model.forward = saved

@@ -77,8 +77,9 @@ class FSDPState:
 
     # -- hooks ----------------------------------------------------------------------------
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if self._to_run:  # a later module of the group: its parameters are unsharded already
+        if self._to_run:  # a later module of the group: the group's gather of this round serves
             self._to_run.discard(id(module))
+            self._show_unsharded()
             if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
                 args, kwargs = cast_floats((args, kwargs), self.mp.param_dtype)
             return args, kwargs
@@ -109,13 +110,28 @@ class FSDPState:
                 mod._parameters[name] = t  # type: ignore[assignment]  # a plain tensor on purpose
         return args, kwargs
 
+    def _show_unsharded(self) -> None:
+        """The owners hold this round's unsharded tensors again (a backward in between, as in a
+        chunked loss calling one module of a list per chunk, gave them their shards back),
+        gathered again if they were freed."""
+        handle = self.handle
+        assert handle is not None
+        if handle.freed:
+            handle.gather()
+            self.group.live.add(handle)
+        for p, t in zip(self.group.params, self.unsharded):
+            for mod, name in p.owners:
+                mod._parameters[name] = t  # type: ignore[assignment]  # a plain tensor on purpose
+
     # -- prefetch: the next all-gather overlaps this module's compute ---------------------
     def _begin_forward(self) -> None:
-        """Root, at each forward: record the order once; drop prefetches a forward left unused."""
+        """Root, at each forward: record the order once; drop prefetches a forward left unused;
+        a list's round of modules starts again."""
         if self.order is None:
             self.order, self.post_order, self.recording = [], [], True
         for s in self.tree:
             s.group.drop_prefetch()
+            s._to_run.clear()
 
     def _prefetch_targets(self, forward: bool) -> list["FSDPState"]:
         explicit = self.forward_prefetch if forward else self.backward_prefetch
@@ -188,6 +204,7 @@ class FSDPState:
             for h in list(s.group.live):
                 h.free()
             s.group.live.clear()
+            s.group.drop_prefetch(asked_too=True)  # an optimizer step may change the shards next
             s.group.show_sharded()
 
 
@@ -205,15 +222,16 @@ class FSDPModule:
         group.kept = None
 
     def unshard(self, async_op: bool = False) -> "UnshardHandle | None":
-        """All-gather now (the next forward gathers again; this is for inspection).  With
+        """All-gather now: the next forward uses the result without gathering.  With
         ``async_op=True`` the all-gather is left in flight and an ``UnshardHandle`` is returned;
-        its ``wait()`` (or the module's next use of the parameters) completes it."""
+        its ``wait()`` (or the module's next forward) completes it."""
         st = self._fsdp_state
-        if not async_op:
-            st.handle = st.group.unshard()
-            return None
         st.group.prefetch(asked=True)  # the next forward's gather, issued now
-        return UnshardHandle(st.group)
+        handle = UnshardHandle(st.group)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         for m in self._fsdp_modules(recurse):

@@ -137,7 +137,7 @@ class ParamGroup:
         """The unsharded buffers for one forward call: the prefetched ones, or gathered now."""
         h, self.kept = self.kept, None
         if h is not None and not h.freed:  # kept since the last backward: no gather
-            self.drop_prefetch()
+            self.drop_prefetch(asked_too=True)
             self.live.add(h)
             return h
         h, self.prefetched = self.prefetched, None
@@ -169,11 +169,13 @@ class ParamGroup:
             h = self._spare = Unsharded(self)
         return h
 
-    def drop_prefetch(self) -> None:
-        """Forget a prefetch the forward never used (its data may be stale by the next one)."""
-        if self.prefetched is not None and not self.asked:
+    def drop_prefetch(self, asked_too: bool = False) -> None:
+        """Forget a prefetch the forward never used (its data may be stale by the next one); one
+        the user asked for stays until a forward uses it or a backward ends (``asked_too``)."""
+        if self.prefetched is not None and (asked_too or not self.asked):
             self.prefetched.free()
             self.prefetched = None
+            self.asked = False
 
     def adopt_locals(self) -> None:
         """After ``nn.Module._apply``: shards follow their parameters' new device or dtype, and

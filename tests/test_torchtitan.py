@@ -1,0 +1,98 @@
+"""PyTorch's own trainer, torchtitan, runs unchanged through the drop-in (``torchrun -m
+shardtensor.dropin`` over torchtitan's train entry), with losses and gradient norms equal to the
+same run on torch's DTensor: FSDP, TP, FSDP x TP, FSDP with full and with selective activation
+checkpointing (torchtitan's default), and a DCP save then resume.
+
+A tiny llama3 (torchtitan's debug model, 32-token sequences, 3 steps) with a local tokenizer and
+data set (``tests/torch_style/titan_config.py``), on CPU with gloo and the shims a CPU needs,
+applied alike on both sides (``tests/torch_style/titan_train.py``).  Both sides start from one
+seed checkpoint, written by torch's run on one process and loaded by each through DCP: torch's
+DTensor draws a sharded parameter's values per rank on CPU, so each library's own random
+initialisation differs (shardtensor's equals one device's).  Parameters and compute in fp32.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan", reason="torchtitan is installed by scripts/_setup.sh")
+pytestmark = pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
+
+HERE = Path(__file__).parent
+STYLE = HERE / "torch_style"
+
+
+@pytest.fixture(scope="module")
+def titan(tmp_path_factory):
+    """The assets, torch's seed checkpoint, and a function running torchtitan with either library."""
+    root = tmp_path_factory.mktemp("titan")
+    sys.path.insert(0, str(STYLE))
+    try:
+        import titan_config
+    finally:
+        sys.path.remove(str(STYLE))
+    titan_config.write_assets(str(root / "assets"))
+
+    def run(who: str, nproc: int, *args: str, ac: str = "none", folder: str = "run", steps: int = 3) -> list[dict]:
+        env = {k: v for k, v in os.environ.items() if k != "CI"}
+        env.update(PYTHONPATH=os.pathsep.join([str(STYLE), str(HERE.parent / "src"), env.get("PYTHONPATH", "")]),
+                   TINY_TITAN_ASSETS=str(root / "assets"), TINY_TITAN_AC=ac)
+        pre = ["-m", "shardtensor.dropin"] if who == "ours" else []
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *pre,
+               str(STYLE / "titan_train.py"), "--module", "titan_config", "--config", "tiny", "--debug.seed", "0",
+               "--dump_folder", str(root / who), "--training.mixed_precision_param", "float32",
+               "--training.steps", str(steps), "--checkpoint.enable", "--checkpoint.folder", folder, *args]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=root)
+        text = out.stdout + out.stderr
+        assert out.returncode == 0, f"{who}: {' '.join(cmd)}\n{text[-6000:]}"
+        steps_seen = [json.loads(m) for m in re.findall(r'\{"titan_step"[^}]*\}', out.stdout)]
+        return sorted((s for s in steps_seen if s["rank"] == 0), key=lambda s: s["titan_step"])
+
+    seed = run("torch", 1, "--checkpoint.create_seed_checkpoint", "--parallelism.data_parallel_shard_degree", "1",
+               folder="seed")
+    assert seed == []  # a seed checkpoint trains no step
+    run.seed = ["--checkpoint.initial_load_path", str(root / "torch" / "seed" / "step-0")]  # type: ignore[attr-defined]
+    return run
+
+
+def _assert_same(ours: list[dict], theirs: list[dict]) -> None:
+    assert [s["titan_step"] for s in ours] == [s["titan_step"] for s in theirs] == [1, 2, 3], (ours, theirs)
+    for a, b in zip(ours, theirs):
+        for key in ("loss_metrics/global_avg_loss", "loss_metrics/global_max_loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (key, ours, theirs)
+
+
+CONFIGS = {  # name: (processes, arguments, activation checkpointing on our side; torch's runs without)
+    "fsdp": (2, [], "none"),
+    "fsdp-selective-ac": (2, [], "selective"),
+    "fsdp-full-ac": (2, [], "full"),
+    "tp": (2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"], "none"),
+    "fsdp-x-tp-selective-ac": (4, ["--parallelism.tensor_parallel_degree", "2"], "selective"),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_torchtitan_trains_unchanged_through_the_drop_in_as_on_torchs_dtensor(titan, name):
+    """Activation checkpointing changes no value: each checkpointed run is compared with torch's
+    run of the same parallelism with the same checkpointing (torchtitan's default is selective)."""
+    nproc, args, ac = CONFIGS[name]
+    theirs = titan("torch", nproc, *titan.seed, *args, ac=ac, folder=f"run-{name}")
+    ours = titan("ours", nproc, *titan.seed, *args, ac=ac, folder=f"run-{name}")
+    _assert_same(ours, theirs)
+
+
+def test_torchtitan_saves_and_resumes_through_dcp_as_without_stopping(titan):
+    """Two steps, a DCP checkpoint (model, optimizer, data loader), then a new run from it: its
+    third step equals the third step of three uninterrupted steps (on torch's DTensor too)."""
+    whole = titan("torch", 2, *titan.seed, folder="whole")
+    first = titan("ours", 2, *titan.seed, folder="resume", steps=2)
+    second = titan("ours", 2, *titan.seed, folder="resume", steps=3)
+    assert [s["titan_step"] for s in first] == [1, 2] and [s["titan_step"] for s in second] == [3]
+    _assert_same(first + second, whole)
