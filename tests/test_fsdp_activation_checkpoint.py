@@ -38,19 +38,23 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _dp_mesh(m: nn.Module, two_d: bool):
+    """The dp mesh for ``fully_shard`` (after TP on ``m``'s blocks for 2-D) and this rank's data seed."""
+    world, rank = current_transport().world_size, current_transport().rank
+    if not two_d:
+        return init_device_mesh("cpu", (world,)), rank
+    parent = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    for blk in m.blocks:
+        parallelize_module(blk, parent["tp"], tp_plan())
+    return parent["dp"], rank // 2
+
+
 def _train(reentrant: bool, two_d: bool) -> list:
     """Two steps with and without checkpointing: after each backward every parameter of both is a
     sharded DTensor, and the gradients and the updated parameters agree."""
-    world, rank = current_transport().world_size, current_transport().rank
     models = [build_model(0) for _ in range(2)]
     for m in models:
-        if two_d:
-            parent = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
-            for blk in m.blocks:
-                parallelize_module(blk, parent["tp"], tp_plan())
-            mesh, seed = parent["dp"], rank // 2
-        else:
-            mesh, seed = init_device_mesh("cpu", (world,)), rank
+        mesh, seed = _dp_mesh(m, two_d)
         for blk in m.blocks:
             fully_shard(blk, mesh=mesh)
     wrapped = [Checkpointed(models[0], reentrant), Checkpointed(models[1], None)]
@@ -95,16 +99,9 @@ def _train_wrapped(kind: str, two_d: bool) -> list:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    world, rank = current_transport().world_size, current_transport().rank
     models = [build_model(0) for _ in range(2)]
     for i, m in enumerate(models):
-        if two_d:
-            parent = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
-            for blk in m.blocks:
-                parallelize_module(blk, parent["tp"], tp_plan())
-            mesh, seed = parent["dp"], rank // 2
-        else:
-            mesh, seed = init_device_mesh("cpu", (world,)), rank
+        mesh, seed = _dp_mesh(m, two_d)
         for j, blk in enumerate(list(m.blocks)):
             if i == 0:
                 ctx = {} if kind == "full" else {"context_fn": functools.partial(create_selective_checkpoint_contexts,

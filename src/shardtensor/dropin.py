@@ -207,7 +207,7 @@ def install() -> None:
             setattr(holder, leaf, shim)
     # torch's aliases of a switched module (torch.distributed._tensor.device_mesh) show the shim too
     for name, module in list(sys.modules.items()):
-        if id(module) in shims and name not in _ORIGINAL and module is not shims[id(module)]:
+        if id(module) in shims and name not in _ORIGINAL:
             _ORIGINAL[name] = module
             sys.modules[name] = shims[id(module)]
     mesh_names = table["torch.distributed.device_mesh"]

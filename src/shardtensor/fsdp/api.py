@@ -79,7 +79,8 @@ class FSDPState:
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self._to_run:  # a later module of the group: the group's gather of this round serves
             self._to_run.discard(id(module))
-            self._show_unsharded()
+            assert self.handle is not None
+            self._show_unsharded(self.handle, self.unsharded)
             if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
                 args, kwargs = cast_floats((args, kwargs), self.mp.param_dtype)
             return args, kwargs
@@ -105,23 +106,19 @@ class FSDPState:
             s.group.prefetch()
         tensors = self.unsharded = unsharded_with_grad(handle)
         self._graph_built = any(t.requires_grad for t in tensors)
-        for p, t in zip(self.group.params, tensors):
-            for mod, name in p.owners:
-                mod._parameters[name] = t  # type: ignore[assignment]  # a plain tensor on purpose
+        self.group.show(tensors)
         return args, kwargs
 
-    def _show_unsharded(self) -> None:
-        """The owners hold this round's unsharded tensors again (a backward in between, as in a
-        chunked loss calling one module of a list per chunk, gave them their shards back),
-        gathered again if they were freed."""
-        handle = self.handle
-        assert handle is not None
+    def _show_unsharded(self, handle: Unsharded, tensors: list[torch.Tensor]) -> None:
+        """The owners hold a forward's unsharded ``tensors`` again, gathered again if they were
+        freed: before a module's backward (a checkpoint wrapper under ``fully_shard`` recomputes
+        its inner forward then, which no forward hook precedes), and for a later module of a
+        list (a backward in between, as in a chunked loss calling one of them per chunk, gave
+        the owners their shards back)."""
         if handle.freed:
             handle.gather()
             self.group.live.add(handle)
-        for p, t in zip(self.group.params, self.unsharded):
-            for mod, name in p.owners:
-                mod._parameters[name] = t  # type: ignore[assignment]  # a plain tensor on purpose
+        self.group.show(tensors)
 
     # -- prefetch: the next all-gather overlaps this module's compute ---------------------
     def _begin_forward(self) -> None:
@@ -177,13 +174,7 @@ class FSDPState:
         tensors = self.unsharded
 
         def hook(grad: torch.Tensor) -> None:
-            if handle.freed:
-                handle.gather()
-            # the module computes with its unsharded parameters again: a checkpoint wrapper under
-            # fully_shard recomputes its inner forward now, which no forward hook precedes
-            for p, t in zip(self.group.params, tensors):
-                for mod, name in p.owners:
-                    mod._parameters[name] = t  # type: ignore[assignment]  # a plain tensor on purpose
+            self._show_unsharded(handle, tensors)
             for s in self._prefetch_targets(forward=False):
                 if s.handle is not None and s.handle.freed:
                     s.handle.start()

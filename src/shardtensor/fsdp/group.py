@@ -127,6 +127,13 @@ class ParamGroup:
             for mod, name in p.owners:
                 mod._parameters[name] = p.sharded
 
+    def show(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Every owner of each parameter holds its tensor of ``tensors`` (the unsharded ones a
+        forward computes with: plain tensors, on purpose)."""
+        for p, t in zip(self.params, tensors):
+            for mod, name in p.owners:
+                mod._parameters[name] = t  # type: ignore[assignment]
+
     def compute_dtype(self, p: FSDPParam) -> torch.dtype:
         if self.param_dtype is not None and p.orig_dtype.is_floating_point:
             return self.param_dtype
