@@ -203,6 +203,45 @@ def test_what_trainers_touch_beyond_the_public_names_runs_unchanged():
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
+@pytest.mark.skipif(not hasattr(torch.distributed.fsdp, "DataParallelMeshDims"),
+                    reason="torch's own DataParallelMeshDims arrived in torch 2.13")
+def test_fsdp_over_a_full_dtensor_model_with_dp_mesh_dims_runs_unchanged():
+    """torchtitan's full_dtensor form: parameters DTensors on the whole (dp_shard, tp) mesh (and
+    on a 1-D dp_shard mesh), ``fully_shard(dp_mesh_dims=DataParallelMeshDims(shard="dp_shard"))``,
+    a registered forward method, ``share_comm_ctx``, torch's ``register_sharding`` example: losses
+    and parameters equal torch's DTensor, and one device's (FSDP2 averages each rank's term of a
+    global loss's gradient over dp: SGD on the gradient divided by the dp size)."""
+    runs = _torchrun_both("full_dtensor", 4)
+    for ours, theirs in zip(runs["ours"], runs["torch"]):
+        for key in ("tp_losses", "dp_losses"):
+            torch.testing.assert_close(torch.tensor(ours[key]), torch.tensor(theirs[key]), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{key}: {m}\n{runs}")
+        for key in ("tp_sum", "dp_sum", "softmax_sum"):
+            assert abs(ours[key] - theirs[key]) < 1e-4, (key, runs)
+        assert ours["softmax"] in ("[Shard(dim=0)]", "[Replicate()]"), ours
+    script = _script("full_dtensor")
+    for key, dp in (("tp", 2), ("dp", 4)):
+        model = script.Model()
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.4)
+        losses = []
+        for step in range(3):
+            x = script.batch(step)
+            loss = (model.score(x) if step == 2 else model(x)).pow(2).mean()
+            loss.backward()
+            losses.append(loss.item())
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad / dp
+                    p.grad = None
+        torch.testing.assert_close(torch.tensor(runs["ours"][0][f"{key}_losses"]), torch.tensor(losses),
+                                   rtol=1e-5, atol=1e-6)
+        assert abs(runs["ours"][0][f"{key}_sum"] - sum(float(p.detach().double().sum()) for p in model.parameters())) < 1e-4
+
+
 def test_torch_compile_of_code_naming_torchs_dtensor():
     """dynamo's own DTensor checks keep torch's class; the traced code's names (and their guards) are ours."""
     assert _run(["-m", "shardtensor.dropin", "tests/torch_style/compiled.py"]).rstrip().endswith("OK")

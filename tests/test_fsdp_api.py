@@ -230,3 +230,96 @@ def _hidden(model, x):
         return model(x)
     finally:
         model.forward = saved
+
+
+class Scorer(Net):
+    """A method other than ``forward`` reads the parameters itself (as a ``generate`` does), and
+    calls ``forward`` inside."""
+
+    def score(self, x: torch.Tensor) -> torch.Tensor:
+        return (self(x) * self.out.weight.sum(1)).sum(-1) + self.inp.bias.sum()
+
+
+def test_register_fsdp_forward_method_gathers_for_the_method_and_its_inner_forwards():
+    """FSDP2's ``register_fsdp_forward_method``: the method sees the unsharded parameters (its
+    inner forward uses the same gather: one all-gather per group), gradients equal one device;
+    unregistered, the method meets the shards and fails; ``share_comm_ctx`` checks its modules."""
+    from shardtensor.fsdp import register_fsdp_forward_method, share_comm_ctx
+
+    torch.manual_seed(0)
+    dense = Scorer().double()
+    x, _ = _data(0)
+    dense.score(x).sum().backward()
+
+    def fn():
+        mesh = init_device_mesh("cpu", (WORLD,))
+        torch.manual_seed(0)
+        model = Scorer().double()
+        fully_shard(model.mid, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        with pytest.raises(Exception):
+            model.score(x)  # the root's own parameters are shards outside forward
+        register_fsdp_forward_method(model, "score")
+        register_fsdp_forward_method(nn.Linear(2, 2), "forward")  # not an FSDP module: left alone
+        with pytest.raises(ValueError, match="no method 'scor'"):
+            register_fsdp_forward_method(model, "scor")
+        share_comm_ctx([model, model.mid])
+        with pytest.raises(ValueError, match="FSDP modules, got Linear"):
+            share_comm_ctx([model, nn.Linear(2, 2)])
+        r = mesh.get_local_rank()
+        with comm.recording() as log:
+            s = model.score(x[2 * r: 2 * r + 2])
+        gathers = [e.kind for e in log.of_rank(mesh.get_rank())].count("all_gather")
+        s.sum().backward()
+        scores = torch.cat(run_local_gather(s, mesh))
+        return scores, gathers, {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+    for scores, gathers, grads in run_spmd(fn, WORLD):
+        torch.testing.assert_close(scores, dense.score(x))
+        assert gathers == 2  # the root's group and mid's
+        for n, p in dense.named_parameters():  # FSDP averages the ranks' gradients
+            torch.testing.assert_close(grads[n], p.grad / WORLD, msg=n)
+
+
+def run_local_gather(t: torch.Tensor, mesh) -> list[torch.Tensor]:
+    from shardtensor import Shard
+    return [DTensor.from_local(t.detach(), mesh, [Shard(0)]).full_tensor()]
+
+
+def test_dp_mesh_dims_hsdp_on_the_whole_mesh_and_refusals():
+    """``dp_mesh_dims`` naming a shard and a replicate dim of a 2-D mesh (HSDP on a full-DTensor
+    model): the unsharded parameters are DTensors on that mesh again, the gradients of a global
+    loss (Partial over both dims) come back averaged over the 4 ranks, as FSDP2; bad names and
+    plain parameters are refused naming themselves."""
+    from shardtensor import Replicate, Shard, distribute_tensor
+    from shardtensor.fsdp import DataParallelMeshDims
+
+    dense = _net()
+    x, y = _data(0)
+    ((dense(x) - y) ** 2).mean().backward()
+
+    def fn():
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
+        model = _net()
+        for mod in model.modules():
+            for name, p in list(mod._parameters.items()):
+                mod._parameters[name] = nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate(), Replicate()]))
+        with pytest.raises(ValueError, match="names 'dp', which is not a dim"):
+            fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+        with pytest.raises(NotImplementedError, match="several mesh dims"):
+            fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard=("rep", "shard")))
+        with pytest.raises(ValueError, match="at least one of shard and replicate"):
+            DataParallelMeshDims()
+        with pytest.raises(ValueError, match="must be a DTensor on the mesh"):
+            fully_shard(_net(), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="shard", replicate="rep"))
+        dims = DataParallelMeshDims(shard="shard", replicate="rep")
+        fully_shard(model.mid, mesh=mesh, dp_mesh_dims=dims)
+        fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+        assert model.mid.weight.placements == (Replicate(), Shard(0))
+        xd, yd = (distribute_tensor(t, mesh, [Shard(0), Shard(0)]) for t in (x, y))
+        ((model(xd) - yd) ** 2).mean().backward()
+        return {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+    for grads in run_spmd(fn, 4):
+        for n, p in dense.named_parameters():
+            torch.testing.assert_close(grads[n], p.grad / 4, msg=n)

@@ -30,8 +30,9 @@ def _switched() -> dict[str, dict[str, Any]]:
                    init_device_mesh, ones, rand, randn, zeros)
     from .checkpoint import state_dict as sd
     from .debug import CommDebugMode, visualize_sharding
-    from .experimental import implicit_replication, local_map
-    from .fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, UnshardHandle, fully_shard
+    from .experimental import implicit_replication, local_map, register_sharding
+    from .fsdp import (CPUOffloadPolicy, DataParallelMeshDims, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, UnshardHandle, fully_shard,
+                       register_fsdp_forward_method, share_comm_ctx)
     from .parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput,
                            PrepareModuleOutput, RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module)
 
@@ -44,7 +45,9 @@ def _switched() -> dict[str, dict[str, Any]]:
            "ones": ones, "empty": empty, "full": full, "rand": rand, "randn": randn, "zeros": zeros}
     meshes = {"DeviceMesh": DeviceMesh, "init_device_mesh": init_device_mesh}
     fsdp = {"fully_shard": fully_shard, "FSDPModule": FSDPModule, "MixedPrecisionPolicy": MixedPrecisionPolicy,
-            "UnshardHandle": UnshardHandle, "OffloadPolicy": OffloadPolicy, "CPUOffloadPolicy": CPUOffloadPolicy}
+            "UnshardHandle": UnshardHandle, "OffloadPolicy": OffloadPolicy, "CPUOffloadPolicy": CPUOffloadPolicy,
+            "register_fsdp_forward_method": register_fsdp_forward_method, "share_comm_ctx": share_comm_ctx,
+            "DataParallelMeshDims": DataParallelMeshDims}
     # every module path torch users import these names from, the older and private ones included
     # (``isinstance(m, torch.distributed._composable.fsdp.FSDPModule)`` holds for ours)
     return {
@@ -61,13 +64,16 @@ def _switched() -> dict[str, dict[str, Any]]:
         "torch.distributed.tensor.parallel.api": {"parallelize_module": parallelize_module},
         "torch.distributed.tensor.parallel.loss": {"loss_parallel": loss_parallel},
         "torch.distributed.tensor.parallel.style": styles,
-        "torch.distributed.tensor.experimental": {"local_map": local_map, "implicit_replication": implicit_replication},
+        "torch.distributed.tensor.experimental": {"local_map": local_map, "implicit_replication": implicit_replication,
+                                                 "register_sharding": register_sharding},
         "torch.distributed.tensor.experimental._func_map": {"local_map": local_map},
+        "torch.distributed.tensor.experimental._register_sharding": {"register_sharding": register_sharding},
         "torch.distributed.tensor.debug": {"visualize_sharding": visualize_sharding, "CommDebugMode": CommDebugMode},
         "torch.distributed.fsdp": fsdp,
         "torch.distributed.fsdp._fully_shard": fsdp,
         "torch.distributed.fsdp._fully_shard._fully_shard": fsdp,
-        "torch.distributed.fsdp._fully_shard._fsdp_api": {"MixedPrecisionPolicy": MixedPrecisionPolicy},
+        "torch.distributed.fsdp._fully_shard._fsdp_api": {"MixedPrecisionPolicy": MixedPrecisionPolicy,
+                                                           "DataParallelMeshDims": DataParallelMeshDims},
         "torch.distributed._composable.fsdp": fsdp,
         "torch.distributed._composable.fsdp.fully_shard": fsdp,
         "torch.distributed.checkpoint.state_dict": {
@@ -179,7 +185,9 @@ def _patches() -> list[tuple[Any, str, Any]]:
 
     from .groups import resolving_meshes
     from .mesh import DeviceMesh
-    return [(funcol, "_resolve_group", resolving_meshes(funcol._resolve_group, DeviceMesh))]
+    # torch 2.13 resolves every group through _resolve_group; 2.11 through _resolve_group_name
+    name = "_resolve_group" if hasattr(funcol, "_resolve_group") else "_resolve_group_name"
+    return [(funcol, name, resolving_meshes(getattr(funcol, name), DeviceMesh))]
 
 
 def installed() -> bool:

@@ -1,4 +1,5 @@
-"""``local_map`` and ``implicit_replication``, as in ``torch.distributed.tensor.experimental``."""
+"""``local_map``, ``implicit_replication`` and ``register_sharding``, as in
+``torch.distributed.tensor.experimental``."""
 from __future__ import annotations
 
 import functools
@@ -12,7 +13,7 @@ from .mesh import DeviceMesh
 from .placement import Placement, display
 from .tensor import DTensor
 
-__all__ = ["implicit_replication", "local_map"]
+__all__ = ["implicit_replication", "local_map", "register_sharding"]
 
 PlacementType = Sequence[Placement] | None
 
@@ -96,3 +97,41 @@ def _wrap_one(out: Any, placements: PlacementType, mesh: DeviceMesh) -> Any:
         raise ValueError(f"local_map: out_placements {display(placements)} given for an output of type "
                          f"{type(out).__name__}, expected a plain torch.Tensor")
     return DTensor.from_local(out, mesh, placements)
+
+
+def register_sharding(op: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: ``fn`` lists the shardings ``op`` (an overload, or a list of them) accepts, in
+    torch's form, replacing any rule the op had.
+
+    ``fn`` takes the op's arguments with every DTensor replaced by its spec (``.shape``,
+    ``.ndim``, ``.placements``, ``.mesh``) and returns ``(output_placements, input_placements)``
+    pairs for one mesh dim: one placement per output (``None`` for a non-tensor output) and one
+    per argument (``None`` for a non-tensor one; the others in order are the DTensor arguments).
+    Every mesh dim picks one pair; the combination that moves the fewest bytes runs the op on
+    the local tensors."""
+    from .propagation import clear_cache, decide, register
+    from .propagation.strategy import expand
+
+    def rule_of(fn: Callable[..., Any]) -> Callable[[Any], Any]:
+        def rule(call: Any) -> Any:
+            args, kwargs = call.spec_args()
+            positions = call.tensor_positions
+            options = []
+            for outs, ins in fn(*args, **kwargs):
+                want = [p for p in ins if p is not None]
+                if len(want) != len(positions):
+                    raise ValueError(f"register_sharding for {call.op}: a sharding gives {len(want)} input placements "
+                                     f"(not None) for {len(positions)} DTensor arguments")
+                options.append((dict(zip(positions, want)), outs[0] if len(outs) == 1 else tuple(outs)))
+            if not options:
+                raise call.refuse(f"with these placements: {fn.__name__} returned no sharding")
+            return decide(call, expand([options] * call.mesh.ndim, positions))
+
+        return rule
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        register(*(op if isinstance(op, (list, tuple)) else [op]))(rule_of(fn))
+        clear_cache()  # decisions made under the op's former rule
+        return fn
+
+    return deco

@@ -39,9 +39,10 @@ def remember(mesh: Any) -> None:
 
 
 def resolving_meshes(theirs: Any, mesh_type: Any) -> Any:
-    """torch's functional collectives' group resolver (``_resolve_group``), also taking this
-    library's meshes as torch's take its own: ``group=mesh`` (1-D) or ``group=(mesh, dim)`` is
-    that mesh dim's process group.  The drop-in installs it; here, since compiled code runs it."""
+    """torch's functional collectives' group resolver (``_resolve_group``; ``_resolve_group_name``
+    before torch 2.13), also taking this library's meshes as torch's take its own: ``group=mesh``
+    (1-D) or ``group=(mesh, dim)`` is that mesh dim's process group.  The drop-in installs it;
+    here, since compiled code runs it."""
 
     def resolve(group: Any, tag: str = "") -> Any:
         if isinstance(group, mesh_type):

@@ -1,6 +1,7 @@
 """``fully_shard`` and ``MixedPrecisionPolicy`` (mirror ``torch.distributed.fsdp``'s FSDP2 API)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,10 +13,11 @@ from ..comm import current_transport
 from ..mesh import DeviceMesh, init_device_mesh
 from .group import ParamGroup, Unsharded, unsharded_with_grad
 from .hooks import PostForward, PreForward, cast_floats
-from .param import FSDPParam, MeshInfo
+from .param import DataParallelMeshDims, FSDPParam, MeshInfo
 from .traced import gather_group, traced_key
 
-__all__ = ["CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "UnshardHandle", "fully_shard"]
+__all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "UnshardHandle", "fully_shard",
+           "register_fsdp_forward_method", "share_comm_ctx"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class FSDPState:
         self.recording = False
         self.forward_prefetch: list[FSDPState] | None = None  # None: the next state in forward order
         self.backward_prefetch: list[FSDPState] | None = None  # None: the next one in backward
+        self.in_method = 0  # inside a method registered by register_fsdp_forward_method
 
     def states_in_tree(self) -> list["FSDPState"]:
         found = {id(m._fsdp_state): m._fsdp_state for top in self.modules for m in top.modules()
@@ -77,6 +80,8 @@ class FSDPState:
 
     # -- hooks ----------------------------------------------------------------------------
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.in_method:  # a forward inside a registered method: the method's gather serves
+            return args, kwargs
         if self._to_run:  # a later module of the group: the group's gather of this round serves
             self._to_run.discard(id(module))
             assert self.handle is not None
@@ -141,6 +146,8 @@ class FSDPState:
         return [order[i]] if 0 <= i < len(order) else []
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if self.in_method:
+            return output
         if self._to_run:  # the group's other modules have yet to run: keep the parameters unsharded
             if self._graph_built and torch.is_grad_enabled():
                 self._hook_outputs(output)
@@ -319,6 +326,41 @@ class UnshardHandle:
             h.gather()
 
 
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """FSDP2's: ``module.method_name`` (a method other than ``forward``, e.g. ``generate``)
+    gathers the parameters before it runs and reshards after, as ``forward`` does; forwards it
+    calls inside use that gather.  A module ``fully_shard`` was not applied to is left as it is."""
+    if not isinstance(module, FSDPModule):
+        return
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}")
+    state = module._fsdp_state
+
+    @functools.wraps(method)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if state.in_method:
+            return method(*args, **kwargs)
+        args, kwargs = state.pre_forward(module, args, kwargs)
+        state.in_method += 1
+        try:
+            out = method(*args, **kwargs)
+        finally:
+            state.in_method -= 1
+        return state.post_forward(module, args, kwargs, out)
+
+    setattr(module, method_name, wrapped)
+
+
+def share_comm_ctx(modules: list[nn.Module]) -> None:
+    """FSDP2's: let several roots (pipeline stages) share CUDA streams for their collectives.
+    This FSDP issues its collectives on the current stream (no streams of its own), so there is
+    nothing to share; the modules are checked as FSDP2 checks them."""
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"share_comm_ctx: expects a list of FSDP modules, got {type(m).__name__}")
+
+
 def _state_of(m: Any, who: str) -> FSDPState:
     if not isinstance(m, FSDPModule):
         raise TypeError(f"{who}: expected modules that fully_shard was applied to, got {type(m).__name__}")
@@ -363,7 +405,8 @@ def _managed_params(modules: list[nn.Module]) -> list[tuple[nn.Parameter, list[t
 def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None,
                 reshard_after_forward: bool | None = True, shard_placement_fn: Any = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), offload_policy: "OffloadPolicy | None" = None,
-                ignored_params: set[nn.Parameter] | None = None, dp_mesh_dims: Any = None) -> Any:
+                ignored_params: set[nn.Parameter] | None = None,
+                dp_mesh_dims: DataParallelMeshDims | None = None) -> Any:
     """Shard ``module``'s parameters (those no child ``fully_shard`` manages) along dim 0 over dp.
 
     Apply bottom-up: blocks first, then the root.  Parameters become ``nn.Parameter(DTensor)``
@@ -378,6 +421,9 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     one unit (FSDP2's list form): one group, gathered when the first of them runs and resharded
     after all of them ran.  ``ignored_params`` stay plain, unsharded and unreduced.
     ``offload_policy=CPUOffloadPolicy()`` holds where every parameter is on the CPU already.
+    ``dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...)``: ``mesh`` is the parameters'
+    whole mesh (DTensors ``Replicate`` on the dims named there); FSDP shards over the ``shard``
+    dim, and each unsharded parameter is a DTensor on that whole mesh again.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     for m in modules:
@@ -389,14 +435,14 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         raise ValueError("fully_shard: the list of modules is empty")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-    _check_unsupported(modules, reshard_after_forward, shard_placement_fn, offload_policy, dp_mesh_dims)
+    _check_unsupported(modules, reshard_after_forward, shard_placement_fn, offload_policy)
     if mesh is None:
         first = next((p for m in modules for p in m.parameters()), None)
         device_type = first.device.type if first is not None else "cpu"
         mesh = init_device_mesh(device_type, (current_transport().world_size,))
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a shardtensor DeviceMesh, got {type(mesh).__name__}")
-    info = MeshInfo.of(mesh)
+    info = MeshInfo.of(mesh, dp_mesh_dims)
     ignored = {id(p) for p in ignored_params or ()}
     params = [FSDPParam(p, owners, info) for p, owners in _managed_params(modules) if id(p) not in ignored]
     reduce_dtype = mp_policy.reduce_dtype if mp_policy.reduce_dtype is not None else mp_policy.param_dtype
@@ -418,7 +464,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
 
 
 def _check_unsupported(modules: list[nn.Module], reshard_after_forward: Any, shard_placement_fn: Any,
-                       offload_policy: Any, dp_mesh_dims: Any) -> None:
+                       offload_policy: Any) -> None:
     """Refuse, naming the argument, what this FSDP does not do (rather than do something else)."""
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise NotImplementedError(f"fully_shard: reshard_after_forward={reshard_after_forward!r} (resharding to a "
@@ -437,5 +483,3 @@ def _check_unsupported(modules: list[nn.Module], reshard_after_forward: Any, sha
         if on:
             raise NotImplementedError(f"fully_shard: offload_policy=CPUOffloadPolicy() with parameters on {sorted(on)} "
                                       "is not supported yet (parameters on the CPU are offloaded already)")
-    if dp_mesh_dims is not None:
-        raise NotImplementedError("fully_shard: dp_mesh_dims is not supported; pass the data-parallel mesh as mesh=")

@@ -29,7 +29,7 @@ import torch
 
 from .. import comm
 from ..kernels import chunk_cat, split_with_sizes_copy
-from ..placement import Replicate, display
+from ..placement import Partial, Replicate, display
 from ..redistribute import redistribute_local
 from ..spec import DTensorSpec, contiguous_stride
 from ..tensor import DTensor
@@ -327,11 +327,17 @@ class ParamGroup:
             raise TypeError(f"FSDP: the gradient of the TP parameter {p.fqn} is not a DTensor on {p.tp_spec.mesh}")
         if g._spec.placements == p.tp_spec.placements and g._spec.is_default_order:
             return g._local_tensor
-        if p.tp_spec.mesh.ndim == 2 and not isinstance(g.placements[p.info.dp_dim], Replicate):
-            raise NotImplementedError(
-                f"FSDP: the gradient of {p.fqn} is {display(g.placements)} on the 2-D mesh; the dp dim must be "
-                "Replicate (each dp rank's own gradient), FSDP averages over dp itself")
-        target = DTensorSpec.build(g._spec.mesh, p.tp_spec.placements, g.shape, g.stride(), g.dtype)
+        # on the data-parallel dims each rank's local gradient is its own term, Replicate or
+        # Partial(sum) alike (as FSDP2): the reduce-scatter below combines them
+        dp_dims = p.info.dp_dims if p.tp_spec.mesh == p.info.mesh else ()
+        want = list(p.tp_spec.placements)
+        for d in dp_dims:
+            if not (isinstance(g.placements[d], Replicate) or g.placements[d] == Partial("sum")):
+                raise NotImplementedError(
+                    f"FSDP: the gradient of {p.fqn} is {display(g.placements)}; on the data-parallel mesh dim {d} it "
+                    "must be Replicate or Partial(sum) (each rank's own term), FSDP combines them itself")
+            want[d] = g.placements[d]
+        target = DTensorSpec.build(g._spec.mesh, want, g.shape, g.stride(), g.dtype)
         return redistribute_local(g._local_tensor, g._spec, target)
 
 

@@ -17,24 +17,56 @@ from ..placement import Partial, Placement, Replicate, Shard, StridedShard, chun
 from ..spec import DTensorSpec, contiguous_stride
 from ..tensor import DTensor
 
-__all__ = ["FSDPParam", "MeshInfo"]
+__all__ = ["DataParallelMeshDims", "FSDPParam", "MeshInfo"]
+
+
+@dataclass(frozen=True)
+class DataParallelMeshDims:
+    """FSDP2's: which named dims of the full mesh ``fully_shard`` gets are data parallel:
+    ``shard`` (FSDP shards parameters over it) and ``replicate`` (HSDP's replicas).  The
+    parameters are DTensors on that whole mesh, ``Replicate`` on these dims; each other dim
+    keeps its placement (at most one such dim: TP)."""
+
+    shard: str | tuple[str, ...] | None = None
+    replicate: str | tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ValueError("DataParallelMeshDims: at least one of shard and replicate must be set")
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return _names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        return _names(self.replicate)
+
+
+def _names(dims: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    return () if dims is None else (dims,) if isinstance(dims, str) else tuple(dims)
 
 
 @dataclass(frozen=True, eq=False)
 class MeshInfo:
     """The mesh ``fully_shard`` got: its shard dim, HSDP's replicate dim, and for the (dp, tp)
-    form its tp dim and sub-mesh."""
+    form its tp dim and sub-mesh.  ``spmd``: the mesh is the parameters' own whole mesh
+    (``dp_mesh_dims``), so every parameter is a DTensor on it."""
 
     mesh: DeviceMesh
     dp_dim: int
     rep_dim: int | None = None
     tp_dim: int | None = None
     tp_mesh: DeviceMesh | None = None
+    spmd: bool = False
 
     @staticmethod
-    def of(mesh: DeviceMesh) -> "MeshInfo":
+    def of(mesh: DeviceMesh, dims: DataParallelMeshDims | None = None) -> "MeshInfo":
         """1-D: FSDP.  2-D: HSDP as in torch (replicate over dim 0, shard over dim 1), except a
-        mesh with dims named ``("dp", "tp")``: FSDP on dp with the TP parameters on ``mesh["tp"]``."""
+        mesh with dims named ``("dp", "tp")``: FSDP on dp with the TP parameters on ``mesh["tp"]``.
+        With ``dims``: the dims it names."""
+        if dims is not None:
+            return MeshInfo._of_dims(mesh, dims)
         if mesh.ndim == 1:
             return MeshInfo(mesh, 0)
         if mesh.ndim != 2:
@@ -48,6 +80,32 @@ class MeshInfo:
             dp = names.index("dp")
             return MeshInfo(mesh, dp, None, 1 - dp, mesh["tp"])
         return MeshInfo(mesh, 1, 0)
+
+    @staticmethod
+    def _of_dims(mesh: DeviceMesh, dims: DataParallelMeshDims) -> "MeshInfo":
+        if not isinstance(dims, DataParallelMeshDims):
+            raise TypeError(f"fully_shard: dp_mesh_dims must be a DataParallelMeshDims, got {type(dims).__name__}")
+        names = mesh.mesh_dim_names or ()
+        shard, rep = dims.shard_names, dims.replicate_names
+        for n in shard + rep:
+            if n not in names:
+                raise ValueError(f"fully_shard: dp_mesh_dims names {n!r}, which is not a dim of the mesh {names}")
+        if len(shard) != 1 or len(rep) > 1:
+            raise NotImplementedError(f"fully_shard: dp_mesh_dims={dims} (FSDP over several mesh dims at once, or "
+                                      "replicas only) is not supported; name one shard dim and at most one "
+                                      "replicate dim, or flatten them first (mesh['a', 'b']._flatten('ab'))")
+        others = [n for n in names if n not in shard + rep]
+        if len(others) > 1 or (others and rep):
+            raise NotImplementedError(f"fully_shard: dp_mesh_dims on a mesh {names} with the other dims {others} "
+                                      f"{'and replicas ' if rep else ''}is not supported; at most one other dim (TP)")
+        tp = names.index(others[0]) if others else None
+        return MeshInfo(mesh, names.index(shard[0]), names.index(rep[0]) if rep else None, tp,
+                        mesh[others[0]] if others else None, spmd=True)
+
+    @property
+    def dp_dims(self) -> tuple[int, ...]:
+        """The mesh dims data parallelism uses (shard, and HSDP's replicate dim)."""
+        return (self.dp_dim,) if self.rep_dim is None else (self.dp_dim, self.rep_dim)
 
     @functools.cached_property
     def world(self) -> int:  # read per hook call; a mesh's sizes never change
@@ -131,6 +189,16 @@ class FSDPParam:
         recipe); on the ("dp", "tp") form, on that mesh.
         """
         pl = param.placements if isinstance(param, DTensor) else None
+        if info.spmd:
+            if pl is None or param.device_mesh != info.mesh:
+                raise ValueError(f"fully_shard with dp_mesh_dims: parameter {self.fqn} must be a DTensor on the mesh "
+                                 f"{info.mesh} (e.g. from distribute_module), got "
+                                 f"{'a plain tensor' if pl is None else param.device_mesh}")
+            if any(not isinstance(pl[d], Replicate) for d in info.dp_dims):
+                raise ValueError(f"fully_shard with dp_mesh_dims: parameter {self.fqn} is {display(pl)}; it must be "
+                                 "Replicate on the data-parallel dims")
+            tp_pl = None if info.tp_dim is None else self._tp_placement(pl[info.tp_dim])
+            return info.mesh, info.dp_dim, info.tp_dim, tp_pl
         if info.tp_dim is not None:  # the (dp, tp) form
             if pl is None:
                 return info.mesh, info.dp_dim, info.tp_dim, Replicate()
