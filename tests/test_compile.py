@@ -255,7 +255,35 @@ def _gloo_fullgraph(rank: int, world: int, what: str):
     torch._dynamo.reset()
     if what == "block":
         return _sequence_parallel_block("aot_eager", world, fullgraph=True)
+    if what == "local_map":
+        return _local_map_in_graph(world)
     return _from_local_in_graph("aot_eager", fullgraph=True)
+
+
+def _local_map_in_graph(world: int):
+    """``local_map`` in ``fullgraph=True`` code, as torch's: uneven pieces (5 rows), a replicated
+    weight whose local gradients are Partial, a Partial output; forward and backward equal eager."""
+    from shardtensor.experimental import local_map
+
+    mesh = init_device_mesh("cpu", (world,))
+    scale = local_map(lambda t, w: (t * w, (t * w).sum()), out_placements=([Shard(0)], [Partial()]),
+                      in_placements=([Shard(0)], [Replicate()]), in_grad_placements=(None, [Partial()]))
+
+    def g(x, w):
+        y, total = scale(x, w)
+        return y.redistribute(mesh, [Replicate()]).to_local(), total.full_tensor()
+
+    got = []
+    for fn in (g, torch.compile(g, backend="aot_eager", fullgraph=True)):
+        x = distribute_tensor(torch.arange(10.0).reshape(5, 2), mesh, [Shard(0)]).requires_grad_()
+        w = distribute_tensor(torch.tensor([2.0, 3.0]), mesh, [Replicate()]).requires_grad_()
+        y, total = fn(x, w)
+        (y.pow(2).sum() + total).backward()
+        got.append((y, total, x.grad.full_tensor(), w.grad.full_tensor()))
+    a, wd = torch.arange(10.0).reshape(5, 2).requires_grad_(), torch.tensor([2.0, 3.0], requires_grad=True)
+    ((a * wd).pow(2).sum() + (a * wd).sum()).backward()
+    want = (a.detach() * wd.detach(), (a * wd).sum().detach(), a.grad, wd.grad)
+    return [all(torch.allclose(u, v) for u, v in zip(run, want)) for run in got]
 
 
 @pytest.mark.skipif(not gloo_available() or not methods_traced(), reason="needs gloo and torch 2.13 or newer")
@@ -264,6 +292,14 @@ def test_tensor_parallel_models_compile_into_one_graph_in_gloo_processes():
     res = run_multiprocess(_gloo_fullgraph, 2, timeout=300, args=("block",))
     assert res == [[True] * 8] * 2, res
     assert run_multiprocess(_gloo_fullgraph, 4, timeout=300, args=("from_local",)) == [True] * 4
+
+
+@pytest.mark.skipif(not gloo_available() or not methods_traced(), reason="needs gloo and torch 2.13 or newer")
+def test_local_map_compiles_into_one_graph_in_gloo_processes():
+    """fullgraph=True: dynamo reads local_map's wrapper (its DTensor reads, methods and from_local
+    are graph nodes); an uneven output's global shape comes from the pieces' sizes exchanged while
+    tracing, a constant of the graph."""
+    assert run_multiprocess(_gloo_fullgraph, 2, timeout=300, args=("local_map",)) == [[True, True]] * 2
 
 
 def _from_local_in_graph(backend: str, fullgraph: bool = False):

@@ -323,3 +323,37 @@ def test_dp_mesh_dims_hsdp_on_the_whole_mesh_and_refusals():
     for grads in run_spmd(fn, 4):
         for n, p in dense.named_parameters():
             torch.testing.assert_close(grads[n], p.grad / 4, msg=n)
+
+
+@pytest.mark.parametrize("force_sum", [False, True])
+def test_hsdp_accumulates_with_reduce_scatters_only_until_the_all_reduce(force_sum):
+    """FSDP2's ``set_requires_all_reduce(False)`` on HSDP (2 replicas x 2 shards): microbatches
+    reduce-scatter only, set no ``.grad``, and the last (all-reduce on) all-reduces the sum of
+    the blocks once; gradients equal one device's over all microbatches / 4."""
+    dense = _net()
+    for step in range(3):
+        x, y = _data(step)
+        ((dense(x) - y) ** 2).sum().backward()
+
+    def fn():
+        mesh = init_device_mesh("cpu", (2, 2))
+        model = _net()
+        fully_shard(model.mid, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.set_force_sum_reduction_for_comms(force_sum)
+        kinds, nones = [], []
+        r = mesh.get_rank()
+        for step in range(3):
+            model.set_requires_all_reduce(step == 2)
+            x, y = _data(step)
+            with comm.recording() as log:
+                ((model(x[r: r + 1]) - y[r: r + 1]) ** 2).sum().backward()
+            kinds.append(sorted({e.kind for e in log.of_rank(r)}))
+            nones.append(all(p.grad is None for p in model.parameters()))
+        return kinds, nones, {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+    for kinds, nones, grads in run_spmd(fn, 4):
+        assert kinds[:2] == [["all_gather", "reduce_scatter"]] * 2 and "all_reduce" in kinds[2], kinds
+        assert nones == [True, True, False]
+        for n, p in dense.named_parameters():
+            torch.testing.assert_close(grads[n], p.grad / 4, msg=n)

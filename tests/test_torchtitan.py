@@ -1,7 +1,7 @@
 """PyTorch's own trainer, torchtitan, runs unchanged through the drop-in (``torchrun -m
 shardtensor.dropin`` over torchtitan's train entry), with losses and gradient norms equal to the
 same run on torch's DTensor: FSDP, TP, FSDP x TP, FSDP with full and with selective activation
-checkpointing (torchtitan's default), and a DCP save then resume.
+checkpointing (torchtitan's default), a DCP save then resume, and its full_dtensor backend.
 
 A tiny llama3 (torchtitan's debug model, 32-token sequences, 3 steps) with a local tokenizer and
 data set (``tests/torch_style/titan_config.py``), on CPU with gloo and the shims a CPU needs,
@@ -96,3 +96,21 @@ def test_torchtitan_saves_and_resumes_through_dcp_as_without_stopping(titan):
     second = titan("ours", 2, *titan.seed, folder="resume", steps=3)
     assert [s["titan_step"] for s in first] == [1, 2] and [s["titan_step"] for s in second] == [3]
     _assert_same(first + second, whole)
+
+
+def test_torchtitans_full_dtensor_backend_trains_unchanged(titan):
+    """torchtitan's ``full_dtensor`` backend (every parameter and input a DTensor on the whole
+    (dp_shard, tp) mesh; ``fully_shard(..., dp_mesh_dims=DataParallelMeshDims(shard="dp_shard"))``)
+    through the drop-in: losses equal torch's run of the usual backend (the same training), and
+    gradient norms equal torch's run of this backend.  torch's own run of this backend reports
+    losses dp times too large: its loss comes out Replicate where torchtitan sums each rank's
+    ``to_local()`` (shardtensor's is Partial(sum), whose terms sum to the loss); the gradients
+    agree, so only the logged metric differs."""
+    args = ["--parallelism.tensor_parallel_degree", "2"]
+    full = ["--parallelism.spmd_backend", "full_dtensor"]
+    usual = titan("torch", 4, *titan.seed, *args, folder="run-usual")
+    theirs = titan("torch", 4, *titan.seed, *args, *full, folder="run-full")
+    ours = titan("ours", 4, *titan.seed, *args, *full, folder="run-full")
+    _assert_same(ours, usual)
+    for a, b in zip(ours, theirs):
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * b["grad_norm"], (ours, theirs)

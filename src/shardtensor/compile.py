@@ -52,9 +52,10 @@ __all__ = ["in_graph", "keep_dynamo_out", "methods_traced", "metadata", "rank_ke
 
 _TRACED: list[bool] = []  # whether placements and meshes are graph constants (set when dynamo loads)
 _IN_GRAPH: list[Callable] = []  # functions that compiled code calls as one node of its graph
-_DYNAMO_READS = ("parallel/hooks.py", "fsdp/hooks.py", "groups.py")
-"""The package's files that dynamo traces: forward hooks whose bodies only call ``in_graph``
-functions, so a compiled module with parallel styles or ``fully_shard`` is one graph."""
+_DYNAMO_READS = ("parallel/hooks.py", "fsdp/hooks.py", "groups.py", "experimental.py")
+"""The package's files that dynamo traces: forward hooks and ``local_map``'s wrapper, whose
+bodies only read DTensor metadata, call DTensor methods and ``in_graph`` functions, so a
+compiled module with parallel styles, ``fully_shard`` or ``local_map`` is one graph."""
 _USER_CODE = ("examples",)
 """The package's models (the demo's ``TinyLM``): user code, which dynamo traces like any model's."""
 _ROOT = os.path.dirname(os.path.abspath(__file__))

@@ -57,15 +57,20 @@ def local_order(local: torch.Tensor) -> list[int]:
     return _order(local.shape, local.stride(), range(local.ndim))
 
 
-def _gather_meta(local: torch.Tensor, mesh: DeviceMesh) -> list[dict[str, Any]]:
+def _gather_meta(local: torch.Tensor, mesh: DeviceMesh, traced: bool) -> list[dict[str, Any]]:
     """ndim, dtype, requires_grad, shape and stride of every rank's piece, in group-rank order: one
-    all-gather of a fixed-width row, so ranks that disagree on ndim still meet in the same collective."""
+    all-gather of a fixed-width row, so ranks that disagree on ndim still meet in the same collective
+    (issued eagerly when ``traced``: see ``check_pieces``)."""
     n = min(local.ndim, META_DIMS)
     pad = [0] * (META_DIMS - n)
     row = ([local.ndim, _DTYPE_CODES[local.dtype], int(local.requires_grad)]
-           + list(local.shape[:n]) + pad + list(local.stride()[:n]) + pad)
+           + [int(k) for k in local.shape[:n]] + pad + [int(k) for k in local.stride()[:n]] + pad)
     meta = torch.tensor(row, dtype=torch.int64, device=local.device)
-    rows = comm.all_gather(meta, mesh, None).reshape(-1, 3 + 2 * META_DIMS).tolist()
+    if traced:
+        rows = comm.issue("all_gather", mesh.group_ranks(None), None, meta)
+    else:
+        rows = comm.all_gather(meta, mesh, None)
+    rows = rows.reshape(-1, 3 + 2 * META_DIMS).tolist()
     out = []
     for r in rows:
         k = min(r[0], META_DIMS)
@@ -85,8 +90,20 @@ def check_pieces(local: torch.Tensor, mesh: DeviceMesh, pl: tuple[Placement, ...
     """Gather every rank's piece metadata; all ranks raise the same error on a mismatch.
 
     Returns the global shape (``shape`` when given, else the one the pieces' sizes add up to)
-    and the global dim order (outermost first) the pieces' strides agree on."""
-    meta = _gather_meta(local, mesh)
+    and the global dim order (outermost first) the pieces' strides agree on.  When torch.compile
+    traces ``local`` (fake, with this rank's real sizes, each guarded), the metadata is exchanged
+    then, eagerly, and the global shape becomes a constant of the graph."""
+    if not comm.tracing(local):
+        return _check_pieces(local, mesh, pl, shape, False)
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():  # fake tensors, tracing and functionalization: real ints, a real collective
+        return _check_pieces(local, mesh, pl, shape, True)
+
+
+def _check_pieces(local: torch.Tensor, mesh: DeviceMesh, pl: tuple[Placement, ...], shape: tuple[int, ...] | None,
+                  traced: bool) -> tuple[tuple[int, ...], list[int]]:
+    meta = _gather_meta(local, mesh, traced)
     ranks = mesh.group_ranks(None)
     _same("ndim", [m["ndim"] for m in meta], ranks)
     if meta[0]["ndim"] > META_DIMS:

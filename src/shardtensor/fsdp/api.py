@@ -257,13 +257,12 @@ class FSDPModule:
         self._fsdp_state.group.force_sum = bool(enable)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP: ``False`` would skip the all-reduce over replicas (not supported: gradients stay
-        exact by reducing every backward; use ``set_requires_gradient_sync(False)``, which
-        skips both collectives).  Without replicas there is no all-reduce: nothing changes."""
+        """HSDP: ``False`` skips the all-reduce over replicas in backward (gradient accumulation
+        with reduce-scatters only): each reduce-scattered block is kept, no ``.grad`` is set,
+        and the next backward with ``True`` all-reduces their sum with its own.  Without
+        replicas there is no all-reduce: nothing changes."""
         for m in self._fsdp_modules(recurse):
-            if not requires_all_reduce and m._fsdp_state.group.info.rep_dim is not None:
-                raise NotImplementedError("set_requires_all_reduce(False) on an HSDP module: use "
-                                          "set_requires_gradient_sync(False) to accumulate without communication")
+            m._fsdp_state.group.all_reduce = bool(requires_all_reduce)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for FSDP2 code: every reduce-scatter here completes within its backward, so

@@ -112,6 +112,8 @@ class ParamGroup:
         self.kept: Unsharded | None = None  # unsharded after a backward that did not reshard
         self.asked = False  # the prefetch is an unshard(async_op=True) a forward has not used yet
         self.unreduced = False  # unsynchronized backwards left gradients for the next synchronized one
+        self.all_reduce = True  # HSDP: False keeps the replicas' reduce-scattered blocks (set_requires_all_reduce)
+        self.replica_part: dict[tuple, torch.Tensor] = {}  # per reduce plan: those blocks, summed
         self.prefetched: Unsharded | None = None
         self.prefetch_hits = 0  # gathers that found their all-gather already issued (a prefetch)
         self.live: weakref.WeakSet[Unsharded] = weakref.WeakSet()
@@ -287,32 +289,41 @@ class ParamGroup:
                 chunk_cat(grads_in, 0, flat.shape[0], out=flat)  # CUDA: one Triton launch; CPU: memcpy-speed copies
             else:
                 torch._chunk_cat(grads_in, 0, flat.shape[0], out=flat)  # small: torch's fixed cost is lower
-            red = self._average(flat).contiguous()
+            red = self._average(flat, (idx, dtypes))
+        if red is None:  # HSDP without the all-reduce: the block waits in replica_part, no gradient yet
+            return [None] * len(params)
+        red = red.contiguous()
         base = red.storage_offset()
         for i, shape, stride, at, recast in plan.pieces:
             piece = red.as_strided(shape, stride, base + at)
             out[i] = params[i].wrap_grad(piece.to(params[i].orig_dtype) if recast else piece)
         return out
 
-    def _average(self, flat: torch.Tensor) -> torch.Tensor:
+    def _average(self, flat: torch.Tensor, key: tuple) -> torch.Tensor | None:
         """This rank's block of the ``(W, n)`` gradients reduced over dp (reduce-scatter) and, on
         HSDP, over the replicas (all-reduce), divided by the dp size (or by the module's
         ``set_gradient_divide_factor``); integer and low-precision sums are divided in two steps
-        to keep them in range."""
+        to keep them in range.  HSDP with ``all_reduce`` off: the reduce-scattered block is added
+        to the ones kept for plan ``key`` and None returned; the next all-reduce takes their sum
+        (as FSDP2's ``set_requires_all_reduce(False)``)."""
         info = self.info
         n = info.world * info.replicas
         factor = n if self.divide_factor is None else self.divide_factor
         if info.world == 1 and info.rep_dim is None:  # one rank: its block is the result (no copy)
             return flat[0] if factor == 1 else flat[0] / factor
-        if factor == n and not self.force_sum and flat.dtype in (torch.float32, torch.bfloat16, torch.float64):
-            red = comm.reduce_scatter(flat, "avg", info.mesh, info.dp_dim)
-            return red if info.rep_dim is None else comm.all_reduce(red, "avg", info.mesh, info.rep_dim)
-        pre, post = _divide_factors(n) if factor == n else (1.0, factor)
+        avg = factor == n and not self.force_sum and flat.dtype in (torch.float32, torch.bfloat16, torch.float64)
+        pre, post = (1.0, 1.0) if avg else _divide_factors(n) if factor == n else (1.0, factor)
         if pre != 1:
             flat.div_(pre)
-        red = comm.reduce_scatter(flat, "sum", info.mesh, info.dp_dim)
+        red = comm.reduce_scatter(flat, "avg" if avg else "sum", info.mesh, info.dp_dim)
         if info.rep_dim is not None:
-            red = comm.all_reduce(red, "sum", info.mesh, info.rep_dim)
+            kept = self.replica_part.pop(key, None)
+            if kept is not None:
+                red = kept.add_(red)
+            if not self.all_reduce:
+                self.replica_part[key] = red
+                return None
+            red = comm.all_reduce(red, "avg" if avg else "sum", info.mesh, info.rep_dim)
         return red if post == 1 else red.div_(post)
 
     @staticmethod

@@ -33,8 +33,10 @@ def cast_floats(tree: Any, dtype: Any) -> Any:
 
 def _traceable(group: Any) -> bool:
     """Whether a compiled forward gathers the group in its graph: a group ``traced.py`` can
-    gather, and no unsynchronized gradients (a buffer outside any graph) waiting to be reduced."""
-    return group.traced_key is not None and group.sync and not group.unreduced
+    gather, and no unsynchronized gradients or replicas' blocks (buffers outside any graph)
+    waiting to be reduced."""
+    return (group.traced_key is not None and group.sync and not group.unreduced and group.all_reduce
+            and not group.replica_part)
 
 
 class PreForward:

@@ -89,7 +89,8 @@ def _reduce(group: ParamGroup, grads: tuple) -> tuple:
         if g.shape[0] < info.world * p.c:
             g = torch.cat([g, g.new_zeros((info.world * p.c - g.shape[0], *p.rest))])
         cols.append(g.reshape(info.world, p.padded_numel))
-    red = group._average(torch.cat(cols, dim=1))  # (n,)
+    red = group._average(torch.cat(cols, dim=1), ())  # (n,); never None: hooks.py traces no deferred all-reduce
+    assert red is not None
     out, at = [], 0
     for p, g in zip(params, local):
         piece = red[at: at + p.padded_numel].reshape(p.c, *p.rest)[: p.rows]

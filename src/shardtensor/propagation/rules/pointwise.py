@@ -11,6 +11,13 @@ only for ops that commute with the partial's reduction, written as data in ``PAR
 - ``factor``: mul/neg with exactly one Partial(sum|avg) factor, every other operand
   Replicate or a scalar; ``numerator``: the same for a division, the factor on top.
 
+Partial(max) and Partial(min) pass through monotone ops, written in ``ORDER_ROWS``: a
+non-decreasing op ``f`` with one Partial operand (the others Replicate or scalars) keeps the
+kind, since ``f(max_r a_r) = max_r f(a_r)`` (rounding is monotone too, so it holds bit for bit);
+a non-increasing one swaps max and min; ``maximum`` of Partial(max) operands is Partial(max),
+``minimum`` of Partial(min) ones Partial(min).  Ops defined on part of the line only (log,
+sqrt) are not listed: a NaN from one rank's out-of-domain term would survive the max.
+
 Anything else reduces its Partial inputs to Replicate first.
 """
 from __future__ import annotations
@@ -38,6 +45,23 @@ PARTIAL_ROWS: dict[Any, str] = {
     **dict.fromkeys([aten.div.Tensor, aten.div_.Tensor], "numerator"),
 }
 """How each op treats a Partial operand (see the module docstring); ops not listed reduce it."""
+ORDER_ROWS: dict[Any, str] = {
+    **dict.fromkeys([aten.relu.default, aten.exp.default, aten.exp2.default, aten.expm1.default, aten.sigmoid.default,
+                     aten.tanh.default, aten.atan.default, aten.asinh.default, aten.sinh.default, aten.erf.default,
+                     aten.floor.default, aten.ceil.default, aten.trunc.default, aten.round.default, aten.sign.default,
+                     aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default, aten.hardtanh.default,
+                     aten.logaddexp.default, aten.logaddexp2.default, aten.clamp_min.Tensor, aten.clamp_max.Tensor,
+                     aten.relu_.default, aten.exp_.default, aten.sigmoid_.default, aten.tanh_.default,
+                     aten.clamp_.default, aten.clamp_min_.default, aten.clamp_max_.default], "up"),
+    **dict.fromkeys([aten.maximum.default, aten.fmax.default], "up, max joins"),
+    **dict.fromkeys([aten.minimum.default, aten.fmin.default], "up, min joins"),
+    **dict.fromkeys([aten.neg.default, aten.erfc.default], "down"),
+    **dict.fromkeys([aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor], "up in self"),
+}
+"""How each op treats a Partial(max|min) operand (see the module docstring): ``up`` keeps it
+(non-decreasing in every operand), ``up in self`` only as the first operand (``a - c``, ``a + c``;
+``c - a`` decreases), ``down`` swaps max and min, ``... joins``: every operand that kind keeps it."""
+_SWAP = {"max": "min", "min": "max"}
 EVERY_OPERAND = ("any", "cast", "terms")
 """Rows under which every tensor operand takes the Partial (others: only the Partial factor)."""
 EXTRA_POINTWISE = {
@@ -56,8 +80,26 @@ def _is_inplace(op) -> bool:
     return op._schema.name.endswith("_") or any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments[:1])
 
 
+def _order_kind(call: Call, kinds: set[str], partial_args: list[int]) -> str | None:
+    """The output's Partial kind on a mesh dim where ``partial_args`` are Partial(max|min) and
+    the other tensor operands Replicate (``ORDER_ROWS``); None: reduce them first."""
+    row = ORDER_ROWS.get(call.op)
+    if row is None or len(kinds) != 1 or not kinds <= {"max", "min"}:
+        return None
+    kind = next(iter(kinds))
+    if len(partial_args) > 1:
+        every = len(partial_args) == len(call.tensor_positions)
+        return kind if every and row == f"up, {kind} joins" else None
+    if row == "down":
+        return _SWAP[kind] if len(call.tensor_positions) == 1 else None
+    if row == "up in self" and partial_args[0] != 0:
+        return None
+    return kind
+
+
 def _keeps_partial(call: Call, kinds: set[str], partial_args: list[int]) -> bool:
-    """Whether the output may stay Partial on a mesh dim where ``partial_args`` are Partial(``kinds``)."""
+    """Whether the output may stay Partial (of the same kind) on a mesh dim where
+    ``partial_args`` are Partial(``kinds``), under ``PARTIAL_ROWS``."""
     row = PARTIAL_ROWS.get(call.op)
     if row is None or len(kinds) != 1:
         return False
@@ -110,7 +152,8 @@ def _inplace_rule(call: Call) -> Decision:
         if not isinstance(p, Partial):
             continue
         row = PARTIAL_ROWS.get(call.op)
-        if not (linear_partial(p) and (row in ("factor", "numerator") or (row == "terms" and others == [1]))):
+        if not (linear_partial(p) and (row in ("factor", "numerator") or (row == "terms" and others == [1]))) and \
+                _order_kind(call, {p.reduce_op}, [0]) != p.reduce_op:
             self_pl[j] = Replicate()
     if tuple(self_pl) != me.placements:
         inputs[0] = me.with_placements(self_pl)
@@ -123,7 +166,7 @@ def _inplace_rule(call: Call) -> Decision:
                 d = p.dim - (nd - s.ndim)
                 need.append(Shard(d) if d >= 0 and s.shape[d] == me.shape[p.dim] else Replicate())
             elif isinstance(p, Partial):
-                need.append(p if PARTIAL_ROWS.get(call.op) == "terms" else Replicate())
+                need.append(p if PARTIAL_ROWS.get(call.op) == "terms" and linear_partial(p) else Replicate())
             else:
                 need.append(Replicate())
         order = []
@@ -188,6 +231,12 @@ def pointwise_rule(call: Call) -> Decision:
                         in_pl[i][j] = kind
                     else:
                         in_pl[i][j] = kind if i in partial else Replicate()
+                continue
+            ordered = _order_kind(call, kinds, partial)
+            if ordered is not None:
+                out_pl.append(Partial(ordered))
+                for i in pos:
+                    in_pl[i][j] = specs[i].placements[j] if i in partial else Replicate()
                 continue
         out_pl.append(Replicate())
         for i in pos:
