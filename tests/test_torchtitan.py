@@ -101,16 +101,12 @@ def test_torchtitan_saves_and_resumes_through_dcp_as_without_stopping(titan):
 def test_torchtitans_full_dtensor_backend_trains_unchanged(titan):
     """torchtitan's ``full_dtensor`` backend (every parameter and input a DTensor on the whole
     (dp_shard, tp) mesh; ``fully_shard(..., dp_mesh_dims=DataParallelMeshDims(shard="dp_shard"))``)
-    through the drop-in: losses equal torch's run of the usual backend (the same training), and
-    gradient norms equal torch's run of this backend.  torch's own run of this backend reports
-    losses dp times too large: its loss comes out Replicate where torchtitan sums each rank's
-    ``to_local()`` (shardtensor's is Partial(sum), whose terms sum to the loss); the gradients
-    agree, so only the logged metric differs."""
+    through the drop-in: losses, max losses and gradient norms equal torch's run of the usual
+    backend (the same training).  (torch's own run of this backend has the same gradient norms
+    but logs losses dp times too large, 16.318 for 8.159 at step 1: its loss comes out Replicate
+    where torchtitan sums each rank's ``to_local()``; shardtensor's is Partial(sum), whose terms
+    sum to the loss.  Measured by hand, not here: it would assert torch's defect.)"""
     args = ["--parallelism.tensor_parallel_degree", "2"]
-    full = ["--parallelism.spmd_backend", "full_dtensor"]
     usual = titan("torch", 4, *titan.seed, *args, folder="run-usual")
-    theirs = titan("torch", 4, *titan.seed, *args, *full, folder="run-full")
-    ours = titan("ours", 4, *titan.seed, *args, *full, folder="run-full")
+    ours = titan("ours", 4, *titan.seed, *args, "--parallelism.spmd_backend", "full_dtensor", folder="run-full")
     _assert_same(ours, usual)
-    for a, b in zip(ours, theirs):
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * b["grad_norm"], (ours, theirs)
