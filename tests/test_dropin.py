@@ -204,7 +204,7 @@ def test_what_trainers_touch_beyond_the_public_names_runs_unchanged():
 
 
 @pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
-@pytest.mark.skipif(not hasattr(torch.distributed.fsdp, "DataParallelMeshDims"),
+@pytest.mark.skipif(not hasattr(importlib.import_module("torch.distributed.fsdp"), "DataParallelMeshDims"),
                     reason="torch's own DataParallelMeshDims arrived in torch 2.13")
 def test_fsdp_over_a_full_dtensor_model_with_dp_mesh_dims_runs_unchanged():
     """torchtitan's full_dtensor form: parameters DTensors on the whole (dp_shard, tp) mesh (and

@@ -49,6 +49,25 @@ def _dp_mesh(m: nn.Module, two_d: bool):
     return parent["dp"], rank // 2
 
 
+def _steps_agree(forwards: list, models: list[nn.Module], params, seed: int) -> list[bool]:
+    """Two SGD steps of both models (``forwards`` run them) on the same data: after each backward
+    every parameter of ``params(model)`` is a sharded DTensor with a gradient, and the two
+    models' gradients agree."""
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in models]
+    ok = []
+    for step in range(2):
+        x, y = batch(step, seed)
+        for f in forwards:
+            nn.functional.cross_entropy(f(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
+        ps = [params(m) for m in models]
+        ok.append(all(isinstance(p, DTensor) and p.grad is not None for pl in ps for p in pl))
+        ok.append(all(torch.allclose(_whole(p.grad), _whole(q.grad), atol=1e-6) for p, q in zip(*ps)))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return ok
+
+
 def _train(reentrant: bool, two_d: bool) -> list:
     """Two steps with and without checkpointing: after each backward every parameter of both is a
     sharded DTensor, and the gradients and the updated parameters agree."""
@@ -58,18 +77,7 @@ def _train(reentrant: bool, two_d: bool) -> list:
         for blk in m.blocks:
             fully_shard(blk, mesh=mesh)
     wrapped = [Checkpointed(models[0], reentrant), Checkpointed(models[1], None)]
-    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in models]
-    ok = []
-    for step in range(2):
-        x, y = batch(step, seed)
-        for f, opt in zip(wrapped, opts):
-            nn.functional.cross_entropy(f(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
-        params = [list(m.blocks.parameters()) for m in models]
-        ok.append(all(isinstance(p, DTensor) and p.grad is not None for ps in params for p in ps))
-        ok.append(all(torch.allclose(_whole(p.grad), _whole(q.grad), atol=1e-6) for p, q in zip(*params)))
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
+    ok = _steps_agree(wrapped, models, lambda m: list(m.blocks.parameters()), seed)
     with torch.no_grad():
         ok.append(all(torch.allclose(_whole(p), _whole(q), atol=1e-6)
                       for p, q in zip(models[0].parameters(), models[1].parameters())))
@@ -109,19 +117,7 @@ def _train_wrapped(kind: str, two_d: bool) -> list:
                 blk = m.blocks[j] = checkpoint_wrapper(blk, **ctx)
             fully_shard(blk, mesh=mesh)
         fully_shard(m, mesh=mesh)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in models]
-    ok = []
-    for step in range(2):
-        x, y = batch(step, seed)
-        for m, opt in zip(models, opts):
-            nn.functional.cross_entropy(m(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
-        params = [[p for n, p in m.named_parameters()] for m in models]
-        ok.append(all(isinstance(p, DTensor) and p.grad is not None for ps in params for p in ps))
-        ok.append(all(torch.allclose(_whole(p.grad), _whole(q.grad), atol=1e-6) for p, q in zip(*params)))
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-    return ok
+    return _steps_agree(models, models, lambda m: list(m.parameters()), seed)
 
 
 @pytest.mark.parametrize("kind", ["full", "selective"])

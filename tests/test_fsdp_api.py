@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from shardtensor import DTensor, comm, init_device_mesh, run_spmd
+from shardtensor import DTensor, Shard, comm, init_device_mesh, run_spmd
 from shardtensor.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
 WORLD = 2
@@ -271,7 +271,7 @@ def test_register_fsdp_forward_method_gathers_for_the_method_and_its_inner_forwa
             s = model.score(x[2 * r: 2 * r + 2])
         gathers = [e.kind for e in log.of_rank(mesh.get_rank())].count("all_gather")
         s.sum().backward()
-        scores = torch.cat(run_local_gather(s, mesh))
+        scores = DTensor.from_local(s.detach(), mesh, [Shard(0)]).full_tensor()  # every rank's rows
         return scores, gathers, {n: p.grad.full_tensor() for n, p in model.named_parameters()}
 
     for scores, gathers, grads in run_spmd(fn, WORLD):
@@ -281,17 +281,13 @@ def test_register_fsdp_forward_method_gathers_for_the_method_and_its_inner_forwa
             torch.testing.assert_close(grads[n], p.grad / WORLD, msg=n)
 
 
-def run_local_gather(t: torch.Tensor, mesh) -> list[torch.Tensor]:
-    from shardtensor import Shard
-    return [DTensor.from_local(t.detach(), mesh, [Shard(0)]).full_tensor()]
-
 
 def test_dp_mesh_dims_hsdp_on_the_whole_mesh_and_refusals():
     """``dp_mesh_dims`` naming a shard and a replicate dim of a 2-D mesh (HSDP on a full-DTensor
     model): the unsharded parameters are DTensors on that mesh again, the gradients of a global
     loss (Partial over both dims) come back averaged over the 4 ranks, as FSDP2; bad names and
     plain parameters are refused naming themselves."""
-    from shardtensor import Replicate, Shard, distribute_tensor
+    from shardtensor import Replicate, distribute_tensor
     from shardtensor.fsdp import DataParallelMeshDims
 
     dense = _net()

@@ -31,8 +31,8 @@ def _switched() -> dict[str, dict[str, Any]]:
     from .checkpoint import state_dict as sd
     from .debug import CommDebugMode, visualize_sharding
     from .experimental import implicit_replication, local_map, register_sharding
-    from .fsdp import (CPUOffloadPolicy, DataParallelMeshDims, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, UnshardHandle, fully_shard,
-                       register_fsdp_forward_method, share_comm_ctx)
+    from .fsdp import (CPUOffloadPolicy, DataParallelMeshDims, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
+                       UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx)
     from .parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput,
                            PrepareModuleOutput, RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module)
 

@@ -27,10 +27,10 @@ def local_map(func: Callable[..., Any] | None = None, out_placements: Any = None
     have (``None`` for other arguments); one that differs is redistributed with
     ``redistribute_inputs=True`` and refused otherwise.  ``out_placements`` gives the placements
     of each flattened output (one placements sequence for a single output, a tuple of them, one
-    per output, for any number, ``None`` for an output that is not a tensor).  ``in_grad_placements`` are the placements of
-    the gradients flowing back to the inputs (default, or ``None`` entries: the inputs'); a
-    replicated input whose local gradients are only this rank's terms needs ``[Partial()]``
-    there, as in torch.  Without DTensor arguments
+    per output, for any number, ``None`` for an output that is not a tensor).
+    ``in_grad_placements`` are the placements of the gradients flowing back to the inputs
+    (default, or ``None`` entries: the inputs'); a replicated input whose local gradients are
+    only this rank's terms needs ``[Partial()]`` there, as in torch.  Without DTensor arguments
     ``func`` runs as is.  Outputs whose placements shard a dim get their global shape from one
     small all-gather of the local sizes, so uneven outputs are right.  Without ``func``,
     returns a decorator.

@@ -57,20 +57,17 @@ def local_order(local: torch.Tensor) -> list[int]:
     return _order(local.shape, local.stride(), range(local.ndim))
 
 
-def _gather_meta(local: torch.Tensor, mesh: DeviceMesh, traced: bool) -> list[dict[str, Any]]:
+def _gather_meta(local: torch.Tensor, mesh: DeviceMesh) -> list[dict[str, Any]]:
     """ndim, dtype, requires_grad, shape and stride of every rank's piece, in group-rank order: one
-    all-gather of a fixed-width row, so ranks that disagree on ndim still meet in the same collective
-    (issued eagerly when ``traced``: see ``check_pieces``)."""
+    all-gather of a fixed-width row, so ranks that disagree on ndim still meet in the same collective.
+    The row is plain ints, so the collective runs now (``issue``), even while torch.compile traces
+    ``local`` (see ``check_pieces``)."""
     n = min(local.ndim, META_DIMS)
     pad = [0] * (META_DIMS - n)
     row = ([local.ndim, _DTYPE_CODES[local.dtype], int(local.requires_grad)]
            + [int(k) for k in local.shape[:n]] + pad + [int(k) for k in local.stride()[:n]] + pad)
     meta = torch.tensor(row, dtype=torch.int64, device=local.device)
-    if traced:
-        rows = comm.issue("all_gather", mesh.group_ranks(None), None, meta)
-    else:
-        rows = comm.all_gather(meta, mesh, None)
-    rows = rows.reshape(-1, 3 + 2 * META_DIMS).tolist()
+    rows = comm.issue("all_gather", mesh.group_ranks(None), None, meta).reshape(-1, 3 + 2 * META_DIMS).tolist()
     out = []
     for r in rows:
         k = min(r[0], META_DIMS)
@@ -94,16 +91,16 @@ def check_pieces(local: torch.Tensor, mesh: DeviceMesh, pl: tuple[Placement, ...
     traces ``local`` (fake, with this rank's real sizes, each guarded), the metadata is exchanged
     then, eagerly, and the global shape becomes a constant of the graph."""
     if not comm.tracing(local):
-        return _check_pieces(local, mesh, pl, shape, False)
+        return _check_pieces(local, mesh, pl, shape)
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes():  # fake tensors, tracing and functionalization: real ints, a real collective
-        return _check_pieces(local, mesh, pl, shape, True)
+        return _check_pieces(local, mesh, pl, shape)
 
 
-def _check_pieces(local: torch.Tensor, mesh: DeviceMesh, pl: tuple[Placement, ...], shape: tuple[int, ...] | None,
-                  traced: bool) -> tuple[tuple[int, ...], list[int]]:
-    meta = _gather_meta(local, mesh, traced)
+def _check_pieces(local: torch.Tensor, mesh: DeviceMesh, pl: tuple[Placement, ...],
+                  shape: tuple[int, ...] | None) -> tuple[tuple[int, ...], list[int]]:
+    meta = _gather_meta(local, mesh)
     ranks = mesh.group_ranks(None)
     _same("ndim", [m["ndim"] for m in meta], ranks)
     if meta[0]["ndim"] > META_DIMS:

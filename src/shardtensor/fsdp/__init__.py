@@ -59,8 +59,8 @@ backward the same reduce-scatter, written functionally, so the graph holds the c
 ``reshard_after_forward`` runs the gather again in backward (``hooks.py``), and buffers and
 prefetch are the compiler's business there.
 """
-from .api import (CPUOffloadPolicy, DataParallelMeshDims, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, UnshardHandle, fully_shard,
-                  register_fsdp_forward_method, share_comm_ctx)
+from .api import (CPUOffloadPolicy, DataParallelMeshDims, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
+                  UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx)
 
-__all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "UnshardHandle", "fully_shard",
-           "register_fsdp_forward_method", "share_comm_ctx"]
+__all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
+           "UnshardHandle", "fully_shard", "register_fsdp_forward_method", "share_comm_ctx"]

@@ -16,8 +16,8 @@ from .hooks import PostForward, PreForward, cast_floats
 from .param import DataParallelMeshDims, FSDPParam, MeshInfo
 from .traced import gather_group, traced_key
 
-__all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "UnshardHandle", "fully_shard",
-           "register_fsdp_forward_method", "share_comm_ctx"]
+__all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
+           "UnshardHandle", "fully_shard", "register_fsdp_forward_method", "share_comm_ctx"]
 
 
 @dataclass(frozen=True)
@@ -86,9 +86,15 @@ class FSDPState:
             self._to_run.discard(id(module))
             assert self.handle is not None
             self._show_unsharded(self.handle, self.unsharded)
-            if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
-                args, kwargs = cast_floats((args, kwargs), self.mp.param_dtype)
-            return args, kwargs
+        else:
+            self._gather(module)
+        if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
+            args, kwargs = cast_floats((args, kwargs), self.mp.param_dtype)
+        return args, kwargs
+
+    def _gather(self, module: nn.Module) -> None:
+        """The first module of a round: root bookkeeping, this group's all-gather (and the
+        next one's prefetch), and the owners get the unsharded tensors."""
         if len(self.modules) > 1:
             self._to_run = {id(m) for m in self.modules if m is not module}
         if self.is_root is None:
@@ -103,8 +109,6 @@ class FSDPState:
             self._begin_forward()
         if self.root.recording:
             self.root.order.append(self)  # type: ignore[union-attr]
-        if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
-            args, kwargs = cast_floats((args, kwargs), self.mp.param_dtype)
         handle = self.group.unshard()
         self.handle = handle
         for s in self._prefetch_targets(forward=True):
@@ -112,7 +116,6 @@ class FSDPState:
         tensors = self.unsharded = unsharded_with_grad(handle)
         self._graph_built = any(t.requires_grad for t in tensors)
         self.group.show(tensors)
-        return args, kwargs
 
     def _show_unsharded(self, handle: Unsharded, tensors: list[torch.Tensor]) -> None:
         """The owners hold a forward's unsharded ``tensors`` again, gathered again if they were
@@ -151,7 +154,16 @@ class FSDPState:
         if self._to_run:  # the group's other modules have yet to run: keep the parameters unsharded
             if self._graph_built and torch.is_grad_enabled():
                 self._hook_outputs(output)
-            return output if self.mp.output_dtype is None else cast_floats(output, self.mp.output_dtype)
+        else:
+            self._reshard(output)
+        if self.mp.output_dtype is not None:
+            output = cast_floats(output, self.mp.output_dtype)
+        return output
+
+    def _reshard(self, output: Any) -> None:
+        """The last module of a round: the owners get the shards back; the unsharded buffers are
+        freed unless backward will use them (the root keeps them, and so does any module
+        without ``reshard_after_forward``)."""
         if self.root.recording:
             self.root.post_order.append(self)
             if self.is_root:
@@ -166,9 +178,6 @@ class FSDPState:
             if self.reshard_after_forward and not self.is_root:
                 handle.free()
             self._hook_outputs(output)
-        if self.mp.output_dtype is not None:
-            output = cast_floats(output, self.mp.output_dtype)
-        return output
 
     def _hook_outputs(self, output: Any) -> None:
         """Backward through ``output`` first gathers the parameters again if they were freed."""

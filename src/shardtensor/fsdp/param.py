@@ -189,25 +189,22 @@ class FSDPParam:
         recipe); on the ("dp", "tp") form, on that mesh.
         """
         pl = param.placements if isinstance(param, DTensor) else None
-        if info.spmd:
-            if pl is None or param.device_mesh != info.mesh:
-                raise ValueError(f"fully_shard with dp_mesh_dims: parameter {self.fqn} must be a DTensor on the mesh "
-                                 f"{info.mesh} (e.g. from distribute_module), got "
-                                 f"{'a plain tensor' if pl is None else param.device_mesh}")
+        on_mesh = pl is not None and param.device_mesh == info.mesh
+        if info.spmd and not on_mesh:
+            raise ValueError(f"fully_shard with dp_mesh_dims: parameter {self.fqn} must be a DTensor on the mesh "
+                             f"{info.mesh} (e.g. from distribute_module), got "
+                             f"{'a plain tensor' if pl is None else param.device_mesh}")
+        # a DTensor on the FSDP mesh itself: dp_mesh_dims, or the (dp, tp) form
+        if pl is not None and on_mesh and (info.spmd or info.tp_dim is not None):
             if any(not isinstance(pl[d], Replicate) for d in info.dp_dims):
-                raise ValueError(f"fully_shard with dp_mesh_dims: parameter {self.fqn} is {display(pl)}; it must be "
+                raise ValueError(f"fully_shard: parameter {self.fqn} on the FSDP mesh is {display(pl)}; it must be "
                                  "Replicate on the data-parallel dims")
             tp_pl = None if info.tp_dim is None else self._tp_placement(pl[info.tp_dim])
             return info.mesh, info.dp_dim, info.tp_dim, tp_pl
         if info.tp_dim is not None:  # the (dp, tp) form
             if pl is None:
                 return info.mesh, info.dp_dim, info.tp_dim, Replicate()
-            if param.device_mesh == info.mesh:
-                if not isinstance(pl[info.dp_dim], Replicate):
-                    raise ValueError(f"fully_shard: a parameter on the 2-D mesh must be Replicate on the dp dim, "
-                                     f"got {display(pl)}")
-                tp_pl = pl[info.tp_dim]
-            elif param.device_mesh == info.tp_mesh:
+            if param.device_mesh == info.tp_mesh:
                 tp_pl = pl[0]
             else:
                 raise ValueError(f"fully_shard: parameter {self.fqn} on {param.device_mesh} is neither on the FSDP "
