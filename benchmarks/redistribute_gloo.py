@@ -209,6 +209,7 @@ def _functional_counter_mode(counter: CallCounter):
     """A TorchDispatchMode that counts the functional collectives PyTorch DTensor issues."""
     import torch
     from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
 
     def size_of(name):
@@ -223,6 +224,8 @@ def _functional_counter_mode(counter: CallCounter):
 
     class Mode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented  # a DTensor op: its handler runs, this mode still on, and sees its collectives
             kwargs = kwargs or {}
             ns = func.namespace
             op = func._schema.name.split("::")[-1]

@@ -63,10 +63,14 @@ TORCH = opcheck.Api(
 
 def runner(mesh_shape: tuple, cases: list, fn: Any, grad: bool, weights: Any) -> list:
     """Every rank of ``mesh_shape`` on a thread, in a fresh threaded world."""
+    return threaded(math.prod(mesh_shape), lambda: opcheck._rank_run(mesh_shape, cases, fn, grad, weights, TORCH))
+
+
+def threaded(n: int, body: Any) -> list:
+    """``body()`` on ``n`` ranks, each a thread of a fresh torch threaded world; per-rank results."""
     from torch.testing._internal.distributed.multi_threaded_pg import (ProcessLocalGroup, _install_threaded_pg,
                                                                        _uninstall_threaded_pg)
 
-    n = math.prod(mesh_shape)
     results: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
@@ -77,7 +81,7 @@ def runner(mesh_shape: tuple, cases: list, fn: Any, grad: bool, weights: Any) ->
     def worker(rank: int) -> None:
         dist.init_process_group("threaded", rank=rank, world_size=n, store=store)
         try:
-            results[rank] = opcheck._rank_run(mesh_shape, cases, fn, grad, weights, TORCH)
+            results[rank] = body()
         except BaseException as e:  # noqa: BLE001 - re-raised by the caller's thread
             errors[rank] = e
             ProcessLocalGroup.exception_handle(e)

@@ -517,6 +517,25 @@ def test_a_dtensor_view_input_with_dynamic_shapes_compiles():
     assert run_spmd(_dynamic_view_inputs, 2) == [[True] * 3] * 2
 
 
+def _marked_dynamic(strict):
+    mesh = init_device_mesh("cpu", (2,))
+    x = distribute_tensor(torch.arange(24.0).reshape(8, 3), mesh, [Shard(0)])
+    (torch._dynamo.mark_dynamic if strict else torch._dynamo.maybe_mark_dynamic)(x, 0)
+    f = torch.compile(lambda t: (t * 2).sum(0), backend="aot_eager", fullgraph=True)
+    try:
+        return f(x).full_tensor()
+    except Exception as e:  # noqa: BLE001 - dynamo wraps the error; the message is what the user reads
+        return str(e)
+
+
+def test_mark_dynamic_on_a_dtensor_says_sizes_are_static_and_maybe_mark_dynamic_compiles():
+    torch._dynamo.reset()
+    for msg in run_spmd(_marked_dynamic, 2, True):
+        assert isinstance(msg, str) and "mark_dynamic(dtensor, 0)" in msg and "maybe_mark_dynamic" in msg, msg
+    want = (torch.arange(24.0).reshape(8, 3) * 2).sum(0)
+    assert all(torch.equal(y, want) for y in run_spmd(_marked_dynamic, 2, False))
+
+
 def _demo_model_fullgraph():
     from shardtensor.examples.tiny_lm import VOCAB, batch, build_model, tp_plan
 

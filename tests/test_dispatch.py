@@ -141,8 +141,20 @@ def test_unary(op, shape, mesh_shape):
         elif op in LINEAR_UNARY:
             assert out_pl == in_pl, f"{op} is linear: {in_pl} should stay, got {out_pl}"
         else:
-            expect = tuple(Replicate() if isinstance(p, Partial) else p for p in in_pl)
-            assert out_pl == expect, f"{op}({in_pl}) must reduce the Partial first: got {out_pl}"
+            assert _reduced(in_pl, out_pl), f"{op}({in_pl}) must reduce the Partial first: got {out_pl}"
+
+
+def _reduced(in_pl, out_pl) -> bool:
+    """Each Partial mesh dim of ``in_pl`` reduced: to Replicate, or reduce-scattered into a Shard
+    where another mesh dim already shards (half the bytes of an all-reduce); the rest kept."""
+    sharded = [j for j, p in enumerate(in_pl) if isinstance(p, Shard)]
+    for j, (a, b) in enumerate(zip(in_pl, out_pl)):
+        if isinstance(a, Partial):
+            if not (b == Replicate() or isinstance(b, Shard) and any(k != j for k in sharded)):
+                return False
+        elif a != b:
+            return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------
@@ -310,8 +322,10 @@ def test_cast_bfloat16(mesh_shape, shape):
     for (in_pl,), out_pl in seen:
         # rounding does not commute with a sum: round(a + b) != round(a) + round(b), so a
         # Partial(sum|avg) is reduced before the cast; shards and replicas are kept
-        want = tuple(Replicate() if isinstance(p, Partial) and p.reduce_op in ("sum", "avg") else p for p in in_pl)
-        assert out_pl == want, f".to(bfloat16): {in_pl} -> {out_pl}"
+        if any(isinstance(p, Partial) and p.reduce_op in ("sum", "avg") for p in in_pl):
+            assert _reduced(in_pl, out_pl), f".to(bfloat16): {in_pl} -> {out_pl}"
+        else:
+            assert out_pl == in_pl, f".to(bfloat16): {in_pl} -> {out_pl}"
 
 
 @mesh_param
@@ -434,7 +448,7 @@ EXPECTED = [  # (name, fn, values, input placements, predicate on output placeme
     ("R*P", torch.mul, [_X, _Y], [(R,), (P,)], lambda o: o == (P,), "stays Partial(sum)"),
     ("P/R", torch.div, [_X, _Y], [(P,), (R,)], lambda o: o == (P,), "stays Partial(sum)"),
     ("R/P", torch.div, [_Y, _Y], [(R,), (P,)], lambda o: P not in o, "is reduced (1/x is not linear)"),
-    ("P*P", torch.mul, [_X, _Y], [(P,), (P,)], lambda o: P not in o, "is reduced (product of sums)"),
+    ("P*P", torch.mul, [_X, _Y], [(P,), (P,)], lambda o: o == (P,), "stays Partial (one factor reduced)"),
     ("P+1", lambda a: a + 1, [_X], [(P,)], lambda o: P not in o, "is NOT Partial(sum)"),
     ("1+P", lambda a: 1 + a, [_X], [(P,)], lambda o: P not in o, "is NOT Partial(sum)"),
     ("P-0.5", lambda a: a - 0.5, [_X], [(P,)], lambda o: P not in o, "is NOT Partial(sum)"),
@@ -465,10 +479,10 @@ EXPECTED_2D = [
     ("[P,P]+[P,P]", torch.add, [_X, _Y], [(P, P), (P, P)], (P, P)),
     ("[P,R]*[R,P]", torch.mul, [_X, _Y], [(P, R), (R, P)], (P, P)),
     ("[P,S1]*2", lambda a: a * 2.0, [_X], [(P, S1)], (P, S1)),
-    ("relu[P,S1]", torch.relu, [_X], [(P, S1)], (R, S1)),
+    ("relu[P,S1]", torch.relu, [_X], [(P, S1)], (S0, S1)),  # reduce-scatter, not all-reduce
     ("[S0,S1]+[S0,S1]", torch.add, [_X, _Y], [(S0, S1), (S0, S1)], (S0, S1)),
     ("[S0,S0]+[S0,S0]", torch.add, [_X, _Y], [(S0, S0), (S0, S0)], (S0, S0)),
-    ("[P,S0]+1", lambda a: a + 1, [_X], [(P, S0)], (R, S0)),
+    ("[P,S0]+1", lambda a: a + 1, [_X], [(P, S0)], (S1, S0)),
     ("ones_like[P,S0]", torch.ones_like, [_X], [(P, S0)], (R, S0)),
     ("zeros_like[P,S0]", torch.zeros_like, [_X], [(P, S0)], None),
 ]
@@ -885,3 +899,20 @@ def test_harness_partial_terms_sum_exactly():
     assert not any(torch.equal(t, x) for t in terms.values())
     x64 = x.double()
     assert all(t.dtype == torch.float64 for t in partial_terms(x64, (4,), (P,), _gen(2)).values())
+
+
+@pytest.mark.parametrize("mesh_shape,self_pl,other_pl", [
+    ((4,), (P,), (S0,)), ((2, 2), (S0, P), (S0, S1)), ((2, 2), (P, R), (S1, R))])
+def test_inplace_add_of_a_shard_into_a_partial(mesh_shape, self_pl, other_pl):
+    """A shard cannot become a term of the Partial: self is reduced there first (it raised
+    'redistributing S to P(sum)')."""
+    a, b = _X.clone(), _Y.clone()
+    case = prepare([a, b], [self_pl, other_pl], mesh_shape, _gen(_seed("iadd", repr(self_pl))))
+
+    def body():
+        mesh = init_device_mesh("cpu", mesh_shape)
+        x, y = (make_dtensor(p, mesh, False) for p in case)
+        x.add_(y)
+        return x.full_tensor()
+    for full in run_spmd(body, mesh_shape_numel(mesh_shape), timeout=TIMEOUT):
+        close(full, a + b, "P.add_(S)", None)

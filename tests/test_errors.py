@@ -884,3 +884,21 @@ def test_a_cached_property_that_runs_a_collective_does_not_deadlock_simulated_ra
         return Holder(distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])).whole.sum().item()
 
     assert run_spmd(body, 4, timeout=20) == [28.0] * 4
+
+
+def test_an_int_mesh_shape_says_to_write_a_tuple():
+    def body():
+        with pytest.raises(TypeError, match=r"mesh_shape must be a tuple.*\(4,\)"):
+            init_device_mesh("cpu", 4)
+        return True
+    assert all(run_spmd(body, 4))
+
+
+def test_a_complex_max_or_min_partial_names_the_placement_and_the_dtype():
+    def body():
+        mesh = init_device_mesh("cpu", (4,))
+        for kind in ("max", "min"):
+            with pytest.raises(TypeError, match=rf"Partial\({kind}\).*complex64.*no max or min"):
+                DTensor.from_local(torch.ones(3, dtype=torch.complex64), mesh, [Partial(kind)])
+        return DTensor.from_local(torch.ones(3, dtype=torch.complex64), mesh, [Partial("avg")]).full_tensor()
+    assert all(torch.equal(y, torch.ones(3, dtype=torch.complex64)) for y in run_spmd(body, 4))

@@ -340,9 +340,12 @@ def functional(a, p, train):
 
 @pytest.mark.parametrize("fn", [native, functional])
 def test_dropout_same_mask_for_every_placement(fn):
+    """One device's mask: dense torch after the same seed, for every placement and world size."""
     x = data("nonzero", (9, 7), gen(29))
     wgt = data("any", (9, 7), gen(30))
     p = 0.4
+    torch.manual_seed(1234)
+    dense = fn(x, p, True)
     ref = None
     for mesh_shape, pl in [((4,), (R,)), ((4,), (S0,)), ((4,), (S1,)), ((2, 2), (S1, S0)), ((2, 2), (R, S1)),
                            ((2, 2), (S0, S0))]:
@@ -351,6 +354,7 @@ def test_dropout_same_mask_for_every_placement(fn):
         for r in res:
             assert torch.equal(r[0], full) and r[2], f"{pl}: ranks disagree or local shard mislabeled"
         assert out_pl == pl
+        assert torch.equal(full, dense), f"{pl}: not one device's mask"
         if ref is None:
             ref = full
             keep = full != 0
@@ -391,6 +395,31 @@ def test_dropout_consecutive_calls_differ_and_eval_is_identity():
         assert trp == (R,)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_dropout_and_bernoulli_equal_one_device_on_uneven_shards(dtype):
+    """F.dropout, bernoulli_(p) and bernoulli(probs) of every dtype, on 1-D and 2-D meshes with
+    uneven and empty shards (3 rows over 4 ranks): one device's values, and the next plain draw
+    agrees with one device's too (every rank's generator advanced alike)."""
+    x = torch.randn(3, 5, generator=gen(36)).to(dtype)
+    probs = torch.rand(3, 5, generator=gen(37)).to(dtype)
+
+    def calls(a, q):
+        return F.dropout(a, 0.3), torch.empty_like(a).bernoulli_(0.6), torch.bernoulli(q)
+
+    torch.manual_seed(3)
+    want = [*calls(x, probs), torch.rand(2)]
+    for mesh_shape, pl in [((4,), (S0,)), ((4,), (S1,)), ((2, 2), (S0, S1)), ((2, 2), (R, S0))]:
+        torch.manual_seed(3)
+
+        def body():
+            mesh = init_device_mesh("cpu", mesh_shape)
+            outs = calls(_dt(x, mesh, pl), _dt(probs, mesh, pl))
+            return [o.full_tensor() for o in outs] + [torch.rand(2)]
+        for got in run_spmd(body, 4):
+            for g, w in zip(got, want):
+                assert g.dtype == w.dtype and torch.equal(g, w), f"{mesh_shape} {pl}"
+
+
 def test_dropout_partial_input_reduced_first():
     x = data("nonzero", (6, 5), gen(31))
     torch.manual_seed(5)
@@ -422,8 +451,10 @@ def test_bernoulli_same_draw_for_every_placement():
         res = run_spmd(body, 4)
         assert all(torch.equal(r[0], res[0][0]) and torch.equal(r[1], res[0][1]) for r in res)
         outs.append(res[0])
+    torch.manual_seed(7)
+    dense = torch.bernoulli(probs), probs.bernoulli(0.5)
     for b, h in outs:
-        assert torch.equal(b, outs[0][0]) and torch.equal(h, outs[0][1])
+        assert torch.equal(b, dense[0]) and torch.equal(h, dense[1]), "not one device's draw"
         assert torch.equal(b[0], torch.zeros(6)) and torch.equal(b[1], torch.ones(6))
         assert set(h.unique().tolist()) <= {0.0, 1.0}
 
@@ -592,3 +623,25 @@ def test_rrelu_training_draws_valid_slopes_alike_on_replicas():
         slope = y / x
         assert torch.equal(y[x > 0], x[x > 0]) and bool(((slope[x < 0] >= 0.1 - 1e-6) & (slope[x < 0] <= 0.3 + 1e-6)).all())
         torch.testing.assert_close(grad, slope)
+
+
+# -- grid sampling ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode,align", [("bilinear", False), ("nearest", True), ("bicubic", False)])
+@pytest.mark.parametrize("mesh", MESHES)
+def test_grid_sample(mode, align, mesh):
+    """Batch, channels and output points shard with no gather of the other operand; a Partial
+    input stays Partial (the sampler is linear in it); forward and backward against one device."""
+    x = data("any", (2, 3, 5, 6), gen(("gs", 1)))
+    grid = data("any", (2, 4, 7, 2), gen(("gs", 2))) * 0.9
+    seen = check(lambda a, b: F.grid_sample(a, b, mode=mode, align_corners=align), [x, grid], mesh, limit=10,
+                 seed=("gs", mode))
+    for (in_pl, grid_pl), out_pl in seen:
+        if in_pl == tuple(Shard(1) for _ in in_pl) and all(p == Replicate() for p in grid_pl):
+            assert out_pl[0] == Shard(1)  # channels stay sharded: the grid is not moved
+
+
+def test_grid_sample_3d():
+    x = data("any", (2, 3, 4, 5, 3), gen(("gs3", 1)))
+    grid = data("any", (2, 3, 2, 4, 3), gen(("gs3", 2))) * 0.9
+    check(lambda a, b: F.grid_sample(a, b, align_corners=True), [x, grid], (2, 2), limit=8, seed="gs3")

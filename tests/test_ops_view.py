@@ -444,3 +444,47 @@ def test_opinfo_samples(name):
                for v in values]
         legacy_empty = any(t.shape == (0,) for v in inp for t in ([v] if isinstance(v, torch.Tensor) else v))
         check(fn, inp, (4,), partial=("sum",), limit=4, seed=repr(sample)[:80], grad=not legacy_empty)
+
+
+# -- flattens that keep a shard (no communication) ------------------------------------------------
+
+def _moved(mesh_shape, full, placements, fn):
+    def body(mesh):
+        x = distribute_tensor(full, mesh, placements)
+        with comm.recording() as log:
+            y = fn(x)
+        return y.placements, [e.kind for e in log.of_rank(mesh.get_rank())], y.full_tensor()
+    return run_recorded(mesh_shape, body)[0]
+
+
+@pytest.mark.parametrize("shape,placements,to,want", [
+    ((5, 5, 5), (Shard(1),), (25, 5), ("SS", 0, 5)),  # each rank's piece of every row: packed
+    ((5, 6, 5), (Shard(2),), (5, 30), ("SS", 1, 6)),
+    ((5, 5, 5), (Shard(2),), (125,), ("SS", 0, 25)),
+    ((3, 7, 2), (Shard(1),), (21, 2), ("SS", 0, 3)),  # uneven and empty pieces
+])
+def test_flattening_a_sharded_inner_dim_gives_a_packed_shard(shape, placements, to, want):
+    full = torch.arange(float(torch.Size(shape).numel())).reshape(shape)
+    from shardtensor import StridedShard
+    for pl, kinds, got in _moved((4,), full, placements, lambda x: x.reshape(to)):
+        assert kinds == [] and pl == (StridedShard(want[1], want[2]),) and torch.equal(got, full.reshape(to))
+    check(lambda t: t.reshape(to) * 2, [full], (4,), combos=[(placements,)], seed=("packed", shape))
+
+
+def test_a_batched_matmul_over_two_sharded_batch_dims_moves_nothing():
+    """PyTorch issue 167106: (2, 2, h) as (Shard(0), Shard(1)) on a (2, 2) mesh times a replicated
+    (h, 1): the fold to (4, h), the mm and the unfold keep both shards; DTensor gathers."""
+    v, s = data("any", (2, 2, 3), gen("167106v")), data("any", (3, 1), gen("167106s"))
+
+    def body(mesh):
+        vd, sd = distribute_tensor(v, mesh, [Shard(0), Shard(1)]), distribute_tensor(s, mesh, [Replicate()] * 2)
+        with comm.recording() as log:
+            o = vd @ sd
+        return o.placements, log.of_rank(mesh.get_rank()), o.full_tensor()
+    for pl, events, full in run_recorded((2, 2), body)[0]:
+        assert pl == (Shard(0), Shard(1)) and events == [] and torch.allclose(full, v @ s)
+    check(lambda a, b: a @ b, [v, s], (2, 2), combos=[((Shard(0), Shard(1)), (Replicate(), Replicate()))],
+          seed="167106")
+    x = data("any", (2, 2, 3), gen("chain"))
+    check(lambda t: t.reshape(4, 3).reshape(2, 2, 3) + 1, [x], (2, 2),
+          combos=[((Shard(0), Shard(1)),), ((Shard(1), Shard(0)),), ((Shard(0), Shard(2)),)], seed="chain")

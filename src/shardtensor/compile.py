@@ -219,12 +219,15 @@ def rank_key() -> int:
     return current_transport().rank
 
 
-def metadata(cached: tuple | None, spec: Any) -> tuple:
-    """A DTensor's compile metadata ``(spec, rank)``: ``cached`` (its last) where it still holds.
-    Dynamo's guards ask for it twice per DTensor input per call, and the rank lookup costs 1-2 us
-    under torch.distributed, so it is made again only when the spec changed or when a simulated
-    rank other than the one that made it reads it (a copy handed between ranks' threads); a
-    process keeps its rank."""
+def metadata(t: Any) -> tuple:
+    """A DTensor's compile metadata ``(spec, rank)``: its last (``t._flat_meta``) where it still
+    holds.  Dynamo's guards ask for it twice per DTensor input per call, and the rank lookup costs
+    1-2 us under torch.distributed, so it is made again only when the spec changed or when a
+    simulated rank other than the one that made it reads it (a copy handed between ranks'
+    threads); a process keeps its rank.  A ``mark_dynamic`` on ``t`` is refused here."""
+    if getattr(t, "_dynamo_dynamic_indices", None):
+        refuse_dynamic(t)
+    cached, spec = t._flat_meta, t._spec
     if cached is not None and cached[0] is spec:
         t = simulated.current_sim_transport()
         if t is None or t.rank == cached[1]:
@@ -253,3 +256,15 @@ def stable_hash(spec: "DTensorSpec", local: torch.Tensor) -> str:
            tuple(spec.shape), spec.stride, str(spec.dtype), rank_key(), tuple(local.shape), local.stride(),
            str(local.dtype), local.device.type)
     return hashlib.blake2b(repr(key).encode(), digest_size=16).hexdigest()
+
+
+def refuse_dynamic(t: Any) -> None:
+    """``torch._dynamo.mark_dynamic`` on a DTensor: its sizes specialize under ``torch.compile``
+    (the spec, the plans and the local kernels are built for one global shape), so the mark
+    could only fail later, deep in dynamo's guards; say so here, with what to do."""
+    dims = sorted(t._dynamo_dynamic_indices)
+    raise TypeError(
+        f"shardtensor: torch._dynamo.mark_dynamic(dtensor, {dims[0] if len(dims) == 1 else dims}) on a DTensor of "
+        f"global shape {tuple(t.shape)} ({t._spec}): DTensor sizes are static under torch.compile (each global "
+        f"shape compiles once; a new shape recompiles). Remove the mark, or use "
+        f"torch._dynamo.maybe_mark_dynamic, which lets the dim specialize.")

@@ -362,6 +362,9 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *, mesh_dim_na
     The world is the simulated one inside ``run_spmd``, torch.distributed's default group
     when it is initialised, otherwise a world of one rank.
     """
+    if isinstance(mesh_shape, int):
+        raise TypeError(f"init_device_mesh: mesh_shape must be a tuple of ints, one per mesh dim: write "
+                        f"({mesh_shape},) for a 1-D mesh of {mesh_shape} ranks, got the int {mesh_shape}")
     shape = tuple(mesh_shape)
     if not shape or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in shape):
         raise ValueError(f"mesh_shape must be a non-empty tuple of positive ints, got {mesh_shape!r}")

@@ -162,3 +162,13 @@ def with_strides(t: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...
     with torch.no_grad():
         out.copy_(t)
     return out
+
+
+def check_partial_dtype(placements: Any, dtype: torch.dtype) -> None:
+    """A ``Partial(max|min)`` of complex values has no meaning (they are not ordered): say so."""
+    if dtype.is_complex:
+        for p in placements:
+            if getattr(p, "reduce_op", None) in ("max", "min") and p.is_partial():
+                raise TypeError(f"from_local: placements hold {p!r}, which needs ordered values, but the local "
+                                f"tensor is {dtype} (complex numbers have no max or min); use Partial('sum') or "
+                                f"Partial('avg'), or reduce abs() values")

@@ -14,8 +14,7 @@ coordinate 0 broadcasts its state, every rank draws from that, and each rank adv
 generator by the same draw: a rank seeded on purpose for its own data keeps its own stream.
 
 Cost: the fingerprint all-reduce per random op, and every rank materializes the global tensor
-once (transiently).  Dropout-like ops (``rules.nn``) draw a 2-int seed this way and build the
-mask from a counter-based hash, so they never materialize the global mask.
+once (transiently), dropout masks included (``rules.nn``).
 
 The simulated world gives each rank its own default generators (``comm/generators.py``).
 """

@@ -16,7 +16,7 @@ from .comm.generators import draws_itself
 from .compile import in_graph, keep_dynamo_out, metadata, stable_hash
 from .implicit import TORCH_FUNCTION_CODES
 from .mesh import DeviceMesh, resolve_mesh
-from .pieces import check_pieces, check_shape, layout_stride, local_order
+from .pieces import check_partial_dtype, check_pieces, check_shape, layout_stride, local_order
 from .placement import (OrderedPlacements, Partial, Placement, Replicate, Shard, StridedShard, chunk, display,
                         normalize_placements, unpartial)
 from .redistribute import redistribute_local
@@ -164,13 +164,12 @@ class DTensor(torch.Tensor):
                    shape: Sequence[int] | None = None, stride: Sequence[int] | None = None) -> "DTensor":
         """Wrap each rank's ``local_tensor`` as the shards of one global tensor.
 
-        Without ``shape`` and with a dim sharded, the ranks' local shapes are gathered (one
-        small all-gather) so uneven pieces get their real global shape and pieces that no
-        global shape explains raise the same error on every rank instead of breaking a later
-        collective.  That exchange is a collective (and a host sync on GPUs), so in hot loops
-        pass ``shape=``, or ``run_check=False`` to assume even pieces (local size times the
-        mesh size) with no communication, as torch's DTensor does.  ``run_check=True`` always
-        checks the pieces and also broadcasts replicated data from group rank 0.
+        Without ``shape`` and with a dim sharded, the ranks' local shapes are gathered (one small
+        all-gather) so uneven pieces get their real global shape and pieces no global shape explains
+        raise the same error on every rank.  That exchange is a collective (and a host sync on
+        GPUs), so in hot loops pass ``shape=``, or ``run_check=False`` to assume even pieces (local
+        size times the mesh size) with no communication, as torch's DTensor does.
+        ``run_check=True`` always checks the pieces and broadcasts replicated data from rank 0.
         """
         if not isinstance(local_tensor, torch.Tensor) or isinstance(local_tensor, DTensor):
             raise TypeError(f"from_local needs a local torch.Tensor, got {type(local_tensor).__name__}")
@@ -185,6 +184,7 @@ class DTensor(torch.Tensor):
         if placements is None:
             placements = [Replicate()] * device_mesh.ndim
         pl = normalize_placements(placements, local_tensor.ndim, device_mesh.ndim)
+        check_partial_dtype(pl, local_tensor.dtype)
         sharded = any(isinstance(p, (Shard, StridedShard)) for p in pl)
         order = None  # the global dim order, from the pieces when they are gathered
         if shape is not None:
@@ -288,7 +288,7 @@ class DTensor(torch.Tensor):
 
     # -- torch.compile (see compile.py): the metadata is the spec and the calling rank ----
     def __tensor_flatten__(self):
-        self._flat_meta = meta = metadata(self._flat_meta, self._spec)
+        self._flat_meta = meta = metadata(self)
         return ["_local_tensor"], meta
 
     @staticmethod

@@ -59,6 +59,41 @@ class DTensorBasics(DTensorOpTestBase):
             p.redistribute(mesh, [Replicate()])
         self.assertEqual(comm_mode.get_comm_counts(), {funcol.all_reduce: 1})
 
+    def test_partials_pass_elementwise_ops_with_the_fewest_collectives(self) -> None:
+        """The checks of torch's test_partial_propagation and test_mul_partial (our words):
+        maximum/minimum of Partial(max)/Partial(min) operands communicate nothing and keep the
+        kind; P * P reduces one factor (one collective) and stays Partial; P * scalar/R stays
+        Partial with none; a Partial(max) times a Replicate is reduced."""
+        mesh = self.build_device_mesh()
+        for op, kind in ((torch.maximum, "max"), (torch.minimum, "min")):
+            a = DTensor.from_local(torch.full((8, 8), float(self.rank)), mesh, [Partial(kind)])
+            b = DTensor.from_local(torch.full((8, 8), float(4 - self.rank)), mesh, [Partial(kind)])
+            with CommDebugMode() as comm_mode:
+                c = op(a, b)
+            self.assertEqual(comm_mode.get_total_counts(), 0)
+            self.assertEqual(c.placements, (Partial(kind),))
+            self.assertEqual(c.full_tensor(), torch.full((8, 8), 4.0 if kind == "max" else 0.0))
+        p1 = DTensor.from_local(torch.ones(2, 2), mesh, [Partial()])
+        p2 = DTensor.from_local(torch.ones(2, 2), mesh, [Partial()])
+        with CommDebugMode() as comm_mode:
+            p3 = p1 * p2
+        self.assertEqual(comm_mode.get_total_counts(), 1)
+        self.assertEqual(p3.placements, (Partial(),))
+        self.assertEqual(p3.to_local(), torch.full((2, 2), 4.0))
+        self.assertEqual(p3.full_tensor(), torch.full((2, 2), 16.0))
+        for kind in ("sum", "avg"):
+            x = DTensor.from_local(torch.ones(8, 8), mesh, [Partial(kind)])
+            for other in (2.0, torch.tensor(2.0), distribute_tensor(torch.full((8, 8), 2.0), mesh, [Replicate()])):
+                with CommDebugMode() as comm_mode:
+                    z = x * other
+                self.assertEqual(comm_mode.get_total_counts(), 0)
+                self.assertEqual(z.placements, (Partial(kind),))
+                self.assertEqual(z.full_tensor(), torch.full((8, 8), 8.0 if kind == "sum" else 2.0))
+        m = DTensor.from_local(torch.ones(8, 8), mesh, [Partial("max")])
+        z = m * distribute_tensor(torch.ones(8, 8), mesh, [Replicate()])
+        self.assertEqual(z.placements, (Replicate(),))
+        self.assertEqual(z.to_local(), torch.ones(8, 8))
+
     def test_ops_through_torchs_converter(self) -> None:
         mesh = self.build_device_mesh()
         g = torch.Generator().manual_seed(0)

@@ -17,12 +17,13 @@ decide, decompositions run.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable
 
 import torch
 
 from ..errors import PropagationError
-from ..placement import Replicate, Shard
+from ..placement import Placement, Replicate, Shard
 from ..propagation.registry import unsupported
 from ..propagation.rules.foreach import overloads
 from ..spec import DTensorSpec
@@ -122,9 +123,9 @@ def _max_min_dim(largest: bool) -> Callable:
 
         d = dim % max(x.ndim, 1)
         if isinstance(x, DTensor):
-            # both outputs come from one gathered input (argmax needs dim gathered anyway)
-            pl = [Replicate() if (isinstance(p, Shard) and p.dim == d) or p.is_partial() else p for p in x.placements]
-            if tuple(pl) != x.placements:
+            # both outputs come from one input moved once (argmax needs dim whole anyway)
+            pl = _whole_along(x._spec, d)
+            if pl != x.placements:
                 x = x.redistribute(x.device_mesh, pl)
         vals = (aten.amax if largest else aten.amin)(x, [d], keepdim)
         ranked = x.to(torch.uint8) if x.dtype == torch.bool else x  # argmax has no bool kernel; max.dim has
@@ -132,6 +133,43 @@ def _max_min_dim(largest: bool) -> Callable:
         return vals, idx
 
     return run
+
+
+def _whole_along(spec: DTensorSpec, d: int) -> tuple:
+    """The cheapest placements of ``spec`` with dim ``d`` whole on every rank and no Partial:
+    each mesh dim that shards ``d`` or holds a Partial either replicates, or (cheaper: an
+    all-to-all or a reduce-scatter instead of a gather or an all-reduce) shards another dim."""
+    from ..propagation.strategy import input_cost
+
+    options: list[list[Placement]] = []
+    for j, p in enumerate(spec.placements):
+        if (isinstance(p, Shard) and p.dim == d) or p.is_partial():
+            k = spec.mesh.shape[j]
+            options.append([Replicate()] + [Shard(e) for e in range(spec.ndim) if e != d and spec.shape[e] >= k])
+        else:
+            options.append([p])
+    best = min(itertools.product(*options), key=lambda pl: input_cost(spec, tuple(pl)))
+    return tuple(best)
+
+
+@decomposition(aten.linalg_cross.default)
+def _linalg_cross(self: Any, other: Any, dim: int = -1) -> Any:
+    """torch's decomposition (two ``index_select`` s of each operand along ``dim``) on operands
+    made whole along ``dim`` once, the cheapest way (``_whole_along``), not gathered per select."""
+    from torch._decomp import decomposition_table
+
+    from ..tensor import DTensor
+
+    nd = max(getattr(self, "ndim", 0), getattr(other, "ndim", 0))
+    moved = []
+    for t in (self, other):
+        if isinstance(t, DTensor) and nd:
+            d = dim % nd - (nd - t.ndim)
+            if d >= 0:
+                pl = _whole_along(t._spec, d)
+                t = t.redistribute(t.device_mesh, pl) if pl != t.placements else t
+        moved.append(t)
+    return decomposition_table[aten.linalg_cross.default](moved[0], moved[1], dim)
 
 
 DECOMPOSITIONS[aten.max.dim] = _max_min_dim(True)
@@ -332,9 +370,35 @@ def _index_put(self: Any, indices: Any, values: Any, accumulate: bool = False) -
     """``_index_put_impl_`` on a clone; a plain all-zeros ``values`` (what the backward of
     ``index_put`` builds with ``at::zeros``) counts as Replicate."""
     values = _replicated(aten.index_put.default, values, self)
-    out = aten.clone.default(self)
+    out = _as_decided(aten._index_put_impl_.default, aten.clone.default(self), indices, values, accumulate, False)
     aten._index_put_impl_.default(out, indices, values, accumulate, False)
     return out
+
+
+@decomposition(aten.index_copy.default)
+def _index_copy(self: Any, dim: int, index: Any, source: Any) -> Any:
+    """``index_put`` with the index at ``dim`` (one advanced index keeps its place), so the
+    result takes the source's layout where that moves less than gathering it."""
+    if self.ndim == 0:
+        return aten.index_copy.default.decompose(self, dim, index, source)
+    return _index_put(self, [None] * (dim % self.ndim) + [index], source)
+
+
+def _as_decided(op: Any, out: Any, *args: Any) -> Any:
+    """A fresh ``out`` (a clone) in the placements ``op``'s rule wants for its self: an in-place
+    op keeps its self's placements, so a clone the op writes into is laid out first (a local
+    slice or split of a replica, no communication) where the rule prefers another layout."""
+    from ..propagation import flatten_call, propagate
+    from ..tensor import DTensor, _Redistribute
+
+    if not isinstance(out, DTensor):
+        return out
+    flat, treedef = flatten_call((out, *args), {})
+    specs = [a._spec if isinstance(a, DTensor) else None for a in flat]
+    want = propagate(op, flat, specs, treedef).inputs[0]
+    if want is None or want == out._spec:
+        return out
+    return _Redistribute.apply(out, want, None, None, False)
 
 
 def _replicated(op: Any, t: Any, ref: Any) -> Any:

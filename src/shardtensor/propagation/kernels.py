@@ -175,7 +175,8 @@ def bernoulli(s: DTensorSpec) -> Callable:
     whole = s.unpartial()
 
     def kernel(x: torch.Tensor, p: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        u = global_fill(s, x, torch.float64, generator, lambda full, g: full.uniform_(generator=g))
+        dt = torch.float64 if p.dtype == torch.float64 else torch.float32  # torch's CPU kernel's uniforms
+        u = global_fill(s, x, dt, generator, lambda full, g: full.uniform_(generator=g))
         return x.copy_(redistribute_local((u < p).to(x.dtype), whole, s))
 
     return kernel

@@ -16,8 +16,10 @@ tensor must commute) and the engine keeps the cheapest.
 | ``index_put`` with one bool mask and a one-element values | the mask's dims shard self and mask alike; other dims of self kept; partials as above |
 | ``nonzero``, ``masked_select`` | data-dependent output shape: raise, asking for ``.full_tensor()`` first |
 
-``index_put_`` shares its rule; ``index_put.default`` is a decomposition the dispatcher runs
-(``shardtensor/dispatch/decompose.py``).
+``index_put_`` shares its rule; ``index_put.default`` (and ``index_copy``, as ``index_put`` with
+the index at its dim) is a decomposition the dispatcher runs (``shardtensor/dispatch/decompose.py``):
+a clone of self, laid out first as this rule prefers (a sharded or Partial ``values`` keeps its
+layout, the replicated clone is sliced or split locally), then ``_index_put_impl_`` into it.
 """
 from __future__ import annotations
 

@@ -38,13 +38,11 @@ On CPU ``F.rms_norm`` (and ``aten._fused_rms_norm``, CompositeImplicitAutograd t
 decomposed (``pow``, ``mean.dim``, ``add_``, ``rsqrt``, ``mul`` and their backward), so the
 pointwise/reduction rules rule it; the ``_fused_rms_norm`` rules serve devices with a fused kernel.
 
-RNG rule (dropout, bernoulli).  Every random op draws one 2-int seed per call from the op's
-generator, as ``shardtensor.rng`` draws (the same seed on every rank, every rank's generator in
-step).  The mask element at global flat index ``i`` is then a counter-based hash of
-``(seed, i)`` (lowbias32 rounds, exact in int64), so each rank computes just its own piece of
-one global mask: Replicate mesh dims agree, Shard mesh dims hold their slice, and the result
-is the same valid dense dropout for every placement of the input given the same generator
-state.  It does not reproduce dense torch's own stream.  Cost: one 16-byte all-reduce per call.
+RNG rule (dropout, bernoulli).  As every random op (``shardtensor.rng``): the mask is this rank's
+block of the mask one device draws from the same generator state (every rank builds the global
+mask transiently), so replicas agree, shards hold their slice, and on CPU ``F.dropout``,
+``native_dropout`` and ``bernoulli`` equal dense torch's after the same ``torch.manual_seed``,
+for every placement and world size.  Cost: one 16-byte all-reduce per call.
 """
 from __future__ import annotations
 
@@ -316,61 +314,26 @@ def topk_sort_rule(call: Call) -> Decision:
 
 # -- dropout / bernoulli: the RNG rule --------------------------------------------------------
 
-_M32 = 0xFFFFFFFF
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``x * c mod 2**32`` for ``0 <= x < 2**32`` without int64 overflow."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
-
-
-def _lowbias32(x: torch.Tensor) -> torch.Tensor:
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def mask_piece(spec: DTensorSpec, seed: tuple[int, int], device: torch.device | None = None) -> torch.Tensor:
-    """This rank's piece of a global uniform [0, 1) field (float64) keyed by ``seed``."""
-    shape, offset = spec.local_shape_and_offset()
-    stride = contiguous_stride(spec.shape)
-    idx = torch.zeros((), dtype=torch.int64, device=device)
-    n = len(shape)
-    for d in range(n):
-        ar = (torch.arange(shape[d], dtype=torch.int64, device=device) + offset[d]) * stride[d]
-        idx = idx + ar.view([-1 if e == d else 1 for e in range(n)])
-    lo, hi = idx & _M32, (idx >> 32) & _M32
-    h = _lowbias32(lo ^ seed[0])
-    h = _lowbias32(h ^ _lowbias32(hi ^ seed[1]))
-    return h.to(torch.float64) * (1.0 / 2 ** 32)
-
-
-def _identity_term(spec: DTensorSpec) -> float | None:
-    """For a Partial spec: the identity this rank writes instead of the value, or None (the value)."""
-    coord = spec.mesh.get_coordinate()
-    for j, p in enumerate(spec.placements):
-        if p.is_partial() and p.reduce_op in ("sum", "product") and coord[j] != 0:
-            return 0.0 if p.reduce_op == "sum" else 1.0
-    return None
+def uniform_dtype(p: torch.Tensor) -> torch.dtype:
+    """The dtype of the uniforms torch's CPU ``bernoulli_(p: Tensor)`` compares with ``p``."""
+    return torch.float64 if p.dtype == torch.float64 else torch.float32
 
 
 @register(aten.native_dropout.default)
 def native_dropout_rule(call: Call) -> Decision:
-    """Train: partials reduced, mask a piece of one global mask; eval: identity (partials kept)."""
+    """Train: partials reduced, mask this rank's block of one device's mask; eval: identity
+    (partials kept)."""
     x = call.specs[0]
     train = call.arg("train")
     if train is False:
         return decide(call, [Candidate({}, [x.placements, unpartial(x.placements)])])
     pl = unpartial(x.placements)
     want = x.with_placements(pl)
-    mesh = call.mesh
 
     def kernel(inp, p, train=None):
         q = 1.0 - p
         scale = 0.0 if q == 0 else 1.0 / q
-        mask = mask_piece(want, kernels.draw_seed(mesh, None, inp.device), inp.device) < q
+        mask = kernels.global_fill(want, inp, torch.bool, None, lambda full, g: full.bernoulli_(q, generator=g))
         return inp.mul(mask).mul_(scale), mask
 
     return decide(call, [Candidate({0: pl}, [pl, pl])], kernel=kernel)
@@ -378,33 +341,26 @@ def native_dropout_rule(call: Call) -> Decision:
 
 @register(aten.bernoulli_.float)
 def bernoulli_inplace_rule(call: Call) -> Decision:
-    """``self.bernoulli_(p)`` (CPU ``F.dropout``): self keeps its spec; Partial self holds
-    the mask on one rank and the identity elsewhere (sum/product) or the mask everywhere."""
+    """``self.bernoulli_(p)`` (CPU ``F.dropout``): self keeps its spec and gets its block of one
+    device's draw; a Partial self holds it as terms of the value."""
     s = call.specs[0]
-    mesh = call.mesh
-
-    def kernel(self, p=0.5, *, generator=None):
-        u = mask_piece(s, kernels.draw_seed(mesh, generator, self.device), self.device)
-        fill = _identity_term(s) if any(q.is_partial() for q in s.placements) else None
-        if fill is not None:
-            return self.fill_(fill)
-        return self.copy_(u < p)
-
-    return finish(call, {}, s, kernel=kernel)
+    return finish(call, {}, s, kernel=kernels.random_fill(aten.bernoulli_.float, s))
 
 
 @register(aten.bernoulli.p, aten.bernoulli.default)
 def bernoulli_rule(call: Call) -> Decision:
-    """Fresh random values with self's layout (``bernoulli.default`` reads probabilities from self)."""
+    """Fresh random values with self's layout (``bernoulli.default`` reads probabilities from
+    self: ``u < p`` with ``u`` this rank's block of one device's uniforms, as torch's CPU kernel)."""
     s = call.specs[0]
     pl = unpartial(s.placements)
     want = s.with_placements(pl)
-    mesh = call.mesh
     probs = call.op is aten.bernoulli.default
 
     def kernel(self, *args, generator=None):
-        p = self if probs else (args[0] if args else 0.5)
-        u = mask_piece(want, kernels.draw_seed(mesh, generator, self.device), self.device)
-        return (u < p).to(self.dtype)
+        if probs:
+            u = kernels.global_fill(want, self, uniform_dtype(self), generator, lambda full, g: full.uniform_(generator=g))
+            return (u < self).to(self.dtype)
+        p = args[0] if args else 0.5
+        return kernels.global_fill(want, self, self.dtype, generator, lambda full, g: full.bernoulli_(p, generator=g))
 
     return decide(call, [Candidate({0: pl}, pl)], kernel=kernel)

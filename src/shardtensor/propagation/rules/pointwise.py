@@ -31,7 +31,7 @@ from ...placement import Partial, Placement, Replicate, Shard, unpartial
 from ...spec import DTensorSpec
 from ..call import Call, Decision
 from ..registry import TAG_RULES, register
-from ..strategy import LINEAR_KINDS, finish, linear_partial
+from ..strategy import LINEAR_KINDS, Option, decide, expand, finish, input_cost, linear_partial
 
 aten = torch.ops.aten
 
@@ -39,7 +39,7 @@ IDENTITY = {aten.clone.default, aten.detach.default, aten.alias.default, aten._t
 PARTIAL_ROWS: dict[Any, str] = {
     **dict.fromkeys([aten.clone.default, aten.detach.default, aten.alias.default, aten.positive.default], "any"),
     aten._to_copy.default: "cast",
-    **dict.fromkeys([aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor], "terms"),
+    **dict.fromkeys([aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor, aten.rsub.Tensor], "terms"),
     **dict.fromkeys([aten.mul.Tensor, aten.mul.Scalar, aten.div.Scalar, aten.neg.default, aten.mul_.Tensor,
                      aten.mul_.Scalar, aten.div_.Scalar, aten.neg_.default], "factor"),
     **dict.fromkeys([aten.div.Tensor, aten.div_.Tensor], "numerator"),
@@ -152,9 +152,10 @@ def _inplace_rule(call: Call) -> Decision:
         if not isinstance(p, Partial):
             continue
         row = PARTIAL_ROWS.get(call.op)
-        if not (linear_partial(p) and (row in ("factor", "numerator") or (row == "terms" and others == [1]))) and \
-                _order_kind(call, {p.reduce_op}, [0]) != p.reduce_op:
-            self_pl[j] = Replicate()
+        keeps = (linear_partial(p) and (row in ("factor", "numerator") or (row == "terms" and others == [1]))) or \
+            _order_kind(call, {p.reduce_op}, [0]) == p.reduce_op
+        if not keeps or (row == "terms" and any(isinstance(call.specs[i].placements[j], Shard) for i in others)):
+            self_pl[j] = Replicate()  # (a shard cannot become a term of the Partial)
     if tuple(self_pl) != me.placements:
         inputs[0] = me.with_placements(self_pl)
     target = inputs[0]
@@ -181,12 +182,84 @@ def _inplace_rule(call: Call) -> Decision:
 
 
 def pointwise_rule(call: Call) -> Decision:
-    """Per-mesh-dim rule for every op tagged pointwise (and the identity/like ops)."""
+    """Per-mesh-dim rule for every op tagged pointwise (and the identity/like ops).
+
+    The inputs' own layout (:func:`_follow`) decides where it needs no communication; where it
+    does, every correct per-mesh-dim choice (:func:`_options`) is priced and the cheapest wins.
+    """
     if call.specs and call.specs[0] is not None and _is_inplace(call.op) and call.op not in IDENTITY_INPLACE:
         me = call.specs[0]
         out0 = call.out_meta
         if isinstance(out0, torch.Tensor) and tuple(out0.shape) == tuple(me.shape):
             return _inplace_rule(call)
+    base = _follow(call)
+    if _is_inplace(call.op) or not _communicates(call, base):
+        return base
+    out = call.out_meta
+    out0 = out[0] if isinstance(out, (tuple, list)) else out
+    pos = call.tensor_positions
+    if any(call.specs[i].ndim > out0.ndim for i in pos):
+        return base
+    options = [_options(call, j, out0) for j in range(call.mesh.ndim)]
+    if all(len(o) == 1 for o in options):
+        return base
+    return decide(call, expand(options, pos))
+
+
+def _communicates(call: Call, d: Decision) -> bool:
+    """Whether decision ``d`` moves an input across ranks (not only a local slice)."""
+    return any(want is not None and have is not None and input_cost(have, want.placements) > 0
+               for have, want in zip(call.specs, d.inputs))
+
+
+def _options(call: Call, j: int, out0: torch.Tensor) -> list[Option]:
+    """Every correct choice on mesh dim ``j``: shard an output dim an input shards (each
+    operand follows or is Replicate where it broadcasts), keep a Partial where a row allows
+    it (each single Partial operand alone too: ``P * P`` reduces one factor), reduce-scatter a
+    Partial into a shard where another mesh dim already shards an operand (where none does, the
+    result stays Replicate, as torch's DTensor leaves it: see docs/propagation.md), or Replicate
+    everything.  The inputs' own choice comes first, so
+    ties keep it; a mesh dim of one rank keeps only that."""
+    pos = call.tensor_positions
+    nd = out0.ndim
+    pls = {i: call.specs[i].placements[j] for i in pos}
+
+    def in_dim(i: int, od: int) -> int | None:
+        shape = call.specs[i].shape
+        d = od - (nd - len(shape))
+        return d if d >= 0 and shape[d] == out0.shape[od] else None
+
+    def sharded(od: int) -> Option:
+        return {i: Shard(d) if (d := in_dim(i, od)) is not None else Replicate() for i in pos}, Shard(od)
+
+    dims: list[int] = []
+    for i in pos:
+        p = pls[i]
+        if isinstance(p, Shard):
+            od = p.dim + nd - call.specs[i].ndim
+            if in_dim(i, od) == p.dim and od not in dims:
+                dims.append(od)
+    opts: list[Option] = [sharded(od) for od in dims]
+    partial = [i for i in pos if isinstance(pls[i], Partial)]
+    for group in [partial] + ([[i] for i in partial] if len(partial) > 1 else []):
+        kinds = {pls[i].reduce_op for i in group}
+        if _keeps_partial(call, kinds, group):
+            kind = Partial(next(iter(kinds)))
+            every = PARTIAL_ROWS[call.op] in EVERY_OPERAND
+            opts.append(({i: kind if every or i in group else Replicate() for i in pos}, kind))
+        elif (ordered := _order_kind(call, kinds, group)) is not None:
+            opts.append(({i: pls[i] if i in group else Replicate() for i in pos}, Partial(ordered)))
+    if partial and any(isinstance(p, Shard) for i in pos for jj, p in enumerate(call.specs[i].placements) if jj != j):
+        k = call.mesh.shape[j]
+        opts += [sharded(od) for od in range(nd) if od not in dims and out0.shape[od] >= k
+                 and all(in_dim(i, od) is not None for i in partial)]
+    opts.append(({i: Replicate() for i in pos}, Replicate()))
+    return opts if call.mesh.shape[j] > 1 else opts[:1]
+
+
+def _follow(call: Call) -> Decision:
+    """The decision that follows the inputs: a mesh dim an input shards stays sharded there,
+    a Partial stays where its row allows, anything else is reduced to Replicate."""
     out = call.out_meta
     out_list = isinstance(out, (tuple, list))
     out0 = out[0] if out_list else out

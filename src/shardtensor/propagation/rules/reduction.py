@@ -41,11 +41,11 @@ import torch
 
 from ...errors import PropagationError
 from ...placement import Partial, Placement, Replicate, Shard
-from ...spec import DTensorSpec
+from ...spec import DTensorSpec, contiguous_stride
 from .. import kernels
 from ..call import Call, Decision
 from ..registry import register
-from ..strategy import Pl, finish, keep_order, kept_order, pick
+from ..strategy import Pl, finish, input_cost, keep_order, kept_order, pick
 
 aten = torch.ops.aten
 
@@ -336,14 +336,15 @@ def var_std_rule(call: Call) -> Decision:
     correction = call.arg("correction", None)
     correction = 1 if correction is None else correction
     meta = _var_meta(s, D, keepdim)
-    req = pick(call, pos, choices(s, D, decomposable=True, keep=lambda p: False))
-    J = [j for j, p in enumerate(req) if isinstance(p, Shard) and p.dim in D and s.mesh.shape[j] > 1]
     n_global = 1
     for d in D:
         n_global *= s.shape[d]
     denom = max(0, n_global - correction)
     is_std = call.op is aten.std.correction
     partial_out = not is_std and denom > 0
+    req = min(choices(s, D, decomposable=True, keep=lambda p: False),
+              key=lambda c: input_cost(s, c) + _merge_cost(s, c, D, 1 if partial_out else 2))
+    J = [j for j, p in enumerate(req) if isinstance(p, Shard) and p.dim in D and s.mesh.shape[j] > 1]
     kind = Partial("sum") if partial_out else Replicate()
     out_pl = reduce_out(req, D, keepdim, kind)
     order = out_order(kept_order(s, req), out_pl, D, keepdim)
@@ -351,6 +352,19 @@ def var_std_rule(call: Call) -> Decision:
     if J:
         kernel = kernels.variance(s.mesh, J, D, keepdim, n_global, denom, is_std, partial_out, meta.dtype)
     return finish(call, {pos: req}, out_spec(call, meta, out_pl, order), kernel=kernel, order=keep_order)
+
+
+def _merge_cost(s: DTensorSpec, req: Pl, D: Sequence[int], n: int) -> float:
+    """Modeled time of the variance kernel's ``n`` all-reduces of per-row sums over the mesh
+    dims where ``req`` shards a reduced dim (0 where none does)."""
+    J = [j for j, p in enumerate(req) if isinstance(p, Shard) and p.dim in D and s.mesh.shape[j] > 1]
+    if not J:
+        return 0.0
+    shape = tuple(1 if d in D else k for d, k in enumerate(s.shape))
+    rest = [p if isinstance(p, Shard) and p.dim not in D else Replicate() for p in req]
+    sums = DTensorSpec.build(s.mesh, [Partial("sum") if j in J else p for j, p in enumerate(rest)], shape,
+                             contiguous_stride(shape), s.dtype)
+    return n * input_cost(sums, tuple(rest))
 
 
 def _var_meta(spec: DTensorSpec, D: Sequence[int], keepdim: bool) -> torch.Tensor:

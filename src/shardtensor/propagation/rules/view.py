@@ -5,7 +5,7 @@ unless a row says otherwise.  ``insert``/``drop`` renumber shard dims when a dim
 
 | op | required | output |
 |---|---|---|
-| ``view``, ``_unsafe_view``, ``reshape`` (``flatten``/``unflatten``) | dims grouped by equal size products; ``S`` on the first dim of a group kept where the chunk rule gives the same flat ranges (prefix of a nested order), every other ``S`` gathered | ``S`` on the first output dim of its group; local sizes per rank |
+| ``view``, ``_unsafe_view``, ``reshape`` (``flatten``/``unflatten``) | dims grouped by equal size products; ``S`` on the first dim of a group kept where the chunk rule gives the same flat ranges (prefix of a nested order); an inner dim sharded alone kept (packed); two sharded dims whose first holds one index per shard kept (nested), and the inverse; every other ``S`` gathered | ``S`` on the first output dim of its group, ``StridedShard(out, rows before)`` for a packed one, ``S`` of the second output dim for the inverse of a nested one; local sizes per rank |
 | ``expand`` | ``S`` on an expanded length-1 dim gathered | ``S`` shifted by the new leading dims; local sizes per rank |
 | ``permute``, ``transpose.int``, ``t`` (``movedim``, ``swapaxes``) | as is | ``S(d)`` -> ``S(new position of d)`` |
 | ``squeeze.dims`` (``squeeze``) | ``S`` on a removed dim gathered; only dims of GLOBAL length 1 are removed | ``drop``; the kernel gets the explicit dim list |
@@ -26,7 +26,7 @@ import torch
 
 from ...errors import PropagationError
 from ...pieces import with_strides
-from ...placement import NormPartial, Partial, Placement, Replicate, Shard, ShardOrder, chunk, unpartial
+from ...placement import NormPartial, Partial, Placement, Replicate, Shard, ShardOrder, StridedShard, chunk, unpartial
 from ...spec import DTensorSpec
 from ..call import Call, Decision
 from ..registry import register
@@ -194,6 +194,9 @@ def view_rule(call: Call) -> Decision:
         n = exact_prefix(a[d], r_in, b[go[0]], r_out, [mesh.shape[j] for j in js])
         if n:
             keep[d] = (go[0], tuple(js[:n]))
+    packed = _packed(s, groups, keep, ones)
+    chained = _chained(s, groups, keep)
+    split = _split(s, b, groups, keep)
     need: list[Placement] = []
     out_pl: list[Placement] = []
     for j, p in enumerate(s.placements):
@@ -202,17 +205,101 @@ def view_rule(call: Call) -> Decision:
                 need.append(p)
                 out_pl.append(Shard(keep[p.dim][0]))
                 continue
+            if p.dim in chained and j in chained[p.dim][1]:
+                need.append(p)
+                out_pl.append(Shard(keep[chained[p.dim][0]][0]))
+                continue
+            if p.dim in split and j in split[p.dim][1]:
+                need.append(p)
+                out_pl.append(Shard(split[p.dim][0]))
+                continue
+            if p.dim in packed and packed[p.dim][1] == j:
+                need.append(p)
+                out_pl.append(StridedShard(packed[p.dim][0], packed[p.dim][2]))
+                continue
             p = R
         need.append(p)
         out_pl.append(p)
-    required = s.with_placements(need, tuple((d, js) for d, (_, js) in sorted(keep.items())))
-    out_spec = spec_of(call, out, out_pl, tuple(sorted(keep.values())))
+    kept = [(d, js + (split[d][1] if d in split else ())) for d, (_, js) in keep.items()]
+    kept += [(d, (j,)) for d, (_, j, _) in packed.items()] + [(d1, js1) for d1, (_, js1) in chained.items()]
+    required = s.with_placements(need, tuple(sorted(kept)))
+    out_order = dict(keep)
+    for d1, (d0, js1) in chained.items():
+        out_order[d0] = (keep[d0][0], keep[d0][1] + js1)
+    out_spec = spec_of(call, out, out_pl, tuple(sorted([*out_order.values(), *split.values()])))
     copy = call.op is aten.view_copy.default
-    if any(isinstance(p, Shard) for p in out_spec.placements):
+    if any(isinstance(p, (Shard, StridedShard)) for p in out_spec.placements):
         kernel = _local_reshape(out_spec, copy)
     else:
         kernel = _reshape_copy if copy else _reshape
     return finish(call, {0: required}, out_spec, kernel=kernel)
+
+
+def _chained(s: DTensorSpec, groups: list[tuple[list[int], list[int]]], keep: dict
+             ) -> dict[int, tuple[int, tuple[int, ...]]]:
+    """Flattens of two sharded dims that stay one nested shard: ``{second dim: (first dim, its
+    mesh dims)}``.  Where the first dim's shards hold one index each (``(2, 2, h)`` on a (2, 2)
+    mesh as ``(Shard(0), Shard(1))``), each rank's rows of ``(a * b, h)`` are one range: the
+    second dim's shard nests under the first's (a batched matmul's fold moves nothing)."""
+    a, order = tuple(s.shape), dict(s.shard_order)
+    out: dict[int, tuple[int, tuple[int, ...]]] = {}
+    for gi, go in groups:
+        if len(go) != 1 or len(gi) < 2 or gi[0] not in keep or gi[1] not in order:
+            continue
+        d0, d1 = gi[0], gi[1]
+        js0, js1 = tuple(order[d0]), tuple(order[d1])
+        if keep[d0][1] != js0 or math.prod(s.mesh.shape[j] for j in js0) != a[d0]:
+            continue
+        if any(e in order for e in gi[2:]):
+            continue
+        r = math.prod(a[e] for e in gi[2:])
+        if exact_prefix(a[d1], r, a[d1] * r, 1, [s.mesh.shape[j] for j in js1]) == len(js1):
+            out[d1] = (d0, js1)
+    return out
+
+
+def _split(s: DTensorSpec, b: Sequence[int], groups: list[tuple[list[int], list[int]]], keep: dict
+           ) -> dict[int, tuple[int, tuple[int, ...]]]:
+    """The inverse of :func:`_chained`: a dim nested-sharded so that its first shards hold one
+    index of the first output dim each, unflattened: the rest shard the second output dim
+    (``{input dim: (second output dim, its mesh dims)}``)."""
+    order = dict(s.shard_order)
+    out: dict[int, tuple[int, tuple[int, ...]]] = {}
+    for gi, go in groups:
+        d = gi[0]
+        if len(gi) != 1 or len(go) < 2 or d not in keep or keep[d][0] != go[0]:
+            continue
+        n, js = len(keep[d][1]), tuple(order[d])
+        if n == len(js) or math.prod(s.mesh.shape[j] for j in js[:n]) != b[go[0]]:
+            continue
+        r = math.prod(b[e] for e in go[2:])
+        if exact_prefix(b[go[1]] * r, 1, b[go[1]], r, [s.mesh.shape[j] for j in js[n:]]) == len(js) - n:
+            out[d] = (go[1], js[n:])
+    return out
+
+
+def _packed(s: DTensorSpec, groups: list[tuple[list[int], list[int]]], keep: dict, ones: dict
+            ) -> dict[int, tuple[int, int, int]]:
+    """Shards a flatten keeps as a packed shard: ``{input dim: (output dim, mesh dim, split
+    factor)}``.  Flattening ``(a, b)`` with ``b`` sharded gives each rank its piece of every one
+    of the ``a`` rows: ``StridedShard(out, a)``, no communication, where the dim is the only one
+    of its group sharded (by one mesh dim) and each piece keeps its flat range within a row."""
+    a = tuple(s.shape)
+    out: dict[int, tuple[int, int, int]] = {}
+    for d, js in s.shard_order:
+        if d in keep or d in ones or len(js) != 1:
+            continue
+        grp = next(((gi, go) for gi, go in groups if d in gi), None)
+        if grp is None or len(grp[1]) != 1 or grp[0][0] == d:
+            continue
+        gi, go = grp
+        if any(e != d and any(p == Shard(e) for p in s.placements) for e in gi):
+            continue
+        at = gi.index(d)
+        r_in = math.prod(a[e] for e in gi[at + 1:])
+        if exact_prefix(a[d], r_in, a[d] * r_in, 1, [s.mesh.shape[js[0]]]):
+            out[d] = (go[0], js[0], math.prod(a[e] for e in gi[:at]))
+    return out
 
 
 def _reshape(x: torch.Tensor, size: Sequence[int], *args: Any, **kwargs: Any) -> torch.Tensor:
