@@ -2,6 +2,7 @@
 data-dependent ops, and the backward formulas of other families that go through them."""
 from __future__ import annotations
 
+import math
 
 import pytest
 import torch
@@ -344,3 +345,27 @@ def test_gloo_gather_scatter_add():
     seen = check(gather_then_scatter_add, [x, idx, s], (4,), world="gloo",
                  combos=[((S1,), (S0,), (Partial(),))])
     assert seen[0][1] == (S0,)
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_index_put_and_index_copy_keep_the_values_layout(mesh):
+    """A bool-mask index_put with a row of values, and index_copy, with self or values sharded
+    off the indexed dim or Partial: the result keeps that layout (the replicated clone is sliced
+    or split locally), forward and backward against one device."""
+    x = data("any", (5, 6), gen("ipk"))
+    mask = torch.tensor([True, False, True, True, False])
+    row = data("any", (6,), gen("ipk-row"))
+    check(lambda a, k, v: torch.index_put(a, (k,), v), [x, mask, row], mesh, limit=12, seed="ipk-mask")
+    idx = torch.tensor([3, 0])
+    src = data("any", (5, 2), gen("ipk-src"))
+    check(lambda a, i, s: a.index_copy(1, i, s), [x, idx, src], mesh, limit=12, seed="ipk-copy")
+
+    def body():
+        m = init_device_mesh("cpu", mesh)
+        a = distribute_tensor(x, m, [Replicate()] * len(mesh))
+        v = distribute_tensor(row, m, [Shard(0)] + [Replicate()] * (len(mesh) - 1))
+        with comm.recording() as log:
+            out = torch.index_put(a, (distribute_tensor(mask, m, [Replicate()] * len(mesh)),), v)
+        return out.placements[0], [e.kind for e in log.of_rank(m.get_rank()) if e.kind != "broadcast"]
+    for first, kinds in run_spmd(body, math.prod(mesh)):
+        assert first == Shard(1) and kinds == []

@@ -379,8 +379,10 @@ def _index_put(self: Any, indices: Any, values: Any, accumulate: bool = False) -
 def _index_copy(self: Any, dim: int, index: Any, source: Any) -> Any:
     """``index_put`` with the index at ``dim`` (one advanced index keeps its place), so the
     result takes the source's layout where that moves less than gathering it."""
-    if self.ndim == 0:
-        return aten.index_copy.default.decompose(self, dim, index, source)
+    if self.ndim == 0:  # no dim to index: torch's own decomposition
+        from torch._decomp import decomposition_table
+
+        return decomposition_table[aten.index_copy.default](self, dim, index, source)
     return _index_put(self, [None] * (dim % self.ndim) + [index], source)
 
 

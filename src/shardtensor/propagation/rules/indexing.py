@@ -24,6 +24,7 @@ layout, the replicated clone is sliced or split locally), then ``_index_put_impl
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any, Callable, Sequence
 
 import torch
@@ -333,18 +334,19 @@ def index_put_rule(call: Call) -> Decision:
     opts: list[Opt] = [((R,) + rr + (R,), R)]
 
     if masks:
-        numel = 1
-        for x in vshape:
-            numel *= x
-        if len(slots) != 1 or numel != 1 or ipos[0] is None:
+        if len(slots) != 1 or ipos[0] is None:
             return decide(call, _candidates([sp] + ipos + [vp], [opts] * s.mesh.ndim), kernel_for=_values_kernel(call, vp))
         a = dims[0]
         m = call.specs[ipos[0]]
+        one = math.prod(vshape) == 1
+        rnd = s.ndim - m.ndim + 1  # the masked dims become one dim of the selected elements
         for d in range(s.ndim):
             if a <= d < a + m.ndim:
-                opts.append(((Shard(d), Shard(d - a), R), Shard(d)))
-            else:
-                opts.append(((Shard(d), R, R), Shard(d)))
+                if one:  # a single value: the mask's dims shard self and mask alike
+                    opts.append(((Shard(d), Shard(d - a), R), Shard(d)))
+            else:  # the other dims shard self and the values alike
+                rd = d if d < a else d - m.ndim + 1
+                opts.append(((Shard(d), R, R if one else _values_pl(vshape, rnd, rd, s.shape[d])), Shard(d)))
     else:
         bshape = _bshape(call, slots)
         dmap, start = _layout(s.ndim, dims, len(bshape))

@@ -6,8 +6,8 @@ only for ops that commute with the partial's reduction, written as data in ``PAR
 
 - ``any``: identity-like ops (clone, detach, alias) keep any Partial kind;
 - ``cast``: a dtype cast keeps it where it commutes with the reduction (:func:`cast_keeps`);
-- ``terms``: add/sub of Partial(sum|avg) terms and Replicate tensors (the Replicate operands
-  are partitioned locally, no communication);
+- ``terms``: add/sub/rsub (and ``complex(re, im)``, linear in both jointly) of Partial(sum|avg)
+  terms and Replicate tensors (the Replicate operands are partitioned locally, no communication);
 - ``factor``: mul/neg with exactly one Partial(sum|avg) factor, every other operand
   Replicate or a scalar; ``numerator``: the same for a division, the factor on top.
 
@@ -39,7 +39,8 @@ IDENTITY = {aten.clone.default, aten.detach.default, aten.alias.default, aten._t
 PARTIAL_ROWS: dict[Any, str] = {
     **dict.fromkeys([aten.clone.default, aten.detach.default, aten.alias.default, aten.positive.default], "any"),
     aten._to_copy.default: "cast",
-    **dict.fromkeys([aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor, aten.rsub.Tensor], "terms"),
+    **dict.fromkeys([aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor, aten.rsub.Tensor,
+                     aten.complex.default], "terms"),
     **dict.fromkeys([aten.mul.Tensor, aten.mul.Scalar, aten.div.Scalar, aten.neg.default, aten.mul_.Tensor,
                      aten.mul_.Scalar, aten.div_.Scalar, aten.neg_.default], "factor"),
     **dict.fromkeys([aten.div.Tensor, aten.div_.Tensor], "numerator"),
