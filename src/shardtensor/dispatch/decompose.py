@@ -17,13 +17,12 @@ decide, decompositions run.
 """
 from __future__ import annotations
 
-import itertools
 from typing import Any, Callable
 
 import torch
 
 from ..errors import PropagationError
-from ..placement import Placement, Replicate, Shard
+from ..placement import Replicate, Shard
 from ..propagation.registry import unsupported
 from ..propagation.rules.foreach import overloads
 from ..spec import DTensorSpec
@@ -139,17 +138,10 @@ def _whole_along(spec: DTensorSpec, d: int) -> tuple:
     """The cheapest placements of ``spec`` with dim ``d`` whole on every rank and no Partial:
     each mesh dim that shards ``d`` or holds a Partial either replicates, or (cheaper: an
     all-to-all or a reduce-scatter instead of a gather or an all-reduce) shards another dim."""
+    from ..propagation.rules.reduction import choices
     from ..propagation.strategy import input_cost
 
-    options: list[list[Placement]] = []
-    for j, p in enumerate(spec.placements):
-        if (isinstance(p, Shard) and p.dim == d) or p.is_partial():
-            k = spec.mesh.shape[j]
-            options.append([Replicate()] + [Shard(e) for e in range(spec.ndim) if e != d and spec.shape[e] >= k])
-        else:
-            options.append([p])
-    best = min(itertools.product(*options), key=lambda pl: input_cost(spec, tuple(pl)))
-    return tuple(best)
+    return min(choices(spec, (d,), decomposable=False, keep=lambda p: False), key=lambda pl: input_cost(spec, pl))
 
 
 @decomposition(aten.linalg_cross.default)

@@ -17,7 +17,7 @@ from ..redistribute import redistribute_local
 from ..spec import DTensorSpec
 
 __all__ = ["histc", "multinomial", "equal", "global_fill", "random_like", "random_fill", "bernoulli", "nll_mean",
-           "draw_seed", "variance", "select_row"]
+           "draw_seed", "variance", "select_row", "uniform_dtype"]
 
 
 # -- statistics over the mesh --------------------------------------------------------------
@@ -170,13 +170,18 @@ def random_fill(op: Any, s: DTensorSpec) -> Callable:
     return kernel
 
 
+def uniform_dtype(p: torch.Tensor) -> torch.dtype:
+    """The dtype of the uniforms torch's CPU ``bernoulli`` with a probability tensor ``p``
+    compares with it: float64 for float64 probabilities, float32 for the rest."""
+    return torch.float64 if p.dtype == torch.float64 else torch.float32
+
+
 def bernoulli(s: DTensorSpec) -> Callable:
     """``x.bernoulli_(p)``: ``u < p`` with ``u`` this rank's block of one global uniform draw."""
     whole = s.unpartial()
 
     def kernel(x: torch.Tensor, p: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        dt = torch.float64 if p.dtype == torch.float64 else torch.float32  # torch's CPU kernel's uniforms
-        u = global_fill(s, x, dt, generator, lambda full, g: full.uniform_(generator=g))
+        u = global_fill(s, x, uniform_dtype(p), generator, lambda full, g: full.uniform_(generator=g))
         return x.copy_(redistribute_local((u < p).to(x.dtype), whole, s))
 
     return kernel

@@ -13,7 +13,7 @@ tensor must commute) and the engine keeps the cheapest.
 | ``gather`` | self ``S(d)`` + index ``S(d)`` -> ``S(d)`` for ``d != dim`` of equal size; self R + index ``S(dim)`` -> ``S(dim)``; self P + index R -> P (any kind); R |
 | ``index.Tensor`` (integer indices) | self ``S(d)`` on a non-indexed dim -> ``S`` of its output dim (indices R); self R + the only index ``S(k)`` -> ``S`` of the broadcast block's dim ``k``; self P (indices R) -> P; R.  Bool masks: data-dependent shape, raises |
 | ``index_put_``, ``_index_put_impl_`` (``index_put`` decomposes into a clone and the latter), integer indices | self ``S(d)`` non-indexed + values ``S`` of the matching dim (R where values broadcast) -> ``S(d)``; self + values jointly P (accumulate: sum/avg; else any plain kind; a plain 0-d values tensor becomes the kind's identity off the first rank) -> P; accumulate with one index: self P(sum) + index ``S(k)`` + values ``S`` -> P(sum); R |
-| ``index_put`` with one bool mask and a one-element values | the mask's dims shard self and mask alike; other dims of self kept; partials as above |
+| ``index_put`` with one bool mask | a one-element values: the mask's dims shard self and mask alike; other dims of self kept with values ``S`` of the matching dim (R where values broadcast); partials as above |
 | ``nonzero``, ``masked_select`` | data-dependent output shape: raise, asking for ``.full_tensor()`` first |
 
 ``index_put_`` shares its rule; ``index_put.default`` (and ``index_copy``, as ``index_put`` with

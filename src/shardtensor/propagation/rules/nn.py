@@ -314,11 +314,6 @@ def topk_sort_rule(call: Call) -> Decision:
 
 # -- dropout / bernoulli: the RNG rule --------------------------------------------------------
 
-def uniform_dtype(p: torch.Tensor) -> torch.dtype:
-    """The dtype of the uniforms torch's CPU ``bernoulli_(p: Tensor)`` compares with ``p``."""
-    return torch.float64 if p.dtype == torch.float64 else torch.float32
-
-
 @register(aten.native_dropout.default)
 def native_dropout_rule(call: Call) -> Decision:
     """Train: partials reduced, mask this rank's block of one device's mask; eval: identity
@@ -358,7 +353,7 @@ def bernoulli_rule(call: Call) -> Decision:
 
     def kernel(self, *args, generator=None):
         if probs:
-            u = kernels.global_fill(want, self, uniform_dtype(self), generator, lambda full, g: full.uniform_(generator=g))
+            u = kernels.global_fill(want, self, kernels.uniform_dtype(self), generator, lambda full, g: full.uniform_(generator=g))
             return (u < self).to(self.dtype)
         p = args[0] if args else 0.5
         return kernels.global_fill(want, self, self.dtype, generator, lambda full, g: full.bernoulli_(p, generator=g))

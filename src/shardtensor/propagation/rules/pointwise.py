@@ -207,6 +207,12 @@ def pointwise_rule(call: Call) -> Decision:
     return decide(call, expand(options, pos))
 
 
+def _in_dim(spec: DTensorSpec, out0: torch.Tensor, od: int) -> int | None:
+    """The operand's dim that maps to output dim ``od``, or None where it broadcasts there."""
+    d = od - (out0.ndim - spec.ndim)
+    return d if d >= 0 and spec.shape[d] == out0.shape[od] else None
+
+
 def _communicates(call: Call, d: Decision) -> bool:
     """Whether decision ``d`` moves an input across ranks (not only a local slice)."""
     return any(want is not None and have is not None and input_cost(have, want.placements) > 0
@@ -219,16 +225,14 @@ def _options(call: Call, j: int, out0: torch.Tensor) -> list[Option]:
     it (each single Partial operand alone too: ``P * P`` reduces one factor), reduce-scatter a
     Partial into a shard where another mesh dim already shards an operand (where none does, the
     result stays Replicate, as torch's DTensor leaves it: see docs/propagation.md), or Replicate
-    everything.  The inputs' own choice comes first, so
-    ties keep it; a mesh dim of one rank keeps only that."""
+    everything.  The inputs' own choice comes first, so ties keep it; a mesh dim of one rank keeps
+    only that."""
     pos = call.tensor_positions
     nd = out0.ndim
     pls = {i: call.specs[i].placements[j] for i in pos}
 
     def in_dim(i: int, od: int) -> int | None:
-        shape = call.specs[i].shape
-        d = od - (nd - len(shape))
-        return d if d >= 0 and shape[d] == out0.shape[od] else None
+        return _in_dim(call.specs[i], out0, od)
 
     def sharded(od: int) -> Option:
         return {i: Shard(d) if (d := in_dim(i, od)) is not None else Replicate() for i in pos}, Shard(od)
@@ -274,10 +278,7 @@ def _follow(call: Call) -> Decision:
     out_pl: list[Placement] = []
 
     def in_dim(i: int, od: int) -> int | None:
-        """Input ``i``'s dim that maps to output dim ``od``, or None when it broadcasts there."""
-        s = specs[i].shape
-        d = od - (nd - len(s))
-        return d if d >= 0 and s[d] == out0.shape[od] else None
+        return _in_dim(specs[i], out0, od)
 
     for j in range(mesh.ndim):
         od = None

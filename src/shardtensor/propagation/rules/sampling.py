@@ -24,18 +24,17 @@ aten = torch.ops.aten
 N, C, T = "n", "c", "t"
 
 
-def _labels(call: Call) -> tuple[tuple, tuple, tuple]:
-    """(input, grid, output) labels for the sampler's spatial rank."""
+def _labels(call: Call) -> tuple[tuple, tuple, tuple, list]:
+    """(input, grid, output) labels for the sampler's spatial rank, and the shardable ones."""
     k = call.specs[call.pos("input")].ndim - 2
     space, points = tuple(f"s{d}" for d in range(k)), tuple(f"o{d}" for d in range(k))
-    return (N, C) + space, (N,) + points + (T,), (N, C) + points
+    return (N, C) + space, (N,) + points + (T,), (N, C) + points, [N, C, *points]
 
 
 @register(aten.grid_sampler_2d.default, aten.grid_sampler_3d.default, needs=("input", "grid"))
 def grid_sampler_rule(call: Call) -> Decision:
     inp, grid = call.pos("input"), call.pos("grid")
-    li, lg, lo = _labels(call)
-    shardable = [N, C] + [L for L in lo[2:]]
+    li, lg, lo, shardable = _labels(call)
     options = label_options(call, [(inp, li), (grid, lg)], [(lo, [inp, grid])], shardable, linear=[inp])
     return decide(call, expand(options, [inp, grid]))
 
@@ -44,8 +43,7 @@ def grid_sampler_rule(call: Call) -> Decision:
           needs=("grad_output", "input", "grid"))
 def grid_sampler_backward_rule(call: Call) -> Decision:
     g, inp, grid = call.pos("grad_output"), call.pos("input"), call.pos("grid")
-    li, lg, lo = _labels(call)
-    shardable = [N, C] + [L for L in lo[2:]]
+    li, lg, lo, shardable = _labels(call)
     operands = [(g, lo), (inp, li), (grid, lg)]
     options = label_options(call, operands, [(li, [g, grid]), (lg, [g, inp])], shardable, linear=[g])
     return decide(call, expand(options, [g, inp, grid]))
