@@ -12,6 +12,7 @@ differences from dense torch are library bugs, not rounding.
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import re
 import zlib
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 import shardtensor as st
 from shardtensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh, run_spmd
 
-from opcheck import check, close, data, local_piece, make_dtensor, partial_terms, prepare
+from opcheck import check, close, data, local_piece, make_dtensor, partial_terms, prepare, run_recorded
 
 MESHES = [(4,), (2, 2)]
 SHAPES = [(8, 4), (7, 5), (3, 5)]
@@ -916,3 +917,36 @@ def test_inplace_add_of_a_shard_into_a_partial(mesh_shape, self_pl, other_pl):
         return x.full_tensor()
     for full in run_spmd(body, mesh_shape_numel(mesh_shape), timeout=TIMEOUT):
         close(full, a + b, "P.add_(S)", None)
+
+
+@pytest.mark.parametrize("name,fn,n_reduce", [
+    ("logsigmoid", F.logsigmoid, 1),  # minimum(0, x) and abs(x) each need x whole: it moves once
+    ("aminmax", lambda a: torch.aminmax(a), 1),
+    ("prelu of a Partial weight", None, 1),
+])
+def test_a_decomposition_moves_a_shared_input_once(name, fn, n_reduce):
+    """Ops a decomposition emits share the moves of one input (a Partial reduced once, not once
+    per op that needs it whole); prelu's kernel is elementwise, so its small weight is reduced,
+    not the input.  Values equal one device."""
+    x, w = data("any", (8, 6), _gen(11)), torch.tensor(0.25)
+    if fn is None:
+        def fn(a, b=None):
+            return F.prelu(a, b if b is not None else w)
+
+    def body(mesh):
+        if name.startswith("prelu"):
+            args = (distribute_tensor(x, mesh, [Replicate()]), DTensor.from_local(w / 4, mesh, [Partial()]))
+        else:
+            args = (DTensor.from_local(x / 4, mesh, [Partial()]),)
+        with st.comm.scope("op"):
+            y = fn(*args)
+        return [t.full_tensor() for t in (y if isinstance(y, tuple) else (y,))]
+    out, events = run_recorded((4,), body)
+    moved = [e for e in events if e.rank == 0 and "op" in e.scope]
+    assert len(moved) == n_reduce, (name, moved)
+    if name.startswith("prelu"):
+        assert math.prod(moved[0].shape) == 1, moved  # the one-element weight moved, not the (8, 6) input
+    dense = fn(x, w) if name.startswith("prelu") else fn(x)
+    for outs in out:
+        for a, b in zip(outs, dense if isinstance(dense, tuple) else (dense,)):
+            torch.testing.assert_close(a, b)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from opcheck import MESHES, check, data, gen, run_recorded
 
-from shardtensor import Partial, Replicate, Shard, distribute_tensor
+from shardtensor import Partial, Replicate, Shard, comm, distribute_tensor
 from shardtensor.errors import ReplicateFallbackWarning
 
 R, S0, S1, PS = Replicate(), Shard(0), Shard(1), Partial("sum")
@@ -128,3 +128,32 @@ def test_batch_sharded_conv_net_trains_without_gathering_activations():
     out, events = run_recorded((4,), body)
     assert all(p in ((PS,), (R,)) for p in out[0]), out[0]
     assert {e.kind for e in events} <= {"all_reduce", "broadcast"}, [e.kind for e in events]  # broadcast: distribute
+
+
+@pytest.mark.parametrize("pool", [
+    lambda a: F.max_pool2d(a, 2),
+    lambda a: F.adaptive_max_pool2d(a, 3, return_indices=True)[0],
+    lambda a: F.max_pool3d(a.unsqueeze(2), (1, 2, 2)).squeeze(2),
+], ids=["max_pool2d", "adaptive_max_pool2d", "max_pool3d"])
+def test_max_pool_of_a_partial_reduce_scatters_into_a_plane_dim(pool):
+    """A max pool reduces a Partial input first: a reduce-scatter into the channels (each plane is
+    pooled alone), half the bytes of the all-reduce; the value equals one device."""
+    x = _x((2, 4, 6, 6), "pool-p")
+
+    def body(m):
+        from shardtensor import DTensor
+        dx = DTensor.from_local(x / 4, m, [PS])
+        with comm.scope("op"):
+            y = pool(dx)
+        return tuple(y.placements), y.full_tensor()
+    out, events = run_recorded((4,), body)
+    assert sorted({e.kind for e in events if "op" in e.scope}) == ["reduce_scatter"]
+    for pl, full in out:
+        assert pl == (S1,)
+        torch.testing.assert_close(full, pool(x))
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_max_pool_partial_inputs_and_grads(mesh):
+    check(lambda a: F.max_pool2d(a, 2), [_x((2, 4, 6, 6), "pool-pg")], mesh, limit=8)
+    check(lambda a: F.adaptive_max_pool1d(a, 2), [_x((3, 4, 4), "pool-1d")], mesh, limit=8)

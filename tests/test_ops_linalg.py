@@ -7,9 +7,9 @@ import warnings
 import pytest
 import torch
 
-from opcheck import MESHES, check, data, gen
+from opcheck import MESHES, check, data, gen, run_recorded
 
-from shardtensor import Partial, Replicate, Shard, distribute_tensor, run_spmd, init_device_mesh
+from shardtensor import DTensor, Partial, Replicate, Shard, comm, distribute_tensor, run_spmd, init_device_mesh
 from shardtensor.errors import ReplicateFallbackWarning
 
 R, S0, S1, S2, PS = Replicate(), Shard(0), Shard(1), Shard(2), Partial("sum")
@@ -191,3 +191,52 @@ def test_cross_makes_its_dim_whole_once(mesh):
         return [e.kind for e in log.of_rank(m.get_rank())], z.full_tensor()
     for kinds, full in run_spmd(body, 4):
         assert kinds == ["all_to_all"] and torch.allclose(full, torch.linalg.cross(a, b))
+
+
+RHS_LINEAR = [  # X linear in B: B's Partial kept, B's columns (rows where left=False) sharded
+    ("solve", lambda a, b: torch.linalg.solve(a, b)),
+    ("solve_right", lambda a, b: torch.linalg.solve(a, b.mT, left=False)),
+    ("solve_vector", lambda a, b: torch.linalg.solve(a, b[..., 0])),
+    ("solve_triangular_right", lambda a, b: torch.linalg.solve_triangular(
+        torch.linalg.cholesky(a), b.mT, upper=False, left=False)),
+    ("triangular_solve", lambda a, b: torch.triangular_solve(b, torch.linalg.cholesky(a), upper=False)[0]),
+    ("ldl_solve", lambda a, b: torch.linalg.ldl_solve(*torch.linalg.ldl_factor(a), b)),
+    ("ormqr", lambda a, b: torch.ormqr(*torch.geqrf(a), b)),
+    ("ormqr_right", lambda a, b: torch.ormqr(*torch.geqrf(a), b.mT, left=False, transpose=True)),
+]
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("name,fn", RHS_LINEAR, ids=[x[0] for x in RHS_LINEAR])
+def test_solves_linear_in_the_right_hand_side(mesh, name, fn):
+    a, b = _spd((2, 4, 4), (name, "a")), data("any", (2, 4, 5), gen((name, "b")))
+    grad = not name.startswith(("ldl", "ormqr"))  # torch has no derivative for ldl_factor, geqrf
+    check(fn, [a, b], mesh, limit=10, tol=TOL, grad=grad, grad_tol={"rtol": 5e-3, "atol": 5e-3})
+
+
+@pytest.mark.parametrize("name,fn,bpl,want", [
+    ("solve P", lambda a, b: torch.linalg.solve(a, b), PS, PS),
+    ("solve columns", lambda a, b: torch.linalg.solve(a, b), Shard(1), Shard(1)),
+    ("solve left=False rows", lambda a, b: torch.linalg.solve(a, b.mT.contiguous(), left=False), Shard(1), Shard(0)),
+    ("vector P", lambda a, b: torch.linalg.solve(a, b[:, 0]), PS, PS),
+    ("cholesky_solve columns", lambda a, b: torch.cholesky_solve(b, a), Shard(1), Shard(1)),
+    ("lu_solve P", lambda a, b: torch.linalg.lu_solve(*torch.linalg.lu_factor(a), b), PS, PS),
+])
+def test_right_hand_side_partial_or_columns_move_nothing(name, fn, bpl, want):
+    """A Partial B stays Partial and a column-sharded B gives column-sharded X: no collective
+    (before, B was all-reduced or gathered); values equal one device."""
+    a, b = _spd((4, 4), "rhs-a"), data("any", (4, 8), gen("rhs-b"))
+    if "vector" in name:
+        b = b[:, :1].expand(4, 8).contiguous()
+
+    def body(mesh):
+        da = distribute_tensor(a, mesh, [R])
+        db = DTensor.from_local(b / 4, mesh, [PS]) if bpl == PS else distribute_tensor(b, mesh, [bpl])
+        with comm.scope("op"):
+            y = fn(da, db)
+        return tuple(y.placements), y.full_tensor()
+    out, events = run_recorded((4,), body)
+    assert [e for e in events if "op" in e.scope] == []
+    for pl, full in out:
+        assert pl == (want,)
+        torch.testing.assert_close(full, fn(a, b), **TOL)

@@ -17,6 +17,7 @@ Steps 3 and 5 are the only calls into ``aliasing.py``.
 """
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -90,7 +91,7 @@ def _full(func, args: tuple, kwargs: dict, view: bool, writes: tuple) -> tuple[A
         me, new, moved, keep = _self_change(func, how, what, flat, specs, first)
         check(func, writes, args, kwargs, me, new, moved)
     if how is _DIRECT:
-        return _direct(func, what, flat, specs, treedef, view, keep)
+        return _direct(func, what, flat, specs, treedef, view, keep, not writes)
     if how is _DECOMPOSE:
         return _decompose(func, what, args, kwargs, view, writes)
     out = (dispatch_packed(func, args, kwargs, flat, specs, treedef, _returns_self(func), dispatch)
@@ -186,15 +187,17 @@ def _self_change(func, how: str, what: Any, flat: list, specs: list,
     return first, what.output, bool(what.redistribute and w is not None and w != specs[0]), False
 
 
-def _direct(func, decision: Any, flat: list, specs: list, treedef, view: bool, keep: bool) -> tuple[Any, int]:
-    """Redistribute, run the local kernel, finish (``hit.finish``, shared with the hit path)."""
+def _direct(func, decision: Any, flat: list, specs: list, treedef, view: bool, keep: bool,
+            reuse: bool) -> tuple[Any, int]:
+    """Redistribute, run the local kernel, finish (``hit.finish``, shared with the hit path);
+    ``reuse``: the op writes nothing, so it may share moved inputs (``_Moves``)."""
     if not decision.redistribute:
         local = [a if s is None else a._local_tensor for a, s in zip(flat, specs)]
     elif comm.listening():
         with comm.scope(str(func)):
-            local = _local_args(flat, specs, decision)
+            local = _local_args(flat, specs, decision, reuse)
     else:
-        local = _local_args(flat, specs, decision)
+        local = _local_args(flat, specs, decision, reuse)
     if decision.local_args is not None:
         local = decision.local_args(local)
     largs, lkwargs = unflatten_call(local, treedef)
@@ -212,7 +215,7 @@ def _decompose(func, fn, args: tuple, kwargs: dict, view: bool, writes: tuple) -
     replicated inputs (``fallback.py``), else an error naming the op and the placements."""
     check_plain(func, tree_flatten((args, kwargs))[0])
     try:
-        with implicit_replication():  # plain tensors the decomposition builds are the same on every rank
+        with implicit_replication(), _MOVES:  # plain tensors the decomposition builds are the same on every rank
             out = replicate_plain(fn(*args, **kwargs), args, kwargs)
     except NotImplementedError as e:
         if isinstance(e, UnsupportedOpError) and e.op == func:
@@ -318,14 +321,50 @@ def _returns_self(func) -> bool:
     return r
 
 
-def _local_args(flat: list, specs: list, decision) -> list:
+class _Moves(threading.local):
+    """The inputs a decomposition's ops moved, per rank thread, while it runs: where several of
+    its ops need one input in the same placements (``logsigmoid``'s ``minimum`` and ``abs`` each
+    reduce a Partial ``x``), it moves once.  Keyed by the local tensor and its version, reused
+    only while the moved copy is unwritten; ops that write take no part."""
+
+    depth = 0
+    memo: dict | None = None
+
+    def __enter__(self) -> None:
+        self.depth += 1
+        if self.depth == 1:
+            self.memo = {}
+
+    def __exit__(self, *exc: Any) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            self.memo = None
+
+    def moved(self, t: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> torch.Tensor:
+        memo = self.memo
+        if memo is None:
+            return redistribute_local(t, src, dst)
+        key = (id(t), t._version, src, dst)
+        seen = memo.get(key)
+        if seen is not None and seen[1]._version == seen[2]:
+            return seen[1]
+        out = redistribute_local(t, src, dst)
+        memo[key] = (t, out, out._version)  # t held: its id stays this tensor's while the memo lives
+        return out
+
+
+_MOVES = _Moves()
+
+
+def _local_args(flat: list, specs: list, decision, reuse: bool = False) -> list:
     """Local tensors of the arguments, redistributed where the decision requires."""
     local = []
+    move = _MOVES.moved if reuse else redistribute_local
     for a, s, want in zip(flat, specs, decision.inputs):
         if s is None:
             local.append(a)
         elif decision.redistribute and want is not None and want != s:
-            local.append(redistribute_local(a._local_tensor, s, want))
+            local.append(move(a._local_tensor, s, want))
         else:
             local.append(a._local_tensor)
     return local

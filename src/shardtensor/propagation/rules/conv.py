@@ -20,10 +20,11 @@ depend on it (the bias grad under in-channel sharding); a linear partial grad_ou
 partial in all three.  ``bias_sizes`` becomes the local size.
 
 Pooling (``max_pool{2,3}d_with_indices``, ``avg_pool{2,3}d``, ``_adaptive_avg_pool{2,3}d``,
-``adaptive_max_pool{2,3}d`` and their backward): every dim before the ``s`` spatial ones keeps
-its shards (each plane is pooled alone; indices are within the plane); average pools are linear,
-so ``P(sum)``/``P(avg)`` stay; max pools reduce partials first.  Backward: grad_output, self and
-indices at one placement (from grad_output's or self's, the cheaper), a linear partial grad kept
+``adaptive_max_pool{2,3}d`` and their backward): per mesh dim, every dim before the ``s``
+spatial ones may shard (each plane is pooled alone; indices are within the plane), spatial dims
+are whole; average pools are linear, so ``P(sum)``/``P(avg)`` stay; max pools reduce partials
+first, by an all-reduce or a reduce-scatter into a plane dim, whichever the engine prices
+cheaper.  Backward: grad_output, self and indices at one placement, a linear partial grad kept
 where the others are replicated.
 
 ``native_group_norm`` (and backward): the batch dim keeps its shards, the rest is gathered;
@@ -42,7 +43,7 @@ import torch
 from ...placement import Partial, Placement, Replicate, Shard
 from ..call import Call, Decision
 from ..registry import register
-from ..strategy import Candidate, decide, expand, linear_partial, replicate, select
+from ..strategy import Candidate, Option, decide, expand, linear_partial, replicate, select
 from .matrix import label_decision, label_options
 from .misc import _ops
 
@@ -140,26 +141,35 @@ POOLS = {  # op name -> (spatial dims, linear)
 }
 
 
-def _pool_placements(pl: tuple[Placement, ...], lead: int, linear: bool) -> tuple[Placement, ...]:
-    """Shards of the leading (non-spatial) dims kept, the rest replicated; partials kept if linear."""
-    out: list[Placement] = []
-    for p in pl:
-        if isinstance(p, Shard):
-            out.append(p if p.dim < lead else Replicate())
-        else:
-            out.append(p if not isinstance(p, Partial) or (linear and linear_partial(p)) else Replicate())
-    return tuple(out)
+def _pool_options(call: Call, positions: list[int], lead: int, linear: int | None,
+                  n_out: int) -> list[list[Option]]:
+    """Per mesh dim: every tensor ``R``, or every one ``S(d)`` on a leading dim ``d``, or the
+    tensor at ``linear`` keeping its linear partial (the others ``R``).  A Partial input that
+    must be reduced may so be reduce-scattered into a plane dim, not only all-reduced.  With
+    ``n_out`` outputs, the second (max pools' indices) is ``R`` where the first is Partial."""
+
+    def out(pl: Placement) -> Any:
+        return (pl, Replicate() if isinstance(pl, Partial) else pl) if n_out else pl
+
+    per_dim = []
+    for j in range(call.mesh.ndim):
+        opts: list[Option] = [({}, out(Replicate()))]
+        opts += [(dict.fromkeys(positions, Shard(d)), out(Shard(d))) for d in range(lead)]
+        p = None if linear is None else call.specs[linear].placements[j]
+        if p is not None and linear_partial(p):
+            opts.append(({linear: p}, out(p)))
+        per_dim.append(opts)
+    return per_dim
 
 
 @register(*_ops(list(POOLS)))
 def pool_rule(call: Call) -> Decision:
-    """Each plane pooled alone: leading dims keep their shards, spatial dims are gathered."""
+    """Each plane pooled alone: leading dims may shard, spatial dims are whole."""
     x = call.specs[0]
     spatial, linear = POOLS[call.op._schema.name.split("::")[-1]]
-    pl = _pool_placements(x.placements, x.ndim - spatial, linear)
     n_out = len(call.out_meta) if isinstance(call.out_meta, (tuple, list)) else 0
-    out: Any = [pl, tuple(Replicate() if isinstance(p, Partial) else p for p in pl)] if n_out else pl
-    return decide(call, [Candidate({0: pl}, out)], kernel=_empty_pool(call.op, spatial))
+    options = _pool_options(call, [0], x.ndim - spatial, 0 if linear else None, n_out)
+    return decide(call, expand(options, [0]), kernel=_empty_pool(call.op, spatial))
 
 
 @register(*_ops([n + "_backward" for n in POOLS]), needs=("grad_output", "self"))
@@ -167,13 +177,9 @@ def pool_backward_rule(call: Call) -> Decision:
     """grad_output, self (and indices) at one placement; a linear partial grad stays partial."""
     gp, xp = call.pos("grad_output"), call.pos("self")
     spatial = POOLS[call.op._schema.name.split("::")[-1][:-len("_backward")]][0]
-    others = [p for p in call.tensor_positions if p != gp]
-    cands = []
-    for src in (call.specs[gp], call.specs[xp]):
-        g_pl = _pool_placements(src.placements, src.ndim - spatial, True)
-        rest = tuple(Replicate() if isinstance(p, Partial) else p for p in g_pl)
-        cands.append(Candidate({gp: g_pl, **{p: rest for p in others}}, g_pl))
-    return decide(call, cands, kernel=_empty_pool(call.op, spatial))
+    positions = list(call.tensor_positions)
+    options = _pool_options(call, positions, call.specs[xp].ndim - spatial, gp, 0)
+    return decide(call, expand(options, positions), kernel=_empty_pool(call.op, spatial))
 
 
 def _empty_pool(op: Any, spatial: int) -> Callable:

@@ -12,7 +12,7 @@ import torch
 from ..call import Call, Decision
 from ..registry import register
 from ..strategy import finish, linear_partial
-from .misc import _empty_safe, _ops, _renumbered, gather_dims
+from .misc import _empty_safe, _ops, _renumbered, cheapest_gather
 
 aten = torch.ops.aten
 
@@ -22,6 +22,6 @@ def fft_rule(call: Call) -> Decision:
     """Transformed dims gathered, batch dims kept, linear partials kept."""
     s = call.specs[0]
     dims = {d % s.ndim for d in call.arg("dim")}
-    req = gather_dims(s, lambda d: d not in dims, linear_partial)
+    req = cheapest_gather(call, 0, lambda d: d not in dims, linear_partial)
     out = _renumbered(req, {d: d for d in range(s.ndim)}, call.out_meta)
     return finish(call, {0: req}, out, kernel=_empty_safe(call.op, out))  # MKL refuses an empty batch piece

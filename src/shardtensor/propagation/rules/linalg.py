@@ -17,20 +17,26 @@ from typing import Any
 
 import torch
 
+from ...placement import Placement, Replicate, Shard
 from ...spec import DTensorSpec
 from ..call import Call, Decision
 from ..registry import register
-from ..strategy import decide, expand, finish, no_partial, replicate
+from ..strategy import Option, decide, expand, finish, linear_partial, no_partial, replicate
 from .matrix import label_options
-from .misc import _ops, _renumbered, _replicate, gather_dims
+from .misc import _ops, _renumbered, _replicate, cheapest_gather
 
 aten = torch.ops.aten
 
 BATCHED = ["_linalg_svd", "linalg_qr", "_linalg_eigh", "linalg_eig", "linalg_inv_ex", "_linalg_det",
-           "_linalg_slogdet", "_linalg_solve_ex", "linalg_lu", "linalg_lu_factor_ex", "linalg_lu_solve",
-           "lu_unpack", "linalg_cholesky_ex", "cholesky_solve", "cholesky_inverse", "linalg_solve_triangular",
-           "triangular_solve", "linalg_matrix_exp", "linalg_householder_product", "ormqr",
-           "linalg_ldl_factor_ex", "linalg_ldl_solve"]
+           "_linalg_slogdet", "linalg_lu", "linalg_lu_factor_ex", "lu_unpack", "linalg_cholesky_ex",
+           "cholesky_inverse", "linalg_matrix_exp", "linalg_householder_product", "linalg_ldl_factor_ex"]
+SOLVES: dict[Any, tuple[str, bool]] = {  # the right-hand side's argument, and whether ``left`` may be set
+    aten._linalg_solve_ex.default: ("B", True), aten.linalg_lu_solve.default: ("B", True),
+    aten.linalg_solve_triangular.default: ("B", True), aten.linalg_ldl_solve.default: ("B", False),
+    aten.cholesky_solve.default: ("self", False), aten.triangular_solve.default: ("self", False),
+    aten.lu_solve.default: ("self", False), aten.ormqr.default: ("input3", True),
+}
+"""Solves and products ``X = op(A) B`` (or ``B op(A)`` where ``left`` is False), linear in ``B``."""
 
 
 @register(*_ops(BATCHED))
@@ -39,7 +45,7 @@ def batched_linalg_rule(call: Call) -> Decision:
     first = call.specs[call.tensor_positions[0]]
     nb = first.ndim - 2
     batch = tuple(first.shape[:nb])
-    req = gather_dims(first, lambda d: d < nb, no_partial)
+    req = cheapest_gather(call, call.tensor_positions[0], lambda d: d < nb, no_partial)
     metas = call.out_meta if isinstance(call.out_meta, (tuple, list)) else [call.out_meta]
 
     def carries(shape: Any) -> bool:
@@ -58,6 +64,44 @@ def batched_linalg_rule(call: Call) -> Decision:
             DTensorSpec.build(req.mesh, rep, m.shape, m.stride(), m.dtype) if placeholder(m) else
             _renumbered(req, {d: d for d in range(nb)}, m) for m in metas]
     return finish(call, inputs, tuple(outs) if isinstance(call.out_meta, (tuple, list)) else outs[0])
+
+
+@register(*SOLVES)
+def solve_rule(call: Call) -> Decision:
+    """``X`` linear in ``B``: per mesh dim, everything ``R``; ``B``'s columns sharded (its rows
+    where ``left`` is False: ``X``'s columns depend on ``B``'s alone), ``A`` whole; ``B``'s
+    linear partial kept (``A`` whole); or a batch dim sharded on every input and output.
+    The other outputs (LU, pivots, info, the copied ``A``) depend on ``A`` alone: ``R`` unless
+    the batch is sharded."""
+    name, has_left = SOLVES[call.op]
+    bp = call.pos(name)
+    b = call.specs[bp]
+    metas = list(call.out_meta) if isinstance(call.out_meta, (tuple, list)) else [call.out_meta]
+    first = call.specs[call.tensor_positions[0]]
+    nb = first.ndim - 2
+    batch = tuple(first.shape[:nb])
+    batched = nb > 0 and all(tuple(call.specs[p].shape[:nb]) == batch for p in call.tensor_positions) and \
+        all(m is None or tuple(m.shape[:nb]) == batch for m in metas)
+    a = call.specs[next(p for p in call.tensor_positions if p != bp)]
+    own = tuple(metas[0].shape) == tuple(b.shape)  # B's dims are X's
+    vector = b.ndim == 1 or (b.ndim == a.ndim - 1 and tuple(b.shape) == tuple(a.shape[:-1]))  # torch's test
+    col = b.ndim - (1 if not has_left or call.arg("left", True) else 2)
+
+    def outs(x: Placement, rest: Placement = Replicate()) -> Any:
+        pls = tuple([x] + [rest] * (len(metas) - 1))
+        return pls if isinstance(call.out_meta, (tuple, list)) else pls[0]
+
+    per_dim = []
+    for j in range(call.mesh.ndim):
+        opts: list[Option] = [({}, outs(Replicate()))]
+        if own and not vector:
+            opts.append(({bp: Shard(col)}, outs(Shard(col))))
+        if own and linear_partial(b.placements[j]):
+            opts.append(({bp: b.placements[j]}, outs(b.placements[j])))
+        if batched:
+            opts += [(dict.fromkeys(call.tensor_positions, Shard(d)), outs(Shard(d), Shard(d))) for d in range(nb)]
+        per_dim.append(opts)
+    return decide(call, expand(per_dim, list(call.tensor_positions)))
 
 
 @register(aten._linalg_check_errors.default)

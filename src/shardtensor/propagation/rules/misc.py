@@ -22,6 +22,7 @@ keeps its placements and memory (the value on coordinate 0 of a sum, on every ra
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable, Sequence
 
 import torch
@@ -31,7 +32,7 @@ from ...spec import DTensorSpec
 from .. import kernels
 from ..call import Call, Decision, unflatten_call
 from ..registry import register
-from ..strategy import any_partial, finish, linear_partial
+from ..strategy import any_partial, finish, linear_partial, pick
 
 aten = torch.ops.aten
 
@@ -55,6 +56,23 @@ def gather_dims(s: DTensorSpec, keep_shard: Callable[[int], bool], keep_partial:
             p = Replicate()
         pl.append(p)
     return _spec_with(s, pl)
+
+
+def cheapest_gather(call: Call, pos: int, keep_shard: Callable[[int], bool],
+                    keep_partial: Callable[[Partial], bool]) -> DTensorSpec:
+    """``gather_dims``' spec for argument ``pos``, or, on mesh dims where that gathers or reduces,
+    a kept dim sharded instead (a Partial reduce-scattered into it, a shard moved there by an
+    all-to-all): whichever the engine prices cheapest.  Only dims with a piece for every rank."""
+    s = call.specs[pos]
+    base = gather_dims(s, keep_shard, keep_partial)
+    sizes = s.mesh.shape
+    per_dim = [[b] + ([Shard(d) for d in range(s.ndim) if keep_shard(d) and s.shape[d] >= sizes[j]] if a != b else [])
+               for j, (a, b) in enumerate(zip(s.placements, base.placements))]
+    options = list(itertools.product(*per_dim))
+    if len(options) == 1:
+        return base
+    pl = pick(call, pos, options)
+    return base if pl == base.placements else s.with_placements(pl)
 
 
 def _renumbered(req: DTensorSpec, where: dict[int, int], meta: torch.Tensor) -> DTensorSpec:
@@ -100,7 +118,7 @@ def diagonal_rule(call: Call) -> Decision:
     """Kept dims keep their shards (renumbered); the two diagonal dims are gathered."""
     s = call.specs[0]
     d1, d2 = _diag_dims(s.ndim, call.arg("dim1", 0), call.arg("dim2", 1))
-    req = gather_dims(s, lambda d: d not in (d1, d2), any_partial)
+    req = cheapest_gather(call, 0, lambda d: d not in (d1, d2), any_partial)
     kept = [d for d in range(s.ndim) if d not in (d1, d2)]
     out = _renumbered(req, {d: i for i, d in enumerate(kept)}, call.out_meta)
     return finish(call, {0: req}, out)
@@ -133,7 +151,7 @@ def diagonal_backward_rule(call: Call) -> Decision:
     n = meta.ndim
     d1, d2 = _diag_dims(n, call.arg("dim1"), call.arg("dim2"))
     kept = [d for d in range(n) if d not in (d1, d2)]
-    req = gather_dims(g, lambda d: d < g.ndim - 1, any_partial)
+    req = cheapest_gather(call, 0, lambda d: d < g.ndim - 1, any_partial)
     out = _renumbered(req, {i: d for i, d in enumerate(kept)}, meta)
     return finish(call, {0: req}, out, local_args=_local_sizes(out, _size_positions(call, "input_sizes")))
 
@@ -155,7 +173,7 @@ def diag_embed_rule(call: Call) -> Decision:
     meta = call.out_meta
     d1, d2 = _diag_dims(meta.ndim, call.arg("dim1", -2), call.arg("dim2", -1))
     kept = [d for d in range(meta.ndim) if d not in (d1, d2)]
-    req = gather_dims(s, lambda d: d < s.ndim - 1, any_partial)
+    req = cheapest_gather(call, 0, lambda d: d < s.ndim - 1, any_partial)
     out = _renumbered(req, {i: d for i, d in enumerate(kept)}, meta)
     return finish(call, {0: req}, out)
 
@@ -181,7 +199,7 @@ def upsample_rule(call: Call) -> Decision:
     """Batch/channel shards stay; interpolation is linear (nearest is a selection)."""
     s = call.specs[0]
     nearest = "nearest" in call.op._schema.name
-    req = gather_dims(s, lambda d: d < 2, any_partial if nearest else linear_partial)
+    req = cheapest_gather(call, 0, lambda d: d < 2, any_partial if nearest else linear_partial)
     meta = call.out_meta
     out = _renumbered(req, {0: 0, 1: 1}, meta)
     return finish(call, {0: req}, out, kernel=_empty_safe(call.op, out))
@@ -191,7 +209,7 @@ def upsample_rule(call: Call) -> Decision:
 def upsample_backward_rule(call: Call) -> Decision:
     """Gradient of upsampling: a sum over the output pixels (linear), batch/channel shards kept."""
     g = call.specs[0]
-    req = gather_dims(g, lambda d: d < 2, linear_partial)
+    req = cheapest_gather(call, 0, lambda d: d < 2, linear_partial)
     meta = call.out_meta
     out = _renumbered(req, {0: 0, 1: 1}, meta)
     return finish(call, {0: req}, out, local_args=_local_sizes(out, _size_positions(call, "input_size")),
