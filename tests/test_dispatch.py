@@ -950,3 +950,24 @@ def test_a_decomposition_moves_a_shared_input_once(name, fn, n_reduce):
     for outs in out:
         for a, b in zip(outs, dense if isinstance(dense, tuple) else (dense,)):
             torch.testing.assert_close(a, b)
+
+
+def test_a_partial_enlarged_by_broadcasting_is_reduced_first():
+    """``x - y`` of a Partial vector and a replicated batch: keeping the Partial would leave a
+    batch-sized Partial for the next op to reduce (``dist`` then reduced 25x the bytes); the vector
+    is reduced now, at its own size.  A same-size Partial operand still passes (bias adds)."""
+    x, y = data("any", (5,), _gen(21)), data("any", (5, 5, 5), _gen(22))
+
+    def body(mesh):
+        dx = DTensor.from_local(x / 4, mesh, [Partial()])
+        dy = distribute_tensor(y, mesh, [Replicate()])
+        with st.comm.scope("op"):
+            d = torch.dist(dx, dy)
+            kept = dy + dy.new_ones(()) * 0 + DTensor.from_local(y / 4, mesh, [Partial()])
+        return tuple(d.placements), d.full_tensor(), tuple(kept.placements)
+    out, events = run_recorded((4,), body)
+    moved = [e for e in events if e.rank == 0 and "op" in e.scope]
+    assert [e.shape for e in moved] == [(5,)], moved
+    for pl, d, kept in out:
+        torch.testing.assert_close(d, torch.dist(x, y))
+        assert kept == (Partial(),)

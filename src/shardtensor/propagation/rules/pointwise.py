@@ -22,6 +22,7 @@ Anything else reduces its Partial inputs to Replicate first.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -102,7 +103,7 @@ def _keeps_partial(call: Call, kinds: set[str], partial_args: list[int]) -> bool
     """Whether the output may stay Partial (of the same kind) on a mesh dim where
     ``partial_args`` are Partial(``kinds``), under ``PARTIAL_ROWS``."""
     row = PARTIAL_ROWS.get(call.op)
-    if row is None or len(kinds) != 1:
+    if row is None or len(kinds) != 1 or _enlarged(call, partial_args):
         return False
     kind = next(iter(kinds))
     if row == "any":
@@ -114,6 +115,16 @@ def _keeps_partial(call: Call, kinds: set[str], partial_args: list[int]) -> bool
     if row == "terms":
         return all(call.specs[i] is not None for i in range(min(2, len(call.flat))))
     return len(partial_args) == 1 and (row == "factor" or partial_args[0] == 0)
+
+
+def _enlarged(call: Call, partial_args: list[int]) -> bool:
+    """Whether broadcasting makes the output larger than a Partial operand: kept, the Partial
+    would be reduced later at the output's size (``dist(x, y)`` of a ``Partial`` vector ``x``
+    and a replicated batch ``y``), so it is reduced now, at its own."""
+    out = call.out_meta
+    out0 = out[0] if isinstance(out, (tuple, list)) else out
+    n = out0.numel() if isinstance(out0, torch.Tensor) else 0
+    return any(math.prod(call.specs[i].shape) < n for i in partial_args)
 
 
 def cast_keeps(kind: str, src: torch.dtype, dst: torch.dtype) -> bool:
