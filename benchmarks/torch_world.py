@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from typing import Any
 
 import torch
@@ -95,8 +96,9 @@ def threaded(n: int, body: Any) -> list:
     try:
         for t in threads:
             t.start()
+        deadline = time.monotonic() + TIMEOUT  # one deadline for the world: a hung one costs TIMEOUT, not n x
         for t in threads:
-            t.join(TIMEOUT)
+            t.join(max(0.0, deadline - time.monotonic()))
     finally:
         _uninstall_threaded_pg()
         torch._C._distributed_c10d._set_thread_isolation_mode(False)

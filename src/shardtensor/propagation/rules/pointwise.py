@@ -117,14 +117,33 @@ def _keeps_partial(call: Call, kinds: set[str], partial_args: list[int]) -> bool
     return len(partial_args) == 1 and (row == "factor" or partial_args[0] == 0)
 
 
+def _plain(ps: Any) -> bool:
+    """Plain ``Partial`` s only: a norm partial's ``reduce_op`` (sum for ``PN(2)``) is not its value."""
+    return all(type(p) is Partial for p in ps)
+
+
+def _kept(call: Call, ps: list[Placement], group: list[int]) -> Placement | None:
+    """The Partial the output keeps where operands ``group`` hold ``ps`` (``PARTIAL_ROWS``), or
+    None.  A norm partial passes only the rows that move values unchanged (``any``) or widen them
+    (``cast``), as itself: ``clone`` of a ``PN(2)`` norm is that ``PN(2)``, with no collective."""
+    kinds = {p.reduce_op for p in ps}  # type: ignore[attr-defined]
+    if not _keeps_partial(call, kinds, group):
+        return None
+    if _plain(ps):
+        return Partial(next(iter(kinds)))
+    same = all(p == ps[0] for p in ps)
+    return ps[0] if same and PARTIAL_ROWS.get(call.op) in ("any", "cast") else None
+
+
 def _enlarged(call: Call, partial_args: list[int]) -> bool:
     """Whether broadcasting makes the output larger than a Partial operand: kept, the Partial
     would be reduced later at the output's size (``dist(x, y)`` of a ``Partial`` vector ``x``
-    and a replicated batch ``y``), so it is reduced now, at its own."""
+    and a replicated batch ``y``), so it is reduced now, at its own.  A 0-d Partial (a loss, a
+    scale) is kept, as torch's DTensor keeps it: a scalar factor of a sum stays a sum."""
     out = call.out_meta
     out0 = out[0] if isinstance(out, (tuple, list)) else out
     n = out0.numel() if isinstance(out0, torch.Tensor) else 0
-    return any(math.prod(call.specs[i].shape) < n for i in partial_args)
+    return any(call.specs[i].ndim > 0 and math.prod(call.specs[i].shape) < n for i in partial_args)
 
 
 def cast_keeps(kind: str, src: torch.dtype, dst: torch.dtype) -> bool:
@@ -259,11 +278,10 @@ def _options(call: Call, j: int, out0: torch.Tensor) -> list[Option]:
     partial = [i for i in pos if isinstance(pls[i], Partial)]
     for group in [partial] + ([[i] for i in partial] if len(partial) > 1 else []):
         kinds = {pls[i].reduce_op for i in group}
-        if _keeps_partial(call, kinds, group):
-            kind = Partial(next(iter(kinds)))
+        if (kind := _kept(call, [pls[i] for i in group], group)) is not None:
             every = PARTIAL_ROWS[call.op] in EVERY_OPERAND
             opts.append(({i: kind if every or i in group else Replicate() for i in pos}, kind))
-        elif (ordered := _order_kind(call, kinds, group)) is not None:
+        elif _plain(pls[i] for i in group) and (ordered := _order_kind(call, kinds, group)) is not None:
             opts.append(({i: pls[i] if i in group else Replicate() for i in pos}, Partial(ordered)))
     if partial and any(isinstance(p, Shard) for i in pos for jj, p in enumerate(call.specs[i].placements) if jj != j):
         k = call.mesh.shape[j]
@@ -309,8 +327,8 @@ def _follow(call: Call) -> Decision:
         partial = [i for i in pos if isinstance(specs[i].placements[j], Partial)]
         if partial and not any(isinstance(specs[i].placements[j], Shard) for i in pos):
             kinds = {specs[i].placements[j].reduce_op for i in partial}
-            if _keeps_partial(call, kinds, partial):
-                kind = Partial(next(iter(kinds)))
+            kind = _kept(call, [specs[i].placements[j] for i in partial], partial)
+            if kind is not None:
                 out_pl.append(kind)
                 for i in pos:
                     if PARTIAL_ROWS[call.op] in EVERY_OPERAND:
@@ -318,7 +336,7 @@ def _follow(call: Call) -> Decision:
                     else:
                         in_pl[i][j] = kind if i in partial else Replicate()
                 continue
-            ordered = _order_kind(call, kinds, partial)
+            ordered = _order_kind(call, kinds, partial) if _plain(specs[i].placements[j] for i in partial) else None
             if ordered is not None:
                 out_pl.append(Partial(ordered))
                 for i in pos:
