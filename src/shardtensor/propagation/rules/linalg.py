@@ -13,7 +13,7 @@ included.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -39,17 +39,22 @@ SOLVES: dict[Any, tuple[str, bool]] = {  # the right-hand side's argument, and w
 """Solves and products ``X = op(A) B`` (or ``B op(A)`` where ``left`` is False), linear in ``B``."""
 
 
+def _batch_of(call: Call) -> Callable[[Any], bool]:
+    """Whether a shape carries the first input's batch dims (all but its last two)."""
+    first = call.specs[call.tensor_positions[0]]
+    nb = first.ndim - 2
+    batch = tuple(first.shape[:nb])
+    return lambda shape: len(shape) >= nb and tuple(shape[:nb]) == batch
+
+
 @register(*_ops(BATCHED))
 def batched_linalg_rule(call: Call) -> Decision:
     """Matrix by matrix: the first input's batch shards stay on every input and output."""
     first = call.specs[call.tensor_positions[0]]
     nb = first.ndim - 2
-    batch = tuple(first.shape[:nb])
     req = cheapest_gather(call, call.tensor_positions[0], lambda d: d < nb, no_partial)
     metas = call.out_meta if isinstance(call.out_meta, (tuple, list)) else [call.out_meta]
-
-    def carries(shape: Any) -> bool:
-        return len(shape) >= nb and tuple(shape[:nb]) == batch
+    carries = _batch_of(call)
 
     def placeholder(m: torch.Tensor) -> bool:  # e.g. svd's empty U and V without compute_uv
         return m.numel() == 0 and not carries(m.shape)
@@ -77,11 +82,10 @@ def solve_rule(call: Call) -> Decision:
     bp = call.pos(name)
     b = call.specs[bp]
     metas = list(call.out_meta) if isinstance(call.out_meta, (tuple, list)) else [call.out_meta]
-    first = call.specs[call.tensor_positions[0]]
-    nb = first.ndim - 2
-    batch = tuple(first.shape[:nb])
-    batched = nb > 0 and all(tuple(call.specs[p].shape[:nb]) == batch for p in call.tensor_positions) and \
-        all(m is None or tuple(m.shape[:nb]) == batch for m in metas)
+    nb = call.specs[call.tensor_positions[0]].ndim - 2
+    carries = _batch_of(call)
+    batched = nb > 0 and all(carries(call.specs[p].shape) for p in call.tensor_positions) and \
+        all(m is None or carries(m.shape) for m in metas)
     a = call.specs[next(p for p in call.tensor_positions if p != bp)]
     own = tuple(metas[0].shape) == tuple(b.shape)  # B's dims are X's
     vector = b.ndim == 1 or (b.ndim == a.ndim - 1 and tuple(b.shape) == tuple(a.shape[:-1]))  # torch's test

@@ -70,7 +70,8 @@ EXTRA_POINTWISE = {
     aten.floor_divide.default, aten.floor_divide.Scalar, aten.floor_divide_.Tensor, aten.floor_divide_.Scalar,
     aten.rsub.Tensor, aten.rsub.Scalar, aten.hardswish.default, aten.hardswish_.default,
     aten.hardswish_backward.default, aten.masked_fill.Scalar, aten.masked_fill.Tensor,
-    aten.masked_fill_.Scalar, aten.masked_fill_.Tensor, aten.complex.default, aten.polar.default, aten._prelu_kernel.default,
+    aten.masked_fill_.Scalar, aten.masked_fill_.Tensor, aten.complex.default, aten.polar.default,
+    aten._prelu_kernel.default,
 }
 IDENTITY_INPLACE = {aten.zero_.default}
 FILL_INPLACE = {aten.fill_.Scalar, aten.fill_.Tensor}
