@@ -952,22 +952,45 @@ def test_a_decomposition_moves_a_shared_input_once(name, fn, n_reduce):
             torch.testing.assert_close(a, b)
 
 
-def test_a_partial_enlarged_by_broadcasting_is_reduced_first():
-    """``x - y`` of a Partial vector and a replicated batch: keeping the Partial would leave a
-    batch-sized Partial for the next op to reduce (``dist`` then reduced 25x the bytes); the vector
-    is reduced now, at its own size.  A same-size Partial operand still passes (bias adds)."""
+@pytest.mark.parametrize("fn", [F.binary_cross_entropy, F.binary_cross_entropy_with_logits], ids=lambda f: f.__name__)
+def test_binary_cross_entropy_reduces_a_partial_input_once(fn):
+    """Both BCE decompositions feed ``self`` to two non-linear branches (``log(x)`` and
+    ``log1p(-x)``; ``minimum(0, x)`` beside a Partial ``zeros_like(x)``): a Partial ``self`` is
+    reduced once, first, not once per branch; the loss is one device's."""
+    x = torch.rand(6, generator=_gen(31)) * 0.8 + 0.1
+    t = torch.rand(6, generator=_gen(32))
+
+    def body(mesh):
+        dx = DTensor.from_local(x / 4, mesh, [Partial()])
+        dt = distribute_tensor(t, mesh, [Replicate()])
+        with st.comm.scope("op"):
+            loss = fn(dx, dt)
+        return loss.full_tensor()
+    out, events = run_recorded((4,), body)
+    assert len([e for e in events if e.rank == 0 and "op" in e.scope]) == 1
+    for loss in out:
+        torch.testing.assert_close(loss, fn(x, t))
+
+
+def test_dist_reduces_a_partial_that_broadcasting_enlarges():
+    """``dist(x, y)`` of a Partial vector and a replicated batch reduce-scatters the vector at
+    its own size, not the batch-sized difference (25x the bytes); a plain ``x - y`` keeps the Partial, as
+    torch's DTensor does (0 bytes: a product or a sum that follows keeps it too)."""
     x, y = data("any", (5,), _gen(21)), data("any", (5, 5, 5), _gen(22))
 
     def body(mesh):
         dx = DTensor.from_local(x / 4, mesh, [Partial()])
         dy = distribute_tensor(y, mesh, [Replicate()])
-        with st.comm.scope("op"):
+        with st.comm.scope("dist"):
             d = torch.dist(dx, dy)
-            kept = dy + dy.new_ones(()) * 0 + DTensor.from_local(y / 4, mesh, [Partial()])
-        return tuple(d.placements), d.full_tensor(), tuple(kept.placements)
+        with st.comm.scope("sub"):
+            kept = dx - dy
+        return d.full_tensor(), tuple(kept.placements), kept.full_tensor()
     out, events = run_recorded((4,), body)
-    moved = [e for e in events if e.rank == 0 and "op" in e.scope]
-    assert [e.shape for e in moved] == [(5,)], moved
-    for pl, d, kept in out:
+    moved = [e for e in events if e.rank == 0 and "dist" in e.scope]
+    assert [e.kind for e in moved] == ["reduce_scatter"] and moved[0].bytes_received <= 2 * 5 * 4, moved  # the difference: 125 * 4 B
+    assert not [e for e in events if "sub" in e.scope]
+    for d, kept_pl, kept in out:
         torch.testing.assert_close(d, torch.dist(x, y))
-        assert kept == (Partial(),)
+        assert kept_pl == (Partial(),)
+        torch.testing.assert_close(kept, x - y)

@@ -153,6 +153,44 @@ def test_select_scatter(mesh):
 
 # -- explicit placements and communication ------------------------------------------------------
 
+def test_a_gather_or_reduction_may_shard_a_kept_dim_instead():
+    """Where a view must gather one dim or reduce a Partial, the engine may instead shard a dim
+    the output keeps (an all-to-all; a reduce-scatter where the input is sharded on another mesh
+    dim): ``squeeze_copy`` of a ``(Shard(3), Partial)`` input moves its shard to dim 0 and keeps
+    the Partial (no all-gather of Partial pieces); ``select_scatter`` of ``(Shard(2), Partial)``
+    reduce-scatters the Partial into dim 0; ``narrow`` of a sharded narrowed dim is an all-to-all.
+    Each value is one device's."""
+    x, src, y = _x((5, 1, 5, 1)), _x((5, 5, 5), "s"), _x((8, 12), "n")
+
+    def body(mesh):
+        def halves(t, d):  # a Partial on mesh dim 1: each of its two ranks holds half
+            return DTensor.from_local(_local(t, mesh, [Shard(d), Replicate()]).to_local() / 2, mesh,
+                                      [Shard(d), Partial()])
+        xs, base = halves(x, 3), halves(src, 2)
+        with comm.scope("squeeze"):
+            a = torch.squeeze_copy(xs)
+        row = distribute_tensor(src[:, 0], mesh, [Replicate(), Replicate()])
+        with comm.scope("select_scatter"):
+            b = torch.select_scatter(base, row, 1, 0)
+        return (a.placements, a.full_tensor(), b.placements, b.full_tensor())
+
+    out, events = run_recorded((2, 2), body)
+    kinds = {s: {e.kind for e in events if s in e.scope} for s in ("squeeze", "select_scatter")}
+    assert kinds == {"squeeze": {"all_to_all"}, "select_scatter": {"reduce_scatter"}}, kinds
+    for pa, a, pb, b in out:
+        assert pa == (Shard(0), Partial()) and pb == (Shard(2), Shard(0))
+        assert torch.equal(a, torch.squeeze_copy(x))
+        torch.testing.assert_close(b, torch.select_scatter(src, src[:, 0], 1, 0))
+
+    def narrow(mesh):
+        with comm.scope("narrow"):
+            n = _local(y, mesh, [Shard(1)]).narrow(1, 2, 6)
+        return n.placements, n.full_tensor()
+    out, events = run_recorded((4,), narrow)
+    assert {e.kind for e in events if "narrow" in e.scope} == {"all_to_all"}
+    assert all(p == (Shard(0),) and torch.equal(n, y.narrow(1, 2, 6)) for p, n in out)
+
+
 
 
 def _local(x, mesh, placements):
@@ -276,12 +314,14 @@ def test_squeeze_global_length_only():
     def body(mesh):
         y = _local(_x((7, 1)), mesh, [Shard(0)]).squeeze()
         z = _local(_x((1, 5)), mesh, [Shard(0)]).squeeze(0)
-        return y.placements, tuple(y.to_local().shape), z.placements, tuple(z.to_local().shape)
+        return y.placements, tuple(y.to_local().shape), z.placements, z.full_tensor()
 
     res, _ = run_recorded((4,), body)
     assert [r[1] for r in res] == [(2,), (2,), (2,), (1,)]
     assert all(r[0] == (Shard(0),) for r in res)
-    assert all(r[2] == (Replicate(),) and r[3] == (5,) for r in res)
+    # z's dim 0 (one row, all on rank 0) is gone: its 5 values move to a shard of the remaining
+    # dim (an all-to-all, cheaper than gathering them on every rank)
+    assert all(r[2] == (Shard(0),) and torch.equal(r[3], _x((1, 5)).squeeze(0)) for r in res)
 
 
 def test_split_outputs_and_partials():

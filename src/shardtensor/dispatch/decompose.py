@@ -134,14 +134,17 @@ def _max_min_dim(largest: bool) -> Callable:
     return run
 
 
-def _whole_along(spec: DTensorSpec, d: int) -> tuple:
-    """The cheapest placements of ``spec`` with dim ``d`` whole on every rank and no Partial:
-    each mesh dim that shards ``d`` or holds a Partial either replicates, or (cheaper: an
-    all-to-all or a reduce-scatter instead of a gather or an all-reduce) shards another dim."""
+def _whole_along(spec: DTensorSpec, d: int | None) -> tuple:
+    """The cheapest placements of ``spec`` with dim ``d`` whole on every rank (any dim where ``d``
+    is None) and no Partial: each mesh dim that shards ``d`` or holds a Partial either
+    replicates, or (cheaper: an all-to-all or a reduce-scatter instead of a gather or an
+    all-reduce) shards another dim."""
     from ..propagation.rules.reduction import choices
     from ..propagation.strategy import input_cost
 
-    return min(choices(spec, (d,), decomposable=False, keep=lambda p: False), key=lambda pl: input_cost(spec, pl))
+    pls = choices(spec, (), decomposable=True, keep=lambda p: False) if d is None else \
+        choices(spec, (d,), decomposable=False, keep=lambda p: False)
+    return min(pls, key=lambda pl: input_cost(spec, pl))
 
 
 @decomposition(aten.linalg_cross.default)
@@ -162,6 +165,41 @@ def _linalg_cross(self: Any, other: Any, dim: int = -1) -> Any:
                 t = t.redistribute(t.device_mesh, pl) if pl != t.placements else t
         moved.append(t)
     return decomposition_table[aten.linalg_cross.default](moved[0], moved[1], dim)
+
+
+def _unpartial(t: Any) -> Any:
+    """``t`` with its Partials reduced the cheapest way (to a shard where another mesh dim shards)."""
+    from ..tensor import DTensor
+
+    if not isinstance(t, DTensor) or not any(q.is_partial() for q in t.placements):
+        return t
+    return t.redistribute(t.device_mesh, _whole_along(t._spec, None))
+
+
+@decomposition(aten.dist.default)
+def _dist(self: Any, other: Any, p: Any = 2) -> Any:
+    """``vector_norm(self - other, p)`` with a Partial operand that broadcasting enlarges reduced
+    first, at its own size: the norm would otherwise reduce the broadcast difference (a Partial
+    vector against a replicated batch: 20x the bytes)."""
+    n = torch.broadcast_shapes(self.shape, other.shape).numel()
+    a, b = (_unpartial(t) if t.numel() < n else t for t in (self, other))
+    return torch.linalg.vector_norm(a - b, p)
+
+
+def _self_reduced_first(op: Any) -> Callable[..., Any]:
+    """torch's decomposition of ``op`` with a Partial ``self`` reduced once, first: it feeds
+    separate non-linear branches (``log(x)`` and ``log1p(-x)``; ``minimum(0, x)`` beside a
+    Partial ``zeros_like(x)``), each of which would reduce its own copy."""
+    from torch._decomp import decomposition_table
+
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return decomposition_table[op](_unpartial(self), *args, **kwargs)
+
+    return run
+
+
+for _op in (aten.binary_cross_entropy.default, aten.binary_cross_entropy_with_logits.default):
+    DECOMPOSITIONS[_op] = _self_reduced_first(_op)
 
 
 DECOMPOSITIONS[aten.max.dim] = _max_min_dim(True)

@@ -32,7 +32,7 @@ from ..placement import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec, placements_text, same_local
 from .call import Decision
 
-__all__ = ["Candidate", "decide", "finish", "select", "pick", "expand", "dedupe", "input_cost", "out_specs",
+__all__ = ["Candidate", "decide", "finish", "select", "pick", "shard_instead", "expand", "dedupe", "input_cost", "out_specs",
            "replicate", "placements_of", "kept_order", "keep_order", "linear_partial", "any_partial", "no_partial", "compatible_kinds", "LINEAR_KINDS",
            "Pl", "Option", "Order"]
 
@@ -218,6 +218,28 @@ def pick(call, pos: int, options: Sequence[Pl]) -> Pl:
     if len(options) == 1:
         return tuple(options[0])
     return tuple(select(call, [Candidate({pos: o}) for o in options]).inputs[pos])
+
+
+def shard_instead(call, pos: int, base: Sequence[Placement], dims: Sequence[int]) -> Pl:
+    """``base`` (argument ``pos``'s required placements), or, on a mesh dim where ``base`` gathers
+    or reduces, one of ``dims`` sharded instead (an all-to-all, a reduce-scatter); where ``base``
+    moves anything, a kept Partial may be reduce-scattered into one of ``dims`` too, so the move
+    carries a smaller piece.  Whichever the engine prices cheapest (ties: ``base``); only dims
+    with a piece for every rank.  A Partial becomes a shard only where the input is sharded on
+    another mesh dim: alone, it is reduced whole, as elementwise ops do (docs/propagation.md)."""
+    s = call.specs[pos]
+    moves = any(a != b for a, b in zip(s.placements, base))
+    per_dim: list[list[Placement]] = []
+    for j, (a, b) in enumerate(zip(s.placements, base)):
+        alts = [Shard(d) for d in dims if s.shape[d] >= s.mesh.shape[j] > 1 and Shard(d) != b]
+        per_dim.append([b, *alts] if a != b or (moves and b.is_partial()) else [b])
+
+    sharded = [j for j, a in enumerate(s.placements) if isinstance(a, Shard)]
+    for j, a in enumerate(s.placements):
+        if a.is_partial() and not [k for k in sharded if k != j]:
+            per_dim[j] = per_dim[j][:1]
+    options = list(itertools.islice(itertools.product(*per_dim), 64))
+    return tuple(base) if len(options) == 1 else pick(call, pos, options)
 
 
 def _msg(call, why: str) -> str:

@@ -22,7 +22,6 @@ keeps its placements and memory (the value on coordinate 0 of a sum, on every ra
 """
 from __future__ import annotations
 
-import itertools
 from typing import Any, Callable, Sequence
 
 import torch
@@ -32,7 +31,7 @@ from ...spec import DTensorSpec
 from .. import kernels
 from ..call import Call, Decision, unflatten_call
 from ..registry import register
-from ..strategy import any_partial, finish, linear_partial, pick
+from ..strategy import any_partial, finish, linear_partial, shard_instead
 
 aten = torch.ops.aten
 
@@ -60,18 +59,11 @@ def gather_dims(s: DTensorSpec, keep_shard: Callable[[int], bool], keep_partial:
 
 def cheapest_gather(call: Call, pos: int, keep_shard: Callable[[int], bool],
                     keep_partial: Callable[[Partial], bool]) -> DTensorSpec:
-    """``gather_dims``' spec for argument ``pos``, or, on mesh dims where that gathers or reduces,
-    a kept dim sharded instead (a Partial reduce-scattered into it, a shard moved there by an
-    all-to-all): whichever the engine prices cheapest.  Only dims with a piece for every rank."""
+    """``gather_dims``' spec for argument ``pos``, or, where that gathers or reduces, a kept dim
+    sharded instead (``shard_instead``): whichever the engine prices cheapest."""
     s = call.specs[pos]
     base = gather_dims(s, keep_shard, keep_partial)
-    sizes = s.mesh.shape
-    per_dim = [[b] + ([Shard(d) for d in range(s.ndim) if keep_shard(d) and s.shape[d] >= sizes[j]] if a != b else [])
-               for j, (a, b) in enumerate(zip(s.placements, base.placements))]
-    options = list(itertools.product(*per_dim))
-    if len(options) == 1:
-        return base
-    pl = pick(call, pos, options)
+    pl = shard_instead(call, pos, base.placements, [d for d in range(s.ndim) if keep_shard(d)])
     return base if pl == base.placements else s.with_placements(pl)
 
 

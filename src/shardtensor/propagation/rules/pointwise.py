@@ -22,7 +22,6 @@ Anything else reduces its Partial inputs to Replicate first.
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -104,7 +103,7 @@ def _keeps_partial(call: Call, kinds: set[str], partial_args: list[int]) -> bool
     """Whether the output may stay Partial (of the same kind) on a mesh dim where
     ``partial_args`` are Partial(``kinds``), under ``PARTIAL_ROWS``."""
     row = PARTIAL_ROWS.get(call.op)
-    if row is None or len(kinds) != 1 or _enlarged(call, partial_args):
+    if row is None or len(kinds) != 1:
         return False
     kind = next(iter(kinds))
     if row == "any":
@@ -134,17 +133,6 @@ def _kept(call: Call, ps: list[Placement], group: list[int]) -> Placement | None
         return Partial(next(iter(kinds)))
     same = all(p == ps[0] for p in ps)
     return ps[0] if same and PARTIAL_ROWS.get(call.op) in ("any", "cast") else None
-
-
-def _enlarged(call: Call, partial_args: list[int]) -> bool:
-    """Whether broadcasting makes the output larger than a Partial operand: kept, the Partial
-    would be reduced later at the output's size (``dist(x, y)`` of a ``Partial`` vector ``x``
-    and a replicated batch ``y``), so it is reduced now, at its own.  A 0-d Partial (a loss, a
-    scale) is kept, as torch's DTensor keeps it: a scalar factor of a sum stays a sum."""
-    out = call.out_meta
-    out0 = out[0] if isinstance(out, (tuple, list)) else out
-    n = out0.numel() if isinstance(out0, torch.Tensor) else 0
-    return any(call.specs[i].ndim > 0 and math.prod(call.specs[i].shape) < n for i in partial_args)
 
 
 def cast_keeps(kind: str, src: torch.dtype, dst: torch.dtype) -> bool:

@@ -25,9 +25,10 @@ __all__ = ["view_as_complex_rule", "view_as_real_rule", "conj_rule", "constant_p
 
 
 def _as_complex(x: torch.Tensor) -> torch.Tensor:
-    """A gathered last dim may arrive with another layout: make it viewable first."""
+    """A gathered last dim may arrive with another layout: make it viewable first (a fresh
+    copy: ``contiguous`` keeps an empty piece's strides)."""
     if x.stride(-1) != 1 or any(s % 2 for s in x.stride()[:-1]):
-        x = x.contiguous()
+        x = x.new_empty(x.shape).copy_(x)
     return torch.view_as_complex(x)
 
 

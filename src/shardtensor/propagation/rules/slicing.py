@@ -16,6 +16,7 @@ The ``*_copy`` variants share their rules.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 from typing import Callable
 
@@ -26,7 +27,7 @@ from ...spec import DTensorSpec
 from .. import kernels
 from ..call import Call, Decision
 from ..registry import register
-from ..strategy import finish
+from ..strategy import Candidate, Pl, decide, finish
 from .view import R, follow, local_sizes, norm_dim, plain_partial, spec_of
 
 aten = torch.ops.aten
@@ -158,13 +159,29 @@ def _scatter_target(self_spec: DTensorSpec, src_spec: DTensorSpec, cut: set[int]
 
 def _scatter_decision(call: Call, cut: set[int], src_to_self: dict[int, int], whole: bool,
                       kernel: Callable | None = None) -> Decision:
+    """``_scatter_target``, or, on mesh dims where that gathers a shard or reduces a Partial of
+    either operand, a dim both hold sharded instead (``_scatter_options``): the cheapest."""
     sp, rp = call.pos("self"), call.pos("src")
     s, r = call.spec("self"), call.spec("src")
-    target = _scatter_target(s, r, cut, src_to_self, whole)
     back = {v: k for k, v in src_to_self.items()}
-    src_pl = [Shard(back[p.dim]) if isinstance(p, Shard) else p for p in target]
-    out_spec = spec_of(call, call.out_meta, target, None)
-    return finish(call, {sp: s.with_placements(target), rp: r.with_placements(src_pl)}, out_spec, kernel=kernel)
+    cands = [Candidate({sp: t, rp: tuple(Shard(back[p.dim]) if isinstance(p, Shard) else p for p in t)}, t)
+             for t in _scatter_options(s, r, _scatter_target(s, r, cut, src_to_self, whole),
+                                       [d for d in back if whole or d not in cut])]
+    return decide(call, cands, kernel=kernel)
+
+
+def _scatter_options(s: DTensorSpec, r: DTensorSpec, target: list[Placement], dims: list[int]) -> list[Pl]:
+    """``target`` first, then per mesh dim where an operand's shard is gathered or its Partial
+    reduced, ``S(d)`` for each of ``dims`` instead (a Partial only where an operand is sharded on
+    another mesh dim, as elementwise ops choose)."""
+    sharded = {j for x in (s, r) for j, p in enumerate(x.placements) if isinstance(p, Shard)}
+    per_dim = []
+    for j, t in enumerate(target):
+        have = (s.placements[j], r.placements[j])
+        moved = t == R and (any(isinstance(p, Shard) for p in have) or
+                            (any(p.is_partial() for p in have) and sharded - {j}))
+        per_dim.append([t] + ([Shard(d) for d in dims if s.shape[d] >= s.mesh.shape[j] > 1] if moved else []))
+    return list(itertools.islice(itertools.product(*per_dim), 64))
 
 
 @register(aten.slice_scatter.default, needs=("self", "src"))

@@ -30,7 +30,7 @@ from ...placement import NormPartial, Partial, Placement, Replicate, Shard, Shar
 from ...spec import DTensorSpec
 from ..call import Call, Decision
 from ..registry import register
-from ..strategy import Candidate, any_partial, finish, select
+from ..strategy import Candidate, any_partial, finish, select, shard_instead
 from .factory import put_sizes
 
 aten = torch.ops.aten
@@ -64,7 +64,8 @@ def follow(call: Call, pos: int, dim_map: dict[int, int], metas: Any, *, gather:
     """Decision for an op whose output dims come from input dims by ``dim_map`` (in -> out).
 
     ``S(d)`` with ``d`` unmapped or in ``gather`` becomes R first; partials rejected by
-    ``partial_ok`` are reduced.  ``metas`` is the output meta (or a list of them for ops whose
+    ``partial_ok`` are reduced; where that moves data, a kept dim may be sharded instead
+    (``shard_instead``), whichever is cheapest.  ``metas`` is the output meta (or a list of them for ops whose
     outputs all share the placements).  With ``decision=False`` returns ``(required, out_pl,
     out_order)`` for rules that finish the decision themselves.
     """
@@ -79,6 +80,9 @@ def follow(call: Call, pos: int, dim_map: dict[int, int], metas: Any, *, gather:
         need.append(p)
     order = tuple((d, js) for d, js in s.shard_order if d in dim_map and d not in gather)
     required = s.with_placements(need, order)
+    pl = shard_instead(call, pos, need, [d for d in dim_map if d not in gather])
+    if pl != required.placements:
+        required, need = s.with_placements(pl), list(pl)
     out_pl = tuple(Shard(dim_map[p.dim]) if isinstance(p, Shard) else p for p in need)
     out_order = tuple(sorted((dim_map[d], js) for d, js in required.shard_order))
     if not decision:
