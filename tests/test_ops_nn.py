@@ -44,7 +44,25 @@ def test_softmax(mesh, fn, shape, dim):
     seen = check(lambda a: fn(a, dim), [x], mesh, limit=8, partial=_kinds(mesh))
     d = dim % len(shape)
     for (pl,), out in seen:
-        assert out == tuple(R if p.is_partial() or p == Shard(d) else p for p in pl)
+        assert not any(p.is_partial() or p == Shard(d) for p in out)
+        if not any(p.is_partial() or p == Shard(d) for p in pl):  # nothing moves: the input's shards
+            assert out == pl
+
+
+def test_softmax_of_a_partial_reduce_scatters_into_the_rows():
+    """A Partial softmax input (a row-parallel projection's logits) is reduce-scattered into the
+    rows, not all-reduced: half the bytes, and the loss after it keeps the rows (as DTensor)."""
+    x = data("any", (8, 5), gen("smp"))
+
+    def body():
+        mesh = init_device_mesh("cpu", (4,))
+        p = DTensor.from_local(x / 4, mesh, [Partial()])
+        with comm.recording() as log:
+            y = F.log_softmax(p, 1)
+        return y.placements, [e.kind for e in log.of_rank(mesh.get_rank())], y.full_tensor()
+    for pl, kinds, y in run_spmd(body, 4):
+        assert pl == (S0,) and kinds == ["reduce_scatter"]
+        torch.testing.assert_close(y, F.log_softmax(x, 1))
 
 
 def test_softmax_keeps_other_shards_without_comm():
@@ -112,7 +130,9 @@ def test_cross_entropy_no_weight_batch_sharded_both_mesh_dims():
     t = _targets((7,), 5, 9)
     combos = [((S0, S0), (R, R)), ((R, S0), (S0, R)), ((S0, R), (R, R)), ((S1, PS), (R, S0))]
     seen = check(lambda a, b: F.cross_entropy(a, b), [x, t], (2, 2), combos=combos)
-    assert [out for _, out in seen] == [(PS, PS), (R, PS), (PS, R), (R, PS)]  # (R,S0)x(S0,R): the int target moves
+    # (R,S0)x(S0,R): the int target moves; (S1,P): softmax moves the class shard to the rows and
+    # reduce-scatters the Partial into them too (cheaper than gathering and all-reducing)
+    assert [out for _, out in seen] == [(PS, PS), (R, PS), (PS, R), (PS, PS)]
 
 
 def test_nll_mean_all_targets_of_one_rank_ignored():

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from opcheck import MESHES, check, data, gen
 
-from shardtensor import Partial, Replicate, Shard, distribute_tensor, init_device_mesh, run_spmd, strict_sharding
+from shardtensor import Partial, Replicate, Shard, comm, distribute_tensor, init_device_mesh, run_spmd, strict_sharding
 
 R, S0, S1, PS, PMAX = Replicate(), Shard(0), Shard(1), Partial("sum"), Partial("max")
 
@@ -77,6 +77,23 @@ def test_searchsorted_and_bucketize(mesh, right):
     rows = batched[:, shuffled].contiguous()
     sorter = torch.argsort(rows, dim=-1)
     check(lambda s, v, o: torch.searchsorted(s, v, sorter=o), [rows, values, sorter], mesh, limit=12)
+
+
+def test_sharded_boundaries_count_their_own_piece():
+    """A value's bucket is the number of boundaries below it: with the boundaries sharded each
+    rank counts in its sorted piece and the output is ``P(sum)``, with no communication."""
+    seq, values = torch.arange(-3.0, 3.0, 0.5), data("any", (5, 6), gen("bucket"))
+
+    def body():
+        mesh = init_device_mesh("cpu", (4,))
+        s = distribute_tensor(seq, mesh, [Shard(0)])
+        v = distribute_tensor(values, mesh, [Replicate()])
+        with comm.recording() as log:
+            b, p = torch.bucketize(v, s, right=True), torch.searchsorted(s, v)
+        return b.placements, p.placements, len(log.of_rank(mesh.get_rank())), b.full_tensor(), p.full_tensor()
+    for bp, pp, n, b, p in run_spmd(body, 4):
+        assert bp == pp == (Partial(),) and n == 0
+        assert torch.equal(b, torch.bucketize(values, seq, right=True)) and torch.equal(p, torch.searchsorted(seq, values))
 
 
 @pytest.mark.parametrize("mesh", MESHES)

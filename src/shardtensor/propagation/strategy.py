@@ -220,13 +220,14 @@ def pick(call, pos: int, options: Sequence[Pl]) -> Pl:
     return tuple(select(call, [Candidate({pos: o}) for o in options]).inputs[pos])
 
 
-def shard_instead(call, pos: int, base: Sequence[Placement], dims: Sequence[int]) -> Pl:
+def shard_instead(call, pos: int, base: Sequence[Placement], dims: Sequence[int], *, alone: bool = False) -> Pl:
     """``base`` (argument ``pos``'s required placements), or, on a mesh dim where ``base`` gathers
     or reduces, one of ``dims`` sharded instead (an all-to-all, a reduce-scatter); where ``base``
     moves anything, a kept Partial may be reduce-scattered into one of ``dims`` too, so the move
     carries a smaller piece.  Whichever the engine prices cheapest (ties: ``base``); only dims
     with a piece for every rank.  A Partial becomes a shard only where the input is sharded on
-    another mesh dim: alone, it is reduced whole, as elementwise ops do (docs/propagation.md)."""
+    another mesh dim (alone, it is reduced whole, as elementwise ops do: docs/propagation.md),
+    or ``alone`` (ops whose output the next op rarely needs whole: softmax rows, histograms)."""
     s = call.specs[pos]
     moves = any(a != b for a, b in zip(s.placements, base))
     per_dim: list[list[Placement]] = []
@@ -236,7 +237,7 @@ def shard_instead(call, pos: int, base: Sequence[Placement], dims: Sequence[int]
 
     sharded = [j for j, a in enumerate(s.placements) if isinstance(a, Shard)]
     for j, a in enumerate(s.placements):
-        if a.is_partial() and not [k for k in sharded if k != j]:
+        if a.is_partial() and not alone and not [k for k in sharded if k != j]:
             per_dim[j] = per_dim[j][:1]
     options = list(itertools.islice(itertools.product(*per_dim), 64))
     return tuple(base) if len(options) == 1 else pick(call, pos, options)

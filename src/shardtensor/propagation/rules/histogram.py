@@ -1,11 +1,11 @@
 """Counting, binning and drawing: ``histc`` on any placement, ``searchsorted`` and ``bucketize``
-with the values sharded, ``multinomial`` with the batch dim sharded.
+with the values or the sorted sequence sharded, ``multinomial`` with the batch dim sharded.
 
 | op | required | output |
 |---|---|---|
-| ``histc`` | partials reduced (counting is not linear); shards kept | ``P(sum)`` on every mesh dim that shards the input (local histograms add up), R elsewhere; with ``min == max`` the bounds are the global min and max (one small all-reduce) |
-| ``searchsorted.Tensor`` | a 1-D sequence (and ``sorter``) R, the values on any ``S``; an N-D sequence, values and sorter on ``S(d)`` of a batch dim ``d`` (all but the last); partials reduced (a position is not linear) | the values' placements |
-| ``bucketize.Tensor`` | boundaries R, the values on any ``S``; partials reduced | the values' placements |
+| ``histc`` | partials reduced (counting is not linear), by a reduce-scatter where cheaper; shards kept | ``P(sum)`` on every mesh dim that shards the input (local histograms add up), R elsewhere; with ``min == max`` the bounds are the global min and max (one small all-reduce) |
+| ``searchsorted.Tensor`` | a 1-D sequence (and ``sorter``) R, the values on any ``S``, or (no ``sorter``) the sequence ``S(0)`` -> ``P(sum)``; an N-D sequence, values and sorter on ``S(d)`` of a batch dim ``d`` (all but the last); partials reduced (a position is not linear) | the values' placements |
+| ``bucketize.Tensor`` | boundaries R, the values on any ``S``; or boundaries ``S(0)``, values R -> ``P(sum)`` (a bucket is the count of boundaries below: each sorted piece counts its own); partials reduced | the values' placements |
 | ``multinomial`` | the categories dim gathered; partials reduced; a sharded batch dim kept | the batch dim's shards, R elsewhere |
 
 ``multinomial`` draws the GLOBAL uniform numbers as the other random ops do (see
@@ -24,7 +24,7 @@ from ...spec import DTensorSpec
 from .. import kernels
 from ..call import Call, Decision
 from ..registry import register
-from ..strategy import Option, decide, expand, finish, no_partial
+from ..strategy import Option, decide, expand, finish, no_partial, shard_instead
 from .misc import gather_dims
 
 aten = torch.ops.aten
@@ -34,7 +34,10 @@ __all__ = ["histc_rule", "searchsorted_rule", "bucketize_rule", "multinomial_rul
 
 @register(aten.histc.default)
 def histc_rule(call: Call) -> Decision:
-    s = gather_dims(call.specs[0], lambda d: True, no_partial)
+    x = call.specs[0]
+    s = gather_dims(x, lambda d: True, no_partial)
+    pl = shard_instead(call, 0, s.placements, range(x.ndim), alone=True)  # a Partial reduce-scattered
+    s = s if pl == s.placements else x.with_placements(pl)
     mesh = s.mesh
     dims = [j for j, p in enumerate(s.placements) if isinstance(p, Shard) and mesh.shape[j] > 1]
     out_pl: list[Placement] = [Partial("sum") if j in dims else Replicate() for j in range(mesh.ndim)]
@@ -58,16 +61,20 @@ def searchsorted_rule(call: Call) -> Decision:
         if batch and sp is not None:
             row[sp] = Shard(d)
         opt.append((row, Shard(d)))
+    if not batch and sp is None:
+        opt.append(({qp: Shard(0)}, Partial("sum")))  # local positions in sorted pieces add up
     positions = [x for x in (qp, vp, sp) if x is not None]
     return decide(call, expand([opt] * call.mesh.ndim, positions))
 
 
 @register(aten.bucketize.Tensor, needs=("self", "boundaries"))
 def bucketize_rule(call: Call) -> Decision:
-    """Each value's bucket among replicated boundaries: the values' shards kept."""
+    """Each value's bucket: the values' shards kept, or the boundaries' (a value's bucket is the
+    number of boundaries below it, the sum of the counts in each sorted piece: ``P(sum)``)."""
     vp, bp = call.pos("self"), call.pos("boundaries")
     v = call.specs[vp]
     opt: list[Option] = [({}, Replicate())] + [({vp: Shard(d)}, Shard(d)) for d in range(v.ndim)]
+    opt.append(({bp: Shard(0)}, Partial("sum")))
     return decide(call, expand([opt] * call.mesh.ndim, [vp, bp]))
 
 

@@ -58,7 +58,7 @@ from ...spec import DTensorSpec, contiguous_stride
 from .. import kernels
 from ..call import Call, Decision
 from ..registry import register
-from ..strategy import Candidate, Pl, decide, finish
+from ..strategy import Candidate, Pl, decide, finish, shard_instead
 
 aten = torch.ops.aten
 
@@ -106,10 +106,12 @@ def _dim(d: int, ndim: int) -> int:
 
 @register(aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default)
 def softmax_rule(call: Call) -> Decision:
-    """Softmax dim gathered, partials reduced; shards of other dims survive."""
+    """Softmax dim gathered, partials reduced; shards of other dims survive; where that moves
+    data, another dim may be sharded instead (a Partial reduce-scattered into the rows, as the
+    loss or product after it keeps them)."""
     x = call.specs[0]
     dim = _dim(call.arg("dim"), x.ndim)
-    pl = gather(x.placements, [dim])
+    pl = shard_instead(call, 0, gather(x.placements, [dim]), [d for d in range(x.ndim) if d != dim], alone=True)
     return decide(call, [Candidate({0: pl}, pl)], meta=call.shaped_meta(x.shape))
 
 
