@@ -6,7 +6,8 @@ also replicates shards of the dims in ``E``, ``gather_from(π, a)`` those of eve
 
 Rule table (required input placements -> output placements):
 
-- ``_softmax``, ``_log_softmax``, ``_safe_softmax``: ``gather(π, [dim])`` -> the same.
+- ``_softmax``, ``_log_softmax``, ``_safe_softmax``: ``gather(π, [dim])`` -> the same, or where
+  that moves data another dim sharded instead (``shard_instead``; a Partial reduce-scattered).
 - ``_softmax_backward_data``, ``_log_softmax_backward_data``: grad and output both at
   ``gather(src, [dim])``, ``src`` the more sharded of the two (ties: grad) -> the same.
 - ``nll_loss_forward``, ``nll_loss2d_forward`` (class dim ``c``): self ``I = gather(π_self, [c])``
