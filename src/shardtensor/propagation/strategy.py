@@ -230,15 +230,12 @@ def shard_instead(call, pos: int, base: Sequence[Placement], dims: Sequence[int]
     or ``alone`` (ops whose output the next op rarely needs whole: softmax rows, histograms)."""
     s = call.specs[pos]
     moves = any(a != b for a, b in zip(s.placements, base))
+    sharded = {j for j, a in enumerate(s.placements) if isinstance(a, Shard)}
     per_dim: list[list[Placement]] = []
     for j, (a, b) in enumerate(zip(s.placements, base)):
-        alts = [Shard(d) for d in dims if s.shape[d] >= s.mesh.shape[j] > 1 and Shard(d) != b]
-        per_dim.append([b, *alts] if a != b or (moves and b.is_partial()) else [b])
-
-    sharded = [j for j, a in enumerate(s.placements) if isinstance(a, Shard)]
-    for j, a in enumerate(s.placements):
-        if a.is_partial() and not alone and not [k for k in sharded if k != j]:
-            per_dim[j] = per_dim[j][:1]
+        opens = (a != b or (moves and b.is_partial())) and (not a.is_partial() or alone or bool(sharded - {j}))
+        alts = [Shard(d) for d in dims if s.shape[d] >= s.mesh.shape[j] > 1 and Shard(d) != b] if opens else []
+        per_dim.append([b, *alts])
     options = list(itertools.islice(itertools.product(*per_dim), 64))
     return tuple(base) if len(options) == 1 else pick(call, pos, options)
 
