@@ -17,6 +17,7 @@ import pytest
 import opinfo_sweep
 
 @pytest.mark.timeout(1200)
+@pytest.mark.main_release
 def test_opinfo_every_input_sharded_on_every_dim_partial_2d_and_packed():
     failures: list[str] = []
     with warnings.catch_warnings():

@@ -194,6 +194,7 @@ def _targets(m, ndim):
     return specs(m, ndim, kinds)
 
 
+@pytest.mark.main_release
 @pytest.mark.parametrize("mesh,shape,mode", OPT_CASES, ids=lambda x: str(x))
 def test_optimal_matches_exhaustive_and_beats_simple(mesh, shape, mode):
     m, ndim = len(mesh), len(shape)

@@ -78,7 +78,9 @@ CONFIGS = {  # name: (processes, arguments, activation checkpointing on our side
 }
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+# CI runs the 2-D one (FSDP, TP and activation checkpointing at once); the rest are ``long``.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "fsdp-x-tp-selective-ac" else pytest.mark.long)
+                                  for n in CONFIGS])
 def test_torchtitan_trains_unchanged_through_the_drop_in_as_on_torchs_dtensor(titan, name):
     """Activation checkpointing changes no value: each checkpointed run is compared with torch's
     run of the same parallelism with the same checkpointing (torchtitan's default is selective)."""
@@ -88,6 +90,7 @@ def test_torchtitan_trains_unchanged_through_the_drop_in_as_on_torchs_dtensor(ti
     _assert_same(ours, theirs)
 
 
+@pytest.mark.long
 def test_torchtitan_saves_and_resumes_through_dcp_as_without_stopping(titan):
     """Two steps, a DCP checkpoint (model, optimizer, data loader), then a new run from it: its
     third step equals the third step of three uninterrupted steps (on torch's DTensor too)."""
@@ -98,6 +101,7 @@ def test_torchtitan_saves_and_resumes_through_dcp_as_without_stopping(titan):
     _assert_same(first + second, whole)
 
 
+@pytest.mark.long
 def test_torchtitans_full_dtensor_backend_trains_unchanged(titan):
     """torchtitan's ``full_dtensor`` backend (every parameter and input a DTensor on the whole
     (dp_shard, tp) mesh; ``fully_shard(..., dp_mesh_dims=DataParallelMeshDims(shard="dp_shard"))``)
