@@ -75,7 +75,7 @@ def batched_linalg_rule(call: Call) -> Decision:
 def solve_rule(call: Call) -> Decision:
     """``X`` linear in ``B``: per mesh dim, everything ``R``; ``B``'s columns sharded (its rows
     where ``left`` is False: ``X``'s columns depend on ``B``'s alone), ``A`` whole; ``B``'s
-    linear partial kept (``A`` whole); or a batch dim sharded on every input and output.
+    linear partial kept (``A`` whole; also where ``B`` broadcasts over ``A``'s batch); or a batch dim sharded on every input and output.
     The other outputs (LU, pivots, info, the copied ``A``) depend on ``A`` alone: ``R`` unless
     the batch is sharded."""
     name, has_left = SOLVES[call.op]
@@ -100,7 +100,7 @@ def solve_rule(call: Call) -> Decision:
         opts: list[Option] = [({}, outs(Replicate()))]
         if own and not vector:
             opts.append(({bp: Shard(col)}, outs(Shard(col))))
-        if own and linear_partial(b.placements[j]):
+        if linear_partial(b.placements[j]):  # also where B broadcasts over A's batch: still linear
             opts.append(({bp: b.placements[j]}, outs(b.placements[j])))
         if batched:
             opts += [(dict.fromkeys(call.tensor_positions, Shard(d)), outs(Shard(d), Shard(d))) for d in range(nb)]
