@@ -43,6 +43,7 @@ comparison), its ranks on threads with torch's threaded process group (``torch_w
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -191,13 +192,15 @@ def classify(fn: Callable[..., Any], tensors: list[torch.Tensor], mesh: tuple, c
     PyTorch's DTensor): ``(outcome, first line of the message)``.  ``random``: the op draws
     random numbers, so its results are checked by property (``Random``) instead of by value."""
     kw: dict[str, Any] = {} if random is None else {"compare": random.compare, "grad_compare": random.compare_grad}
+    run = functools.partial(opcheck.check, fn, tensors, mesh, combos=[combo], grad=grad, tol=TOL, grad_tol=TOL,
+                            runner=runner, **kw)
     try:
         try:
-            opcheck.check(fn, tensors, mesh, combos=[combo], grad=grad, tol=TOL, grad_tol=TOL, runner=runner, **kw)
+            run()
         except RuntimeError as e:
             if not _first_use_race(e):
                 raise
-            opcheck.check(fn, tensors, mesh, combos=[combo], grad=grad, tol=TOL, grad_tol=TOL, runner=runner, **kw)
+            run()
         return "pass", ""
     except AssertionError as e:
         if "not a DTensor" in str(e):  # the right value, as a plain tensor: torch's C++ built it

@@ -3,6 +3,8 @@ helpers here by name: ``opcheck`` (differential op checks against dense torch) a
 ``distributed`` (real gloo processes)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -24,8 +26,6 @@ def pytest_collection_modifyitems(config, items):
     (``bash scripts/test_long.sh`` runs exactly these).  ``main_release``: a long sweep of the
     library's own algorithms (the OpInfo sweep, every redistribution pair on a 3-D mesh), run on
     the main torch release only; ``scripts/test_torch.sh`` sets SHARDTENSOR_OTHER_RELEASE=1."""
-    import os
-
     skips = []
     if os.environ.get("SHARDTENSOR_LONG") != "1":
         skips.append(("long", "a long third-party run: SHARDTENSOR_LONG=1 (scripts/test_long.sh) runs it"))

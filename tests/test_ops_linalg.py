@@ -214,18 +214,26 @@ def test_solves_linear_in_the_right_hand_side(mesh, name, fn):
     check(fn, [a, b], mesh, limit=10, tol=TOL, grad=grad, grad_tol={"rtol": 5e-3, "atol": 5e-3})
 
 
-@pytest.mark.parametrize("name,fn,bpl,want", [
-    ("solve P", lambda a, b: torch.linalg.solve(a, b), PS, PS),
-    ("solve columns", lambda a, b: torch.linalg.solve(a, b), Shard(1), Shard(1)),
-    ("solve left=False rows", lambda a, b: torch.linalg.solve(a, b.mT.contiguous(), left=False), Shard(1), Shard(0)),
-    ("vector P", lambda a, b: torch.linalg.solve(a, b[:, 0]), PS, PS),
-    ("cholesky_solve columns", lambda a, b: torch.cholesky_solve(b, a), Shard(1), Shard(1)),
-    ("lu_solve P", lambda a, b: torch.linalg.lu_solve(*torch.linalg.lu_factor(a), b), PS, PS),
+BATCH = (2, 4, 4)  # one B for every matrix of A's batch: X_i = A_i⁻¹ Σ B_k = Σ A_i⁻¹ B_k, still linear
+
+
+@pytest.mark.parametrize("name,fn,bpl,want,a_shape", [
+    ("solve P", lambda a, b: torch.linalg.solve(a, b), PS, PS, (4, 4)),
+    ("solve columns", lambda a, b: torch.linalg.solve(a, b), Shard(1), Shard(1), (4, 4)),
+    ("solve left=False rows", lambda a, b: torch.linalg.solve(a, b.mT.contiguous(), left=False), Shard(1), Shard(0),
+     (4, 4)),
+    ("vector P", lambda a, b: torch.linalg.solve(a, b[:, 0]), PS, PS, (4, 4)),
+    ("cholesky_solve columns", lambda a, b: torch.cholesky_solve(b, a), Shard(1), Shard(1), (4, 4)),
+    ("lu_solve P", lambda a, b: torch.linalg.lu_solve(*torch.linalg.lu_factor(a), b), PS, PS, (4, 4)),
+    ("ldl_solve P over A's batch", lambda a, b: torch.linalg.ldl_solve(*torch.linalg.ldl_factor(a), b), PS, PS, BATCH),
+    ("solve P over A's batch", lambda a, b: torch.linalg.solve(a, b), PS, PS, BATCH),
+    ("cholesky_solve P over A's batch", lambda a, b: torch.cholesky_solve(b, torch.linalg.cholesky(a)), PS, PS, BATCH),
 ])
-def test_right_hand_side_partial_or_columns_move_nothing(name, fn, bpl, want):
+def test_right_hand_side_partial_or_columns_move_nothing(name, fn, bpl, want, a_shape):
     """A Partial B stays Partial and a column-sharded B gives column-sharded X: no collective
-    (before, B was all-reduced or gathered); values equal one device."""
-    a, b = _spd((4, 4), "rhs-a"), data("any", (4, 8), gen("rhs-b"))
+    (before, B was all-reduced or gathered; a Partial B broadcast over A's batch too: 600 B on
+    OpInfo's ldl_solve sample); values equal one device."""
+    a, b = _spd(a_shape, "rhs-a"), data("any", (4, 8), gen("rhs-b"))
 
     def body(mesh):
         da = distribute_tensor(a, mesh, [R])
@@ -237,27 +245,4 @@ def test_right_hand_side_partial_or_columns_move_nothing(name, fn, bpl, want):
     assert [e for e in events if "op" in e.scope] == []
     for pl, full in out:
         assert pl == (want,)
-        torch.testing.assert_close(full, fn(a, b), **TOL)
-
-
-@pytest.mark.parametrize("name,fn", [
-    ("ldl_solve", lambda a, b: torch.linalg.ldl_solve(*torch.linalg.ldl_factor(a), b)),
-    ("solve", lambda a, b: torch.linalg.solve(a, b)),
-    ("cholesky_solve", lambda a, b: torch.cholesky_solve(b, torch.linalg.cholesky(a))),
-])
-def test_a_partial_right_hand_side_broadcast_over_the_batch_stays_partial(name, fn):
-    """``X_i = A_i⁻¹ Σ B_k = Σ A_i⁻¹ B_k`` also where one ``B`` serves every matrix of ``A``'s
-    batch: the output is ``P(sum)`` with no collective (was all-reduced: 600 B on OpInfo's sample)."""
-    a, b = _spd((2, 4, 4), ("bcast-a", name)), data("any", (4, 8), gen(("bcast-b", name)))
-
-    def body(mesh):
-        da = distribute_tensor(a, mesh, [R])
-        db = DTensor.from_local(b / 4, mesh, [PS])
-        with comm.scope("op"):
-            y = fn(da, db)
-        return tuple(y.placements), y.full_tensor()
-    out, events = run_recorded((4,), body)
-    assert [e for e in events if "op" in e.scope] == []
-    for pl, full in out:
-        assert pl == (PS,)
         torch.testing.assert_close(full, fn(a, b), **TOL)

@@ -75,8 +75,8 @@ def batched_linalg_rule(call: Call) -> Decision:
 def solve_rule(call: Call) -> Decision:
     """``X`` linear in ``B``: per mesh dim, everything ``R``; ``B``'s columns sharded (its rows
     where ``left`` is False: ``X``'s columns depend on ``B``'s alone), ``A`` whole; ``B``'s
-    linear partial kept (``A`` whole; also where ``B`` broadcasts over ``A``'s batch); or a batch dim sharded on every input and output.
-    The other outputs (LU, pivots, info, the copied ``A``) depend on ``A`` alone: ``R`` unless
+    linear partial kept (``A`` whole; also where ``B`` broadcasts over ``A``'s batch); or a
+    batch dim sharded on every input and output.  The other outputs (LU, pivots, info, the copied ``A``) depend on ``A`` alone: ``R`` unless
     the batch is sharded."""
     name, has_left = SOLVES[call.op]
     bp = call.pos(name)
