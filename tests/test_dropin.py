@@ -89,8 +89,7 @@ def test_install_points_torchs_public_names_at_ours_and_uninstall_restores():
         assert not isinstance(nn.Linear(2, 2), FullyShardedDataParallel) and not hasattr(FullyShardedDataParallel, "_x")
         from torch.distributed.tensor.experimental import context_parallel
 
-        with pytest.raises(NotImplementedError, match="context_parallel has no shardtensor equivalent"):
-            context_parallel(None)
+        assert context_parallel is shardtensor.experimental.context_parallel
     finally:
         dropin.uninstall()
     import torch.distributed._composable.fsdp as composable

@@ -594,6 +594,33 @@ def _rng_cases(rep, mesh1, mesh2):
     rep.run("api", "get_group, get_all_groups", _case_get_group, mesh1, mesh2)
 
 
+def _cp_module():
+    try:
+        import test_context_parallel as m
+    except ImportError:  # tests/ imported as a package
+        import tests.test_context_parallel as m
+    return m
+
+
+def _case_cp_training(mesh1):
+    """A torch-style training step inside context_parallel: losses equal one device's."""
+    import pytest
+
+    train_tiny = _cp_module().train_tiny
+    assert train_tiny(mesh1, 13) == pytest.approx(train_tiny(None, 13), rel=1e-5, abs=1e-6)
+
+
+def _cp_cases(rep, mesh1, mesh2):
+    from shardtensor import Shard
+    from shardtensor.cp import head_tail, per_document
+    case_dtensor, case_ring = _cp_module().case_dtensor, _cp_module().case_ring
+    rep.run("context_parallel", "(4,) ring, head-tail 13, GQA", case_ring, mesh1, head_tail(13, 4), True, True)
+    rep.run("context_parallel", "(4,) gather, packed documents", case_ring, mesh1, per_document([5, 17, 3, 9], 4),
+            True, True, "gather")
+    rep.run("context_parallel", "(2,2) DTensor S0 S2", case_dtensor, mesh2, [Shard(0), Shard(2)], True, True)
+    rep.run("context_parallel", "(4,) training in context_parallel", _case_cp_training, mesh1)
+
+
 # -- the one big run ------------------------------------------------------------------------
 
 def _all_checks_worker(rank, world_size):
@@ -624,6 +651,7 @@ def _all_checks_worker(rank, world_size):
     _elementwise_cases(rep, mesh1, mesh2)
     _from_local_cases(rep, mesh1, mesh2)
     _rng_cases(rep, mesh1, mesh2)
+    _cp_cases(rep, mesh1, mesh2)
     return rep.result()
 
 
@@ -690,6 +718,11 @@ def test_rng(gloo_report):
 
 def test_loss_parallel(gloo_report):
     _assert_section(gloo_report, "loss_parallel")
+
+
+def test_context_parallel(gloo_report):
+    """Ring attention, gathered keys over packed documents, the DTensor path and a training step."""
+    _assert_section(gloo_report, "context_parallel")
 
 
 def test_public_api_torch_users_call(gloo_report):

@@ -11,6 +11,7 @@ torch's classes.  ``uninstall()`` puts torch's modules back.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import runpy
 import sys
@@ -30,6 +31,8 @@ def _switched() -> dict[str, dict[str, Any]]:
                    init_device_mesh, ones, rand, randn, zeros)
     from .checkpoint import state_dict as sd
     from .debug import CommDebugMode, visualize_sharding
+    from .cp.api import (context_parallel, context_parallel_shard, context_parallel_unshard, disable_dispatcher,
+                         enable_dispatcher, set_rotate_method)
     from .experimental import implicit_replication, local_map, register_sharding
     from .fsdp import (CPUOffloadPolicy, DataParallelMeshDims, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
                        UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx)
@@ -44,6 +47,10 @@ def _switched() -> dict[str, dict[str, Any]]:
     api = {"DTensor": DTensor, "distribute_tensor": distribute_tensor, "distribute_module": distribute_module,
            "ones": ones, "empty": empty, "full": full, "rand": rand, "randn": randn, "zeros": zeros}
     meshes = {"DeviceMesh": DeviceMesh, "init_device_mesh": init_device_mesh}
+    cp = {"context_parallel": context_parallel, "context_parallel_unshard": context_parallel_unshard,
+          "set_rotate_method": set_rotate_method, "_context_parallel_shard": context_parallel_shard,
+          "_enable_context_parallel_dispatcher": enable_dispatcher,
+          "_disable_context_parallel_dispatcher": disable_dispatcher}
     fsdp = {"fully_shard": fully_shard, "FSDPModule": FSDPModule, "MixedPrecisionPolicy": MixedPrecisionPolicy,
             "UnshardHandle": UnshardHandle, "OffloadPolicy": OffloadPolicy, "CPUOffloadPolicy": CPUOffloadPolicy,
             "register_fsdp_forward_method": register_fsdp_forward_method, "share_comm_ctx": share_comm_ctx,
@@ -65,7 +72,10 @@ def _switched() -> dict[str, dict[str, Any]]:
         "torch.distributed.tensor.parallel.loss": {"loss_parallel": loss_parallel},
         "torch.distributed.tensor.parallel.style": styles,
         "torch.distributed.tensor.experimental": {"local_map": local_map, "implicit_replication": implicit_replication,
-                                                 "register_sharding": register_sharding},
+                                                 "register_sharding": register_sharding,
+                                                 "context_parallel": context_parallel},
+        "torch.distributed.tensor.experimental._attention": cp,
+        "torch.distributed.tensor.experimental._context_parallel._attention": cp,
         "torch.distributed.tensor.experimental._func_map": {"local_map": local_map},
         "torch.distributed.tensor.experimental._register_sharding": {"register_sharding": register_sharding},
         "torch.distributed.tensor.debug": {"visualize_sharding": visualize_sharding, "CommDebugMode": CommDebugMode},
@@ -190,6 +200,14 @@ def _patches() -> list[tuple[Any, str, Any]]:
     return [(funcol, name, resolving_meshes(getattr(funcol, name), DeviceMesh))]
 
 
+def _exists(name: str) -> bool:
+    """Whether torch has module ``name`` (an older release may lack a newer private path)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
 def installed() -> bool:
     return bool(_ORIGINAL)
 
@@ -199,7 +217,7 @@ def install() -> None:
     for code imported (or attributes read) from now on.  Safe to call twice."""
     if _ORIGINAL:
         return
-    table = _switched()
+    table = {name: names for name, names in _switched().items() if _exists(name)}
     _prime_torch()
     torch_modules = {name: importlib.import_module(name) for name in table}  # theirs bind torch's classes first
     shims = {}

@@ -1,4 +1,4 @@
-"""``local_map``, ``implicit_replication`` and ``register_sharding``, as in
+"""``local_map``, ``implicit_replication``, ``register_sharding`` and ``context_parallel``, as in
 ``torch.distributed.tensor.experimental``."""
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .cp.api import context_parallel
 from .implicit import implicit_replication
 from .mesh import DeviceMesh
 from .placement import Placement, display
 from .tensor import DTensor
 
-__all__ = ["implicit_replication", "local_map", "register_sharding"]
+__all__ = ["context_parallel", "implicit_replication", "local_map", "register_sharding"]
 
 PlacementType = Sequence[Placement] | None
 

@@ -27,6 +27,16 @@ def tiny():
     return config
 
 
+def tiny_sdpa():
+    """``tiny`` with torchtitan's SDPA attention (causal): the attention its context parallelism
+    shards (its FlexAttention path gathers keys and values instead)."""
+    from torchtitan.models.llama3 import model_registry
+
+    config = tiny()
+    config.model_spec = model_registry("debugmodel", attn_backend="sdpa")
+    return config
+
+
 def write_assets(root: str) -> None:
     """A tokenizer trained on the data set's text, and the data set (200 short documents)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -6,6 +6,8 @@ outside dispatch, on memory or plain tensors a DTensor cannot stand for.
   replicated value.  A plain index tensor the caller passes is not (see docs/propagation.md).
 - **``tensor_split`` at a tensor of split points** reads the points from memory: a DTensor of
   them is read whole first.
+- **``scaled_dot_product_attention`` with the sequence sharded** runs as ring attention
+  (``cp/dtensor.py``) instead of moving the sequence to heads.
 - **3-D ``scaled_dot_product_attention``** takes torch's math path, which builds its causal
   mask as a plain tensor: the inputs get a leading batch dim of 1, so the 4-D path (and its
   sharding rule) runs, and the result drops it again.
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..cp.dtensor import seq_sharded_attention
 from ..implicit import implicit_replication
 from ..tensor import DTensor, below
 from .fallback import replicate_plain
@@ -61,8 +64,12 @@ def torch_function(func: Any, types: tuple, args: tuple, kwargs: dict | None) ->
     elif (func is _GETITEM or func is _SETITEM) and _literal_index(args[1], args[2:]):
         with implicit_replication():
             return below(func, types, args, kwargs) if kwargs else below(func, types, args)
-    elif func is _SDPA and _is_3d(args, kwargs or {}):
-        return _sdpa_batched(args, kwargs or {})
+    elif func is _SDPA:
+        if _is_3d(args, kwargs or {}):
+            return _sdpa_batched(args, kwargs or {})
+        out = seq_sharded_attention(args, kwargs or {})
+        if out is not NotImplemented:
+            return out
     out = below(func, types, args, kwargs) if kwargs else below(func, types, args)
     return finish(func, out, args, kwargs)
 
