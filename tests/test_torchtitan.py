@@ -40,13 +40,14 @@ def titan(tmp_path_factory):
         sys.path.remove(str(STYLE))
     titan_config.write_assets(str(root / "assets"))
 
-    def run(who: str, nproc: int, *args: str, ac: str = "none", folder: str = "run", steps: int = 3) -> list[dict]:
+    def run(who: str, nproc: int, *args: str, ac: str = "none", folder: str = "run", steps: int = 3,
+            config: str = "tiny", norm64: bool = False) -> list[dict]:
         env = {k: v for k, v in os.environ.items() if k != "CI"}
         env.update(PYTHONPATH=os.pathsep.join([str(STYLE), str(HERE.parent / "src"), env.get("PYTHONPATH", "")]),
-                   TINY_TITAN_ASSETS=str(root / "assets"), TINY_TITAN_AC=ac)
+                   TINY_TITAN_ASSETS=str(root / "assets"), TINY_TITAN_AC=ac, TINY_TITAN_NORM64=str(int(norm64)))
         pre = ["-m", "shardtensor.dropin"] if who == "ours" else []
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *pre,
-               str(STYLE / "titan_train.py"), "--module", "titan_config", "--config", "tiny", "--debug.seed", "0",
+               str(STYLE / "titan_train.py"), "--module", "titan_config", "--config", config, "--debug.seed", "0",
                "--dump_folder", str(root / who), "--training.mixed_precision_param", "float32",
                "--training.steps", str(steps), "--checkpoint.enable", "--checkpoint.folder", folder, *args]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=root)
@@ -114,3 +115,28 @@ def test_torchtitans_full_dtensor_backend_trains_unchanged(titan):
     usual = titan("torch", 4, *titan.seed, *args, folder="run-usual")
     ours = titan("ours", 4, *titan.seed, *args, "--parallelism.spmd_backend", "full_dtensor", folder="run-full")
     _assert_same(ours, usual)
+
+
+CP_CONFIGS = {  # name: (our processes and arguments, torch's processes and arguments: the same training without CP)
+    "cp": ((2, ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]),
+           (1, ["--parallelism.data_parallel_shard_degree", "1"])),
+    "fsdp-x-cp": ((4, ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]),
+                  (2, ["--parallelism.data_parallel_shard_degree", "2"])),
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "cp" else pytest.mark.long) for n in CP_CONFIGS])
+def test_torchtitans_context_parallelism_runs_on_cpu_through_the_drop_in(titan, name):
+    """torchtitan's context parallelism (its SDPA layers, head-tail load balancing, the sequence on
+    2 ranks), on CPU and gloo where torch's own CP refuses (it needs CUDA): losses equal torch's run
+    of the same training without CP, and so does the float64 norm of the whole gradients (the
+    float32 norm torchtitan logs depends on how the gradients are split into shards, ~1e-4 here;
+    torchtitan's max loss under CP is each rank's share of its loss, so it is not compared)."""
+    (n_ours, ours_args), (n_theirs, theirs_args) = CP_CONFIGS[name]
+    theirs = titan("torch", n_theirs, *titan.seed, *theirs_args, folder=f"run-{name}", config="tiny_sdpa",
+                   norm64=True)
+    ours = titan("ours", n_ours, *titan.seed, *ours_args, folder=f"run-{name}", config="tiny_sdpa", norm64=True)
+    assert [s["titan_step"] for s in ours] == [s["titan_step"] for s in theirs] == [1, 2, 3], (ours, theirs)
+    for a, b in zip(ours, theirs):
+        for key, tol in (("loss_metrics/global_avg_loss", 1e-5), ("grad_norm_f64", 1e-6), ("grad_norm", 1e-3)):
+            assert abs(a[key] - b[key]) <= tol * max(1.0, abs(b[key])), (key, ours, theirs)

@@ -28,12 +28,14 @@ def tiny():
 
 
 def tiny_sdpa():
-    """``tiny`` with torchtitan's SDPA attention (causal): the attention its context parallelism
-    shards (its FlexAttention path gathers keys and values instead)."""
-    from torchtitan.models.llama3 import model_registry
+    """``tiny`` with torchtitan's SDPA inner attention (causal over the whole sequence) in every
+    layer, as torchtitan's own context-parallel tests build it (its FlexAttention path gathers
+    keys and values instead of a ring)."""
+    from torchtitan.models.common.attention import ScaledDotProductAttention
 
     config = tiny()
-    config.model_spec = model_registry("debugmodel", attn_backend="sdpa")
+    for layer in config.model_spec.model.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
     return config
 
 

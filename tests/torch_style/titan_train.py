@@ -6,7 +6,10 @@ run needs, the same whichever DTensor runs it (torch's, or shardtensor's under
   device-memory monitor, and its process-group timeout barrier (which passes CUDA ``device_ids``)
   skipped; on torch 2.13 a stand-in for ``torch.distributed.set_timeout``, which it calls;
 - FlexAttention has no CPU backward: its forward runs as SDPA with the block mask made dense;
-- gloo has no pre-multiplied sum: FSDP reduces with sums (``set_force_sum_reduction_for_comms``).
+- gloo has no pre-multiplied sum: FSDP reduces with sums (``set_force_sum_reduction_for_comms``);
+- with ``TINY_TITAN_NORM64=1`` the gradient norm is also logged in float64 from the whole
+  gradients (``grad_norm_f64``): torch's float32 norm depends on how the gradients are split into
+  shards (its summation order), by about 1e-4 on this model.
 
 Each logged step is printed as one JSON line with the loss and gradient norm at full precision.
 """
@@ -39,8 +42,24 @@ class _NoMemory:
         return metrics.DeviceMemStats(0, 0, 0, 0, 0, 0)
 
 
+_norm64 = {}
+_clip = titan_utils.clip_grad_norm_
+
+
+def _clip_logging_f64(parameters, *args, **kwargs):
+    parameters = list(parameters)
+    squares = 0.0
+    for p in parameters:
+        if p.grad is not None:
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            squares += float(g.double().square().sum())
+    _norm64["grad_norm_f64"] = squares ** 0.5
+    return _clip(parameters, *args, **kwargs)
+
+
 def _print_metrics(self, values, step):
     keep = {k: float(v) for k, v in values.items() if "loss" in k or "grad_norm" in k}
+    keep.update(_norm64)
     print(json.dumps({"titan_step": step, "rank": int(os.environ.get("RANK", 0)), **keep}), flush=True)
 
 
@@ -67,6 +86,8 @@ metrics.BaseLogger.log = _print_metrics
 attention.FlexAttention.forward = _sdpa
 titan_fsdp.disable_fsdp_gradient_division = _sum_only
 titan_utils.set_pg_timeouts = lambda *args, **kwargs: None
+if os.environ.get("TINY_TITAN_NORM64") == "1":
+    titan_utils.clip_grad_norm_ = _clip_logging_f64
 
 if __name__ == "__main__":
     import torchtitan.train
