@@ -11,14 +11,16 @@ memory is the case's own):
 - **bytes**: what one rank receives during the forward (ours: the recorded collectives, max over
   ranks) against the analytic minimum of the mode: ring and gather receive the other ranks' keys
   and values once, (P-1)/P of the K/V bytes; heads receives (P-1)/P of its q, k, v and output
-  blocks; gathering the sequence receives (P-1)/P of q, k and v.
+  blocks; hybrid half of those four blocks and its ring's share; gathering the sequence
+  receives (P-1)/P of q, k and v.
 - **peak MiB / rank**: the process's peak resident memory during the case, above what it held
   before, divided by the ranks it hosts (4 in the simulated world, 1 under gloo).
 - **seconds**: forward + backward, wall clock (the simulated world runs its 4 ranks as threads
   on this machine's cores, so this is the sum of the ranks' work more than one rank's time).
 
 Modes: ``ring`` (ours, default), ``gather`` (ours, every block at once: torch's "allgather"
-rotation), ``heads`` (all-to-all to heads, torch's fused kernel), ``replicate`` (gather q, k, v
+rotation), ``heads`` (all-to-all to heads, torch's fused kernel), ``hybrid`` (the sequence on a
+(2, P/2) mesh: all-to-all to heads on the first dim, a ring on the second), ``replicate`` (gather q, k, v
 and attend to the whole sequence, as DTensor's sharding rules do for a sequence shard).  Torch's
 own ``context_parallel`` needs CUDA and NCCL: it is not on this table.
 """
@@ -38,7 +40,7 @@ for _p in (os.path.join(ROOT, "src"), os.path.join(ROOT, "tests")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-MODES = ("ring", "gather", "heads", "replicate")
+MODES = ("ring", "gather", "heads", "hybrid", "replicate")
 
 
 def _peak_mib() -> float:
@@ -66,16 +68,19 @@ def _one_rank(mesh, mode: str, q, k, v, dout) -> dict:
     from shardtensor.cp.dtensor import sequence_attention
 
     sequence_attention("ring" if mode == "replicate" else mode)
-    leaves = [st.distribute_tensor(t, mesh, [Shard(2)]).requires_grad_() for t in (q, k, v)]
+    if mode == "hybrid":  # the sequence on both dims of a (2, P/2) mesh: heads on the first, a ring on the second
+        mesh = st.init_device_mesh("cpu", (2, mesh.size() // 2))
+    seq = [Shard(2)] * mesh.ndim
+    leaves = [st.distribute_tensor(t, mesh, seq).requires_grad_() for t in (q, k, v)]
     t0 = time.perf_counter()
     with st.CommTrace(rank=mesh.get_rank()) as trace:
         if mode == "replicate":
             whole = [t.redistribute(mesh, [Replicate()]) for t in leaves]
-            out = F.scaled_dot_product_attention(*whole, is_causal=True).redistribute(mesh, [Shard(2)])
+            out = F.scaled_dot_product_attention(*whole, is_causal=True).redistribute(mesh, seq)
         else:
             out = F.scaled_dot_product_attention(*leaves, is_causal=True)
     received = sum(e.bytes_received for e in trace.events)
-    out.backward(st.distribute_tensor(dout, mesh, [Shard(2)]))
+    out.backward(st.distribute_tensor(dout, mesh, seq))
     return {"received": received, "seconds": time.perf_counter() - t0}
 
 
@@ -87,6 +92,8 @@ def _minimum(mode: str, length: int, heads: int, dim: int, ranks: int) -> int:
         return 2 * (length - piece) * block
     if mode == "heads":
         return 4 * (ranks - 1) * piece * block // ranks
+    if mode == "hybrid":  # all-to-all over 2 ranks, then a ring over ranks / 2
+        return 4 * piece * block // 2 + 2 * (ranks // 2 - 1) * piece * block
     return 3 * (length - piece) * block
 
 
@@ -121,8 +128,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", choices=("sim", "gloo"), default="sim")
     ap.add_argument("--lengths", default="")
-    ap.add_argument("--heads", type=int, default=2)
-    ap.add_argument("--dim", type=int, default=32)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--dim", type=int, default=16)
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--quick", action="store_true", help="2k and 4k only")
@@ -131,7 +138,7 @@ def main() -> None:
     if a.case:
         print(json.dumps(case(a.world, a.case[0], int(a.case[1]), a.heads, a.dim, a.ranks)))
         return
-    default = "2048,4096" if a.quick else ("2048,4096,8192,16384,32768" if a.world == "sim" else "2048,4096,8192,16384")
+    default = "2048,4096" if a.quick else ("2048,4096,8192,16384,32768" if a.world == "sim" else "2048,4096,8192")
     lengths = [int(x) for x in (a.lengths or default).split(",")]
     print(f"causal attention fwd+bwd, (1, {a.heads}, L, {a.dim}) float32, sequence on {a.ranks} ranks, "
           f"world={a.world}, {time.strftime('%Y-%m-%d')}\n")

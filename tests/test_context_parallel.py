@@ -44,9 +44,10 @@ def dense_attention(q, k, v, dout, causal, gqa, documents=None):
     return [out.detach()] + [t.grad for t in leaves]
 
 
-def case_ring(mesh, layout, causal, gqa, method="ring", dtype=torch.float32, seed=0):
-    """Ring attention on this rank's plain pieces equals the dense pieces (forward, backward)."""
-    q, k, v, dout = _qkvd(layout.length, gqa, dtype, seed)
+def case_ring(mesh, layout, causal, gqa, method="ring", dtype=torch.float32, seed=0, dv=10):
+    """Ring attention on this rank's plain pieces equals the dense pieces (forward, backward);
+    ``dv=8`` (value head dim = query's) lets full and causal blocks use torch's fused kernel."""
+    q, k, v, dout = _qkvd(layout.length, gqa, dtype, seed, dv=dv)
     want = dense_attention(q, k, v, dout, causal, gqa, layout.documents)
     idx = layout.positions[mesh.get_local_rank(0) if mesh.ndim == 1 else 0]
     mine = [t[:, :, idx].clone().requires_grad_() for t in (q, k, v)]
@@ -83,10 +84,10 @@ def mesh_of(shape):
 @pytest.mark.parametrize("length", [16, 13], ids=["even", "uneven"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
-def test_ring_equals_one_device(ranks, length, layout, causal, gqa):
+@pytest.mark.parametrize("gqa,dv", [(False, 8), (False, 10), (True, 8)], ids=["fused-kernel", "math", "gqa"])
+def test_ring_equals_one_device(ranks, length, layout, causal, gqa, dv):
     lay = LAYOUTS[layout](length, ranks)
-    spmd(lambda: case_ring(mesh_of((ranks,)), lay, causal, gqa), ranks)
+    spmd(lambda: case_ring(mesh_of((ranks,)), lay, causal, gqa, dv=dv), ranks)
 
 
 @pytest.mark.parametrize("method", ["ring", "gather"])
@@ -94,13 +95,14 @@ def test_ring_equals_one_device(ranks, length, layout, causal, gqa):
 def test_packed_documents_and_gather(method, ranks):
     """Attention stays inside each document (one shorter than the ranks); both rotate methods."""
     lay = per_document([5, 17, 3, 9], ranks)
-    for causal in (True, False):
-        spmd(lambda: case_ring(mesh_of((ranks,)), lay, causal, True, method), ranks)
+    for causal, gqa in ((True, True), (False, True), (True, False)):
+        spmd(lambda: case_ring(mesh_of((ranks,)), lay, causal, gqa, method, dv=8), ranks)
 
 
 def test_low_precision_and_more_ranks_than_positions():
     """bfloat16 within its rounding (scores kept in float32); a rank without positions."""
     spmd(lambda: case_ring(mesh_of((4,)), head_tail(16, 4), True, False, dtype=torch.bfloat16), 4)
+    spmd(lambda: case_ring(mesh_of((2,)), head_tail(13, 2), True, False, dtype=torch.float64, dv=8), 2)
     spmd(lambda: case_ring(mesh_of((4,)), contiguous(3, 4), True, True), 4)
 
 
@@ -298,3 +300,51 @@ def test_torchtitans_form_pieces_wrapped_as_dtensors_read_the_declared_order():
         st.run_spmd(fn, 4)
     finally:
         disable_dispatcher()
+
+
+@pytest.mark.parametrize("dv,used", [(8, True), (10, False)])
+def test_full_and_causal_blocks_use_torchs_fused_kernel_where_it_applies(monkeypatch, dv, used):
+    import shardtensor.cp.blocks as blocks
+
+    calls = []
+    fused = blocks._FLASH
+    monkeypatch.setattr(blocks, "_FLASH", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    spmd(lambda: case_ring(mesh_of((2,)), head_tail(16, 2), True, False, dv=dv), 2)
+    assert bool(calls) == used
+
+
+HYBRID = [((2, 2), (Shard(2), Shard(2)), False), ((2, 2), (Shard(2), Shard(2)), True),
+          ((2, 2, 2), (Shard(2), Shard(2), Shard(1)), False), ((2, 2, 2), (Shard(0), Shard(2), Shard(2)), True)]
+
+
+@pytest.mark.parametrize("mesh_shape,placements,gqa", HYBRID, ids=str)
+def test_hybrid_heads_on_one_mesh_dim_ring_on_the_other(mesh_shape, placements, gqa):
+    """The sequence on two mesh dims: all-to-all to heads on the outer one, a ring on the inner
+    one (with tensor parallelism sharding heads on a third); equal to one device."""
+    sequence_attention("hybrid")
+    try:
+        spmd(lambda: case_dtensor(mesh_of(mesh_shape), list(placements), True, gqa, length=16), math.prod(mesh_shape))
+    finally:
+        sequence_attention("ring")
+
+
+def test_hybrid_moves_an_all_to_all_and_a_ring():
+    """(2, 2) mesh, 16 positions, 4 heads: q, k, v to heads on mesh dim 0 ((P-1)/P of each rank's
+    4-position block of 4 heads), keys and values once round the 2-rank ring of dim 1 (8 positions
+    of 2 heads), the output back to the sequence."""
+    q, k, v, _ = _qkvd(16, dv=8)
+
+    def fn():
+        mesh = mesh_of((2, 2))
+        qkv = [st.distribute_tensor(t, mesh, [Shard(2), Shard(2)]) for t in (q, k, v)]
+        with st.CommTrace() as trace:
+            F.scaled_dot_product_attention(*qkv, is_causal=True)
+        return sum(e.bytes_received for e in trace.of_rank(mesh.get_rank()))
+
+    sequence_attention("hybrid")
+    try:
+        got = st.run_spmd(fn, 4)
+    finally:
+        sequence_attention("ring")
+    block = 2 * 4 * 4 * 8 * 4  # batch x heads x positions x dim x float32: one rank's q (or k, v, out)
+    assert got == [4 * block // 2 + 2 * block] * 4, got

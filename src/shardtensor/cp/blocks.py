@@ -6,16 +6,23 @@ union).  The backward of a block needs only the *final* output and log-sum-exp o
 ``P = exp(S - lse)`` is then the block's part of the global softmax, so block gradients add up to
 the gradients of the whole.
 
-The math here runs on every device and dtype (scores in float32, float64 for float64 inputs): it
-is the block kernel everywhere, so ring results do not depend on which fused kernel a backend has.
-Grouped-query attention (``enable_gqa``) views the query heads as ``(kv_heads, group)`` against
-broadcast keys, so keys and values are never repeated.
+Two kernels: torch's fused CPU flash kernel (``fused``: float32/float64 on CPU, one head dim,
+no grouped heads) for full and causal-triangle blocks, and plain math everywhere else (scores in
+float32, float64 for float64 inputs; any device, dtype and mask).  Grouped-query attention
+(``enable_gqa``) views the query heads as ``(kv_heads, group)`` against broadcast keys, so keys and
+values are never repeated.
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["acc_dtype", "block_forward", "block_backward", "merge", "grouped", "ungrouped"]
+from .layout import Pair
+
+__all__ = ["acc_dtype", "block_forward", "block_backward", "merge", "grouped", "ungrouped", "fusable", "attend",
+           "attend_backward"]
+
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -77,3 +84,36 @@ def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     dq = torch.matmul(ds, k) * scale
     dk = torch.matmul(ds.transpose(-1, -2), q) * scale
     return dq, dk.sum_to_size(k.shape), dv.sum_to_size(v.shape)
+
+
+def fusable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether torch's fused CPU kernel can compute blocks of these (ungrouped) tensors exactly."""
+    return (_FLASH is not None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
+            and q.dtype == k.dtype == v.dtype and q.shape[-1] == v.shape[-1] and q.ndim == k.ndim)
+
+
+def _triangle(pair: Pair, device: torch.device) -> torch.Tensor | None:
+    if pair.mask is not None:
+        return pair.mask.to(device)
+    if pair.causal:
+        n = pair.qs.stop - pair.qs.start
+        return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    return None
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pair: Pair, scale: float,
+           fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, lse) of one pair of runs (``q``, ``k``, ``v`` already cut to them)."""
+    if fused and pair.mask is None:
+        out, lse = _FLASH(q, k, v, 0.0, pair.causal, scale=scale)  # type: ignore[misc]
+        return out, lse
+    return block_forward(q, k, v, _triangle(pair, q.device), scale)
+
+
+def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pair: Pair, scale: float, fused: bool,
+                    out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+                    delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One pair's share of (dq, dk, dv) given the final ``out`` and ``lse`` of its query rows."""
+    if fused and pair.mask is None:
+        return _FLASH_BACKWARD(dout, q, k, v, out, lse, 0.0, pair.causal, scale=scale)  # type: ignore[misc,no-any-return]
+    return block_backward(q, k, v, _triangle(pair, q.device), scale, lse, dout, delta)

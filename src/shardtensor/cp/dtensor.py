@@ -30,7 +30,7 @@ from .ring import ring_attention
 
 __all__ = ["sequence_attention", "seq_sharded_attention", "declare_order", "use_declared_orders"]
 
-_MODES = ("ring", "gather", "heads")
+_MODES = ("ring", "gather", "heads", "hybrid")
 _state: dict[str, Any] = {"mode": "ring", "declared": False}
 _orders: dict[tuple[int, int], SeqLayout] = {}
 
@@ -85,13 +85,60 @@ def seq_sharded_attention(args: tuple, kwargs: dict) -> Any:
     places = _placements(q, k, seq)
     if _state["mode"] == "heads":
         return _through_heads(q, k, v, seq, places, a)
+    if _state["mode"] == "hybrid" and _hybrid_applies(q, k, seq, places):
+        return _hybrid(q, k, v, seq, places, a)
     ql, kl, vl = (t.redistribute(mesh, places).to_local() for t in (q, k, v))
     layout = _layout(q.shape[2], [mesh.size(j) for j in seq])
-    out = ring_attention(ql, kl, vl, mesh=mesh, mesh_dim=seq[0] if len(seq) == 1 else seq, layout=layout, is_causal=bool(a.get("is_causal")),
-                         scale=a.get("scale"), enable_gqa=bool(a.get("enable_gqa")), method=_state["mode"])
+    method = "gather" if _state["mode"] == "gather" else "ring"
+    out = ring_attention(ql, kl, vl, mesh=mesh, mesh_dim=seq[0] if len(seq) == 1 else seq, layout=layout,
+                         is_causal=bool(a.get("is_causal")), scale=a.get("scale"),
+                         enable_gqa=bool(a.get("enable_gqa")), method=method)
+    return _wrap(out, q, v, places)
+
+
+def _wrap(out: torch.Tensor, q: DTensor, v: DTensor, places: tuple[Placement, ...]) -> DTensor:
     shape = (*q.shape[:3], v.shape[3])
-    return DTensor.from_local(out, mesh, places, run_check=False, shape=shape,
+    return DTensor.from_local(out, q.device_mesh, places, run_check=False, shape=shape,
                               stride=torch.empty(shape, device="meta").stride())
+
+
+def _hybrid_applies(q: DTensor, k: DTensor, seq: tuple[int, ...], places: tuple[Placement, ...]) -> bool:
+    """Two sequence mesh dims, a length they divide, grouped key heads that the outer one and
+    any heads shards divide (and no declared order): otherwise the one ring over both runs."""
+    if len(seq) != 2 or _state["declared"] or q.ndim != 4:
+        return False
+    mesh = q.device_mesh
+    head_ranks = mesh.size(seq[0]) * math.prod(mesh.size(j) for j, p in enumerate(places) if p.is_shard(1))
+    return (q.shape[2] % (mesh.size(seq[0]) * mesh.size(seq[1])) == 0
+            and (q.shape[1] == k.shape[1] or k.shape[1] % head_ranks == 0))
+
+
+def _hybrid(q: DTensor, k: DTensor, v: DTensor, seq: tuple[int, ...], places: tuple[Placement, ...],
+            a: dict) -> DTensor:
+    """Heads on the outer sequence mesh dim, a ring on the inner one.  Each rank's pieces, seen as
+    the shards of the outer dim's group (its sequence: the pieces of every outer rank at this inner
+    coordinate, end to end), go to heads by an all-to-all on that dim alone; the ring then runs over
+    the inner dim on those strided pieces, and the output goes back the same way."""
+    mesh = q.device_mesh
+    outer, inner = seq
+    pa, pb = mesh.size(outer), mesh.size(inner)
+    row = mesh[outer]
+    local = [t.redistribute(mesh, places).to_local() for t in (q, k, v)]
+    heads = [_move(t, row, Shard(2), Shard(1), (*t.shape[:2], t.shape[2] * pa, t.shape[3])) for t in local]
+    pieces = nested(q.shape[2], [pa, pb]).positions
+    layout = SeqLayout(tuple(torch.cat([pieces[i * pb + j] for i in range(pa)]) for j in range(pb)), None, "strided")
+    out = ring_attention(*heads, mesh=mesh, mesh_dim=inner, layout=layout, is_causal=bool(a.get("is_causal")),
+                         scale=a.get("scale"), enable_gqa=bool(a.get("enable_gqa")))
+    back = _move(out, row, Shard(1), Shard(2), (out.shape[0], local[0].shape[1], *out.shape[2:]))
+    return _wrap(back, q, v, places)
+
+
+def _move(t: torch.Tensor, row: Any, src: Placement, dst: Placement, shape: tuple[int, ...]) -> torch.Tensor:
+    """This rank's piece ``t`` of a ``shape`` tensor sharded ``src`` on the 1-D mesh ``row``,
+    redistributed to ``dst`` (an all-to-all there), as a local tensor again (autograd flows)."""
+    whole = DTensor.from_local(t, row, [src], run_check=False, shape=shape,
+                               stride=torch.empty(shape, device="meta").stride())
+    return whole.redistribute(row, [dst]).to_local()
 
 
 def _through_heads(q: DTensor, k: DTensor, v: DTensor, seq: tuple[int, ...], places: tuple[Placement, ...],

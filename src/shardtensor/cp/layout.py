@@ -11,8 +11,10 @@ short document may leave a rank without any of it.
 - ``per_document``: head-tail inside each packed document (lengths given), with the rounding
   leftovers rotated over the ranks document by document; attention stays inside documents.
 
-The mask of a (query rank, key rank) pair follows from the positions: ``None`` when every pair
-sees every key, a boolean ``(Lq, Lk)`` mask otherwise, ``False`` when nothing is visible (skipped).
+What a (query rank, key rank) pair computes follows from the positions: each rank's piece falls
+into runs of consecutive positions (split at document ends), and each pair of runs is skipped
+(no query sees a key), full (every query sees every key), causal (the same run: the lower
+triangle) or, rarely, masked by an explicit boolean mask (``Pair``).
 """
 from __future__ import annotations
 
@@ -22,7 +24,24 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["SeqLayout", "contiguous", "nested", "head_tail", "per_document"]
+__all__ = ["SeqLayout", "Pair", "contiguous", "nested", "head_tail", "per_document"]
+
+
+@dataclass(frozen=True)
+class Pair:
+    """Queries ``qs`` (local rows) against keys ``ks``: all visible, the causal triangle, or ``mask``."""
+
+    qs: slice
+    ks: slice
+    causal: bool = False
+    mask: torch.Tensor | None = None
+
+    @property
+    def work(self) -> int:
+        n, m = self.qs.stop - self.qs.start, self.ks.stop - self.ks.start
+        if self.mask is not None:
+            return int(self.mask.sum())
+        return n * (n + 1) // 2 if self.causal else n * m
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,41 +71,50 @@ class SeqLayout:
         """Its inverse: ``pieces_end_to_end[restore]`` is the sequence in its own order."""
         return torch.argsort(self.order())
 
-    def mask(self, q_rank: int, k_rank: int, causal: bool) -> torch.Tensor | None | bool:
-        """What queries of ``q_rank`` see of keys of ``k_rank``: None (all), False (none), or a mask."""
-        qp, kp = self.positions[q_rank], self.positions[k_rank]
-        if qp.numel() == 0 or kp.numel() == 0:
-            return False
-        docs = self.documents
-        if not causal and docs is None:
-            return None
-        if docs is None and int(kp.max()) <= int(qp.min()):
-            return None
-        if docs is None and int(kp.min()) > int(qp.max()):
-            return False
-        m = torch.ones(qp.numel(), kp.numel(), dtype=torch.bool)
-        if causal:
-            m &= kp.unsqueeze(0) <= qp.unsqueeze(1)
-        if docs is not None:
-            m &= docs[kp].unsqueeze(0) == docs[qp].unsqueeze(1)
-        if bool(m.all()):
-            return None
-        return m if bool(m.any()) else False
+    def runs(self, rank: int) -> list[tuple[int, int, int]]:
+        """(local start, length, first global position) of each run of consecutive positions of
+        one document in ``rank``'s piece."""
+        p = self.positions[rank]
+        if p.numel() == 0:
+            return []
+        cut = p[1:] != p[:-1] + 1
+        if self.documents is not None:
+            d = self.documents[p]
+            cut |= d[1:] != d[:-1]
+        starts = [0] + (torch.nonzero(cut).flatten() + 1).tolist() + [p.numel()]
+        return [(a, b - a, int(p[a])) for a, b in zip(starts[:-1], starts[1:])]
+
+    def pairs(self, q_rank: int, k_rank: int, causal: bool) -> list[Pair]:
+        """What queries of ``q_rank`` compute against keys of ``k_rank`` (skipped runs left out)."""
+        out = []
+        for qa, qn, qp in self.runs(q_rank):
+            for ka, kn, kp in self.runs(k_rank):
+                if self.documents is not None and int(self.documents[qp]) != int(self.documents[kp]):
+                    continue
+                pair = _pair(slice(qa, qa + qn), slice(ka, ka + kn), qp, kp, causal)
+                if pair is not None:
+                    out.append(pair)
+        return out
 
     def work(self, causal: bool) -> list[int]:
         """Per rank: the (query, key) pairs its attention computes (what balancing evens out)."""
-        out = []
-        for q in range(self.ranks):
-            total = 0
-            for k in range(self.ranks):
-                m = self.mask(q, k, causal)
-                total += (self.count(q) * self.count(k) if m is None else
-                          0 if m is False else int(m.sum()))  # type: ignore[union-attr]
-            out.append(total)
-        return out
+        return [sum(p.work for k in range(self.ranks) for p in self.pairs(q, k, causal)) for q in range(self.ranks)]
 
     def __repr__(self) -> str:
         return f"SeqLayout({self.kind}, length={self.length}, counts={[self.count(r) for r in range(self.ranks)]})"
+
+
+def _pair(qs: slice, ks: slice, qp: int, kp: int, causal: bool) -> Pair | None:
+    """Runs of global positions ``qp..`` (queries) and ``kp..`` (keys): what they compute."""
+    qn, kn = qs.stop - qs.start, ks.stop - ks.start
+    if not causal or kp + kn - 1 <= qp:
+        return Pair(qs, ks)
+    if kp > qp + qn - 1:
+        return None
+    if kp == qp and kn == qn:
+        return Pair(qs, ks, causal=True)
+    mask = torch.arange(kp, kp + kn).unsqueeze(0) <= torch.arange(qp, qp + qn).unsqueeze(1)
+    return Pair(qs, ks, mask=mask)
 
 
 def _check(length: int, ranks: int) -> None:

@@ -9,8 +9,9 @@ gradients; after ``P`` hops that sum comes home complete.
 
 ``method="gather"`` (torch's ``set_rotate_method("allgather")``) receives every block at once (the
 same bytes, the whole sequence's keys and values in memory) and sends each block's gradient home
-in one exchange.  Causal and document masks come from the ``SeqLayout``: pairs of blocks that see
-nothing are skipped (their keys still travel).
+in one exchange.  What each block computes comes from the ``SeqLayout``'s pairs of runs: runs
+that see nothing are skipped (their keys still travel), full and causal-triangle runs use torch's
+fused CPU kernel where it applies (``blocks.fusable``), the rest plain math.
 """
 from __future__ import annotations
 
@@ -21,13 +22,11 @@ from typing import Any
 import torch
 
 from .. import comm
-from .blocks import acc_dtype, block_backward, block_forward, grouped, merge, ungrouped
-from .layout import SeqLayout
+from .blocks import acc_dtype, attend, attend_backward, fusable, grouped, merge, ungrouped
+from .layout import Pair, SeqLayout
 
 __all__ = ["RingPlan", "ring_attention"]
 
-Mask = torch.Tensor | None | bool
-"""A block's mask: None (every key visible), a boolean ``(Lq, Lk)`` tensor, or False (nothing)."""
 KV = tuple[torch.Tensor, ...]
 
 
@@ -43,18 +42,14 @@ class RingPlan:
     method: str = "ring"
     me: int = 0
     size: int = 1
-    masks: dict[int, Mask] = field(default_factory=dict)
+    fused: bool = False
+    pairs_of: dict[int, list[Pair]] = field(default_factory=dict)
 
-    def mask(self, src: int, device: torch.device) -> Mask:
-        """What this rank's queries see of rank ``src``'s keys (built once per call)."""
-        if src not in self.masks:
-            m = self.layout.mask(self.me, src, self.causal)
-            self.masks[src] = m.to(device) if isinstance(m, torch.Tensor) else m
-        return self.masks[src]
-
-
-def _dense(m: Mask) -> torch.Tensor | None:
-    return m if isinstance(m, torch.Tensor) else None
+    def pairs(self, src: int) -> list[Pair]:
+        """What this rank's queries compute against rank ``src``'s keys (built once per call)."""
+        if src not in self.pairs_of:
+            self.pairs_of[src] = self.layout.pairs(self.me, src, self.causal)
+        return self.pairs_of[src]
 
 
 def _shapes(ts: KV, n: int) -> list[tuple[int, ...]]:
@@ -102,27 +97,29 @@ def _as_kv(k: torch.Tensor, grouped_q: bool, dtype: torch.dtype) -> torch.Tensor
     return k.unsqueeze(2) if grouped_q else k
 
 
+def _rows(t: torch.Tensor, s: slice) -> torch.Tensor:
+    return t[..., s, :]
+
+
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan,
              gqa: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(output in the accumulation dtype, log-sum-exp), queries grouped when ``gqa``."""
     acc = acc_dtype(q.dtype)
     qa = grouped(q.to(acc), k.shape[1]) if gqa else q.to(acc)
-    out = lse = None
+    out = qa.new_zeros((*qa.shape[:-1], v.shape[-1]))
+    lse = qa.new_full(qa.shape[:-1], float("-inf"))
     blocks = _gather((k, v), plan) if plan.method == "gather" else None
     cur: KV = (k, v)
     for t, src in enumerate(_sources(plan)):
         if blocks is not None:
             cur = blocks[src]
         work = _pass_on(cur, src, plan) if blocks is None and t < plan.size - 1 else None
-        mask = plan.mask(src, q.device)
-        if mask is not False:
-            o, lo = block_forward(qa, _as_kv(cur[0], gqa, acc), _as_kv(cur[1], gqa, acc), _dense(mask), plan.scale)
-            out, lse = merge(out, lse, o, lo)
+        kk, vv = _as_kv(cur[0], gqa, acc), _as_kv(cur[1], gqa, acc)
+        for p in plan.pairs(src):
+            o, lo = attend(_rows(qa, p.qs), _rows(kk, p.ks), _rows(vv, p.ks), p, plan.scale, plan.fused)
+            out[..., p.qs, :], lse[..., p.qs] = merge(_rows(out, p.qs), lse[..., p.qs], o.to(acc), lo.to(acc))
         if work is not None:
             cur = work.wait()
-    if out is None or lse is None:  # this rank's queries see nothing (it holds no positions)
-        out = qa.new_zeros((*qa.shape[:-1], v.shape[-1]))
-        lse = qa.new_full(qa.shape[:-1], float("-inf"))
     return out, lse
 
 
@@ -135,28 +132,30 @@ def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     da = grouped(dout.to(acc), kv_heads) if gqa else dout.to(acc)
     oa = grouped(out.to(acc), kv_heads) if gqa else out.to(acc)
     delta = (da * oa).sum(-1)
+    lse_k = lse.to(q.dtype) if plan.fused else lse  # the fused kernel takes it in the inputs' dtype
     dq = torch.zeros_like(qa)
     blocks = _gather((k, v), plan) if plan.method == "gather" else None
     grads: dict[int, KV] = {}
     cur: KV = (k, v)
-    run: KV = (torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device))
+    run: KV = ()
     for t, src in enumerate(_sources(plan)):
         if blocks is not None:
             cur = blocks[src]
         work = _pass_on(cur, src, plan) if blocks is None and t < plan.size - 1 else None
-        mask = plan.mask(src, q.device)
-        dk = dv = None
-        if mask is not False:
-            dq_b, dk, dv = block_backward(qa, _as_kv(cur[0], gqa, acc), _as_kv(cur[1], gqa, acc), _dense(mask),
-                                          plan.scale, lse, da, delta)
-            dq += dq_b
-            dk, dv = dk.reshape(cur[0].shape), dv.reshape(cur[1].shape)
+        kk, vv = _as_kv(cur[0], gqa, acc), _as_kv(cur[1], gqa, acc)
+        dk, dv = torch.zeros(cur[0].shape, dtype=acc, device=k.device), torch.zeros(cur[1].shape, dtype=acc,
+                                                                                  device=k.device)
+        for p in plan.pairs(src):
+            dq_b, dk_b, dv_b = attend_backward(_rows(qa, p.qs), _rows(kk, p.ks), _rows(vv, p.ks), p, plan.scale,
+                                               plan.fused, _rows(oa, p.qs), lse_k[..., p.qs], _rows(da, p.qs),
+                                               delta[..., p.qs])
+            dq[..., p.qs, :] += dq_b
+            dk[..., p.ks, :] += dk_b.reshape(_rows(dk, p.ks).shape)
+            dv[..., p.ks, :] += dv_b.reshape(_rows(dv, p.ks).shape)
         if blocks is not None:
-            if dk is not None and dv is not None:
-                grads[src] = (dk, dv)
+            grads[src] = (dk, dv)
             continue
-        if dk is not None and dv is not None:
-            run = (run[0] + dk, run[1] + dv)
+        run = (dk, dv) if t == 0 else (run[0] + dk, run[1] + dv)
         home = _pass_on(run, src, plan) if plan.size > 1 else None
         if work is not None:
             cur = work.wait()
@@ -224,7 +223,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: A
         raise ValueError(f"query has {q.shape[1]} heads and key {k.shape[1]}: pass enable_gqa=True with "
                          "query heads a multiple of key heads")
     plan = RingPlan(mesh, mesh_dim, layout, bool(is_causal), q.shape[-1] ** -0.5 if scale is None else float(scale),
-                    method, me, len(group))
+                    method, me, len(group), fused=not gqa and fusable(q, k, v))
     if q.ndim != 4:
         flat = (1, math.prod(lead), n)
         out = _RingAttention.apply(q.reshape(*flat, q.shape[-1]), k.reshape(*flat, k.shape[-1]),
