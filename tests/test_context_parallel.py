@@ -348,3 +348,15 @@ def test_hybrid_moves_an_all_to_all_and_a_ring():
         sequence_attention("ring")
     block = 2 * 4 * 4 * 8 * 4  # batch x heads x positions x dim x float32: one rank's q (or k, v, out)
     assert got == [4 * block // 2 + 2 * block] * 4, got
+
+
+def test_set_rotate_method_applies_to_sequence_sharded_dtensors_too():
+    """One setting, as in torch: its dispatcher path (torchtitan's) follows set_rotate_method."""
+    from shardtensor.cp.dtensor import rotate_method
+
+    set_rotate_method("allgather")
+    try:
+        assert rotate_method() == "gather"
+    finally:
+        set_rotate_method("alltoall")
+    assert rotate_method() == "ring"

@@ -8,9 +8,10 @@ pieces runs as ring attention over the mesh, returning this rank's piece of the 
 The pieces are torch's: head-tail when the length divides by ``2 x ranks``, ``torch.chunk``'s
 otherwise.  Beyond torch: ``load_balance="head_tail"`` balances causal work for any length, and
 ``document_lengths=[...]`` (a packed sequence) balances each document and keeps attention inside
-documents.  It runs on every backend and device with the math block kernel (``blocks.py``); torch's
-own needs CUDA and a fused kernel.  ``set_rotate_method("alltoall")`` (the ring, default here)
-or ``"allgather"`` (every block at once; torch's default) gives the same values.
+documents.  It runs on every backend and device (``blocks.py``: torch's fused CPU kernel where it
+applies, plain math elsewhere); torch's own needs CUDA and a fused kernel.
+``set_rotate_method("alltoall")`` (the ring, default here) or ``"allgather"`` (every block at
+once; torch's default) gives the same values, here and for sequence-sharded DTensors.
 """
 from __future__ import annotations
 
@@ -24,25 +25,25 @@ from torch.overrides import TorchFunctionMode
 
 from .. import comm
 from ..tensor import DTensor
-from .dtensor import declare_order, use_declared_orders
-from .layout import SeqLayout, contiguous, head_tail, per_document
+from .dtensor import declare_order, rotate_method, sequence_attention, use_declared_orders
+from .layout import SeqLayout, contiguous, head_tail, per_document, split_order
 from .ring import ring_attention
 
 __all__ = ["context_parallel", "context_parallel_unshard", "set_rotate_method", "default_layout",
            "context_parallel_shard", "enable_dispatcher", "disable_dispatcher"]
 
 _ROTATE = {"alltoall": "ring", "allgather": "gather"}
-_state = {"method": "ring"}
 _local = threading.local()  # the layout of this rank's latest context (simulated ranks are threads)
 
 
 def set_rotate_method(rotate_method: str) -> None:
     """``"alltoall"``: keys and values travel a ring (at most two blocks held; the default here);
-    ``"allgather"``: every rank receives all blocks at once.  Same values, same bytes."""
+    ``"allgather"``: every rank receives all blocks at once.  Same values, same bytes.  As torch's,
+    it applies to sequence-sharded DTensors too (``sequence_attention``)."""
     if rotate_method not in _ROTATE:
         raise NotImplementedError(f"set_rotate_method: rotate_method must be 'alltoall' or 'allgather', "
                                   f"got {rotate_method!r}")
-    _state["method"] = _ROTATE[rotate_method]
+    sequence_attention(_ROTATE[rotate_method])
 
 
 def default_layout(length: int, ranks: int, load_balance: str | None = None,
@@ -96,7 +97,7 @@ def _local_attention(mesh: Any, layout: SeqLayout, query: torch.Tensor, key: tor
         raise NotImplementedError(f"scaled_dot_product_attention inside context_parallel: dropout_p={dropout_p} "
                                   "is not supported (random per element); use dropout_p=0.0")
     return ring_attention(query, key, value, mesh=mesh, mesh_dim=_group_dim(mesh), layout=layout,
-                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, method=_state["method"])
+                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, method=rotate_method())
 
 
 def _check_buffers(buffers: list[torch.Tensor], dims: list[int], no_restore: set) -> None:
@@ -131,13 +132,10 @@ def context_parallel(mesh: Any, *, buffers: list[torch.Tensor] | None = None,
                          "with their buffer_seq_dims; their length fixes each rank's piece")
     layout = default_layout(int(buffers[0].shape[dims[0]]), mesh.size(), load_balance, document_lengths)
     originals = [None if any(b is x for x in no_restore) else b.clone() for b in buffers]
-    mine = layout.positions[_my_index(mesh)]
     with torch.no_grad():
-        for b, d in zip(buffers, dims):
-            piece = b.index_select(d, mine.to(b.device))
+        for b, piece in zip(buffers, _pieces(mesh, layout, buffers, dims)):
             b.resize_(piece.shape)
             b.copy_(piece)
-    _local.layout = layout
     try:
         with _RingSDPA(mesh, layout):
             yield
@@ -189,8 +187,7 @@ def _balanced_layout(load_balancer: Any, length: int, ranks: int) -> SeqLayout:
     if order.numel() != length:
         raise ValueError(f"context-parallel sharding: the load balancer orders {order.numel()} positions, the "
                          f"buffers have {length}")
-    return SeqLayout(tuple(order.chunk(ranks)) + (torch.zeros(0, dtype=torch.long),) * (ranks - len(order.chunk(ranks))),
-                     None, type(load_balancer).__name__)
+    return split_order(order, ranks, type(load_balancer).__name__)
 
 
 @torch.no_grad()
@@ -209,9 +206,14 @@ def context_parallel_shard(mesh: Any, buffers: Sequence[torch.Tensor], seq_dims:
     length = int(buffers[0].shape[seq_dims[0]])
     layout = _balanced_layout(load_balancer, length, mesh.size())
     declare_order(layout)
+    return _pieces(mesh, layout, buffers, seq_dims)
+
+
+def _pieces(mesh: Any, layout: SeqLayout, buffers: Sequence[torch.Tensor], dims: Sequence[int]) -> list[torch.Tensor]:
+    """This rank's piece of each buffer; ``layout`` becomes this rank's latest (for unsharding)."""
     _local.layout = layout
     mine = layout.positions[_my_index(mesh)]
-    return [b.index_select(d, mine.to(b.device)) for b, d in zip(buffers, seq_dims)]
+    return [b.index_select(d, mine.to(b.device)) for b, d in zip(buffers, dims)]
 
 
 def enable_dispatcher() -> None:

@@ -24,11 +24,12 @@ import torch
 import torch.nn.functional as F
 
 from ..placement import Placement, Replicate, Shard
+from ..spec import contiguous_stride
 from ..tensor import DTensor
 from .layout import SeqLayout, nested
 from .ring import ring_attention
 
-__all__ = ["sequence_attention", "seq_sharded_attention", "declare_order", "use_declared_orders"]
+__all__ = ["sequence_attention", "seq_sharded_attention", "declare_order", "use_declared_orders", "rotate_method"]
 
 _MODES = ("ring", "gather", "heads", "hybrid")
 _state: dict[str, Any] = {"mode": "ring", "declared": False}
@@ -36,11 +37,17 @@ _orders: dict[tuple[int, int], SeqLayout] = {}
 
 
 def sequence_attention(mode: str) -> None:
-    """How attention on sequence-sharded DTensors runs: ``"ring"`` (default), ``"gather"`` or
-    ``"heads"`` (all-to-all to heads, the sharding rule's way)."""
+    """How attention on sequence-sharded DTensors runs: ``"ring"`` (default), ``"gather"``,
+    ``"heads"`` (all-to-all to heads) or ``"hybrid"`` (heads on the outer of two sequence mesh
+    dims, a ring on the inner).  ``context_parallel``'s ``set_rotate_method`` sets ring or gather."""
     if mode not in _MODES:
         raise ValueError(f"sequence_attention: mode must be one of {_MODES}, got {mode!r}")
     _state["mode"] = mode
+
+
+def rotate_method() -> str:
+    """``ring_attention``'s method for the current mode (the plain-tensor path reads it too)."""
+    return "gather" if _state["mode"] == "gather" else "ring"
 
 
 def declare_order(layout: SeqLayout) -> None:
@@ -69,8 +76,8 @@ def _seq_dims_of(q: DTensor) -> tuple[int, ...]:
 
 
 def seq_sharded_attention(args: tuple, kwargs: dict) -> Any:
-    """The attention's result, or ``NotImplemented`` where the ring does not apply (no sequence
-    shard, a mask, dropout, plain or 3-D tensors, ``"heads"`` mode)."""
+    """The attention's result, or ``NotImplemented`` where none of the modes applies (no sequence
+    shard, a mask, dropout, plain or 3-D tensors): the sharding rule's path runs then."""
     a = dict(zip(_NAMES, args))
     a.update(kwargs)
     q, k, v = a.get("query"), a.get("key"), a.get("value")
@@ -89,17 +96,16 @@ def seq_sharded_attention(args: tuple, kwargs: dict) -> Any:
         return _hybrid(q, k, v, seq, places, a)
     ql, kl, vl = (t.redistribute(mesh, places).to_local() for t in (q, k, v))
     layout = _layout(q.shape[2], [mesh.size(j) for j in seq])
-    method = "gather" if _state["mode"] == "gather" else "ring"
     out = ring_attention(ql, kl, vl, mesh=mesh, mesh_dim=seq[0] if len(seq) == 1 else seq, layout=layout,
                          is_causal=bool(a.get("is_causal")), scale=a.get("scale"),
-                         enable_gqa=bool(a.get("enable_gqa")), method=method)
+                         enable_gqa=bool(a.get("enable_gqa")), method=rotate_method())
     return _wrap(out, q, v, places)
 
 
 def _wrap(out: torch.Tensor, q: DTensor, v: DTensor, places: tuple[Placement, ...]) -> DTensor:
     shape = (*q.shape[:3], v.shape[3])
     return DTensor.from_local(out, q.device_mesh, places, run_check=False, shape=shape,
-                              stride=torch.empty(shape, device="meta").stride())
+                              stride=contiguous_stride(shape))
 
 
 def _hybrid_applies(q: DTensor, k: DTensor, seq: tuple[int, ...], places: tuple[Placement, ...]) -> bool:
@@ -136,8 +142,7 @@ def _hybrid(q: DTensor, k: DTensor, v: DTensor, seq: tuple[int, ...], places: tu
 def _move(t: torch.Tensor, row: Any, src: Placement, dst: Placement, shape: tuple[int, ...]) -> torch.Tensor:
     """This rank's piece ``t`` of a ``shape`` tensor sharded ``src`` on the 1-D mesh ``row``,
     redistributed to ``dst`` (an all-to-all there), as a local tensor again (autograd flows)."""
-    whole = DTensor.from_local(t, row, [src], run_check=False, shape=shape,
-                               stride=torch.empty(shape, device="meta").stride())
+    whole = DTensor.from_local(t, row, [src], run_check=False, shape=shape, stride=contiguous_stride(shape))
     return whole.redistribute(row, [dst]).to_local()
 
 

@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["SeqLayout", "Pair", "contiguous", "nested", "head_tail", "per_document"]
+__all__ = ["SeqLayout", "Pair", "contiguous", "nested", "split_order", "head_tail", "per_document"]
 
 
 @dataclass(frozen=True)
@@ -143,6 +143,12 @@ def nested(length: int, sizes: Sequence[int]) -> SeqLayout:
     for k in sizes:
         pieces = [p for piece in pieces for p in _chunks(piece, k)]
     return SeqLayout(tuple(pieces), None, "contiguous")
+
+
+def split_order(order: torch.Tensor, ranks: int, kind: str) -> SeqLayout:
+    """Positions listed in ``order`` (a permutation of the sequence) cut by ``torch.chunk`` into
+    one piece per rank: what sharding a permuted buffer gives."""
+    return SeqLayout(tuple(_chunks(order, ranks)), None, kind)
 
 
 def _head_tail_pieces(start: int, length: int, ranks: int, shift: int = 0) -> list[torch.Tensor]:

@@ -117,7 +117,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan,
         kk, vv = _as_kv(cur[0], gqa, acc), _as_kv(cur[1], gqa, acc)
         for p in plan.pairs(src):
             o, lo = attend(_rows(qa, p.qs), _rows(kk, p.ks), _rows(vv, p.ks), p, plan.scale, plan.fused)
-            out[..., p.qs, :], lse[..., p.qs] = merge(_rows(out, p.qs), lse[..., p.qs], o.to(acc), lo.to(acc))
+            out[..., p.qs, :], lse[..., p.qs] = merge(_rows(out, p.qs), lse[..., p.qs], o, lo)
         if work is not None:
             cur = work.wait()
     return out, lse
@@ -132,7 +132,6 @@ def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     da = grouped(dout.to(acc), kv_heads) if gqa else dout.to(acc)
     oa = grouped(out.to(acc), kv_heads) if gqa else out.to(acc)
     delta = (da * oa).sum(-1)
-    lse_k = lse.to(q.dtype) if plan.fused else lse  # the fused kernel takes it in the inputs' dtype
     dq = torch.zeros_like(qa)
     blocks = _gather((k, v), plan) if plan.method == "gather" else None
     grads: dict[int, KV] = {}
@@ -147,7 +146,7 @@ def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                                                                                   device=k.device)
         for p in plan.pairs(src):
             dq_b, dk_b, dv_b = attend_backward(_rows(qa, p.qs), _rows(kk, p.ks), _rows(vv, p.ks), p, plan.scale,
-                                               plan.fused, _rows(oa, p.qs), lse_k[..., p.qs], _rows(da, p.qs),
+                                               plan.fused, _rows(oa, p.qs), lse[..., p.qs], _rows(da, p.qs),
                                                delta[..., p.qs])
             dq[..., p.qs, :] += dq_b
             dk[..., p.ks, :] += dk_b.reshape(_rows(dk, p.ks).shape)
