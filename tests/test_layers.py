@@ -173,13 +173,28 @@ def test_rules_never_import_the_layers_that_execute():
     assert not bad, f"rules decide, the dispatch layer runs things: {bad}"
 
 
+def _rules_that_talk(imports: list[Import]) -> list[Import]:
+    """Imports of collectives, random draws or the redistribution executor by rule modules (any
+    module under those packages, at any depth)."""
+    talk = ("shardtensor.comm", "shardtensor.rng", "shardtensor.redistribute")
+    return [i for i in imports if i.source.startswith("shardtensor.propagation.rules")
+            and any(i.target == t or i.target.startswith(t + ".") for t in talk)]
+
+
 def test_every_collective_a_rule_runs_is_in_propagation_kernels():
     """Rule modules name kernels that talk to other ranks (``propagation/kernels.py``); they do
     not import collectives, random draws or the redistribution executor themselves."""
-    talk = ("shardtensor.comm", "shardtensor.rng", "shardtensor.redistribute")
-    bad = [i for i in IMPORTS if i.source.startswith("shardtensor.propagation.rules")
-           and (i.target in talk or i.target.startswith("shardtensor.comm."))]
+    bad = _rules_that_talk(IMPORTS)
     assert not bad, f"import it in propagation/kernels.py and name the kernel from there: {bad}"
+
+
+def test_the_talk_check_sees_submodules_and_function_imports():
+    rule = "shardtensor.propagation.rules.pointwise"
+    seen = _rules_that_talk([Import(rule, "shardtensor.redistribute.execute", 1, "function"),
+                             Import(rule, "shardtensor.comm", 2, "module"),
+                             Import(rule, "shardtensor.redistribution_notes", 3, "module"),
+                             Import(rule, "shardtensor.placement", 4, "module")])
+    assert [i.line for i in seen] == [1, 2]
 
 
 def test_dispatch_calls_aliasing_once_before_and_once_after_the_kernel():

@@ -18,7 +18,7 @@ from opcheck import MESHES, check, data, gen, placement_combos  # noqa: E402
 from shardtensor import (DTensor, Partial, Replicate, Shard, comm, distribute_tensor,  # noqa: E402
                          init_device_mesh, run_spmd)
 from shardtensor.placement import NormPartial  # noqa: E402
-from shardtensor.redistribute.execute import redistribute_local  # noqa: E402
+from shardtensor.redistribute import redistribute_local  # noqa: E402
 
 aten = torch.ops.aten
 INF = math.inf

@@ -2,7 +2,7 @@
 from .version import __version__
 from .comm import run_spmd
 from .mesh import DeviceMesh, init_device_mesh
-from .placement import Partial, Placement, Replicate, Shard, StridedShard
+from .placement import PLACEMENTS, Partial, Placement, Replicate, Shard, StridedShard
 from .spec import DTensorSpec, compute_local_shape_and_global_offset
 from .tensor import DTensor, distribute_tensor
 from .factories import empty, full, ones, rand, randn, zeros
@@ -25,6 +25,8 @@ __all__ = [
     "MixedTensorError", "ShardingError", "errors", "implicit_replication", "strict_sharding",
 ]
 __all__ += ["distribute_module", "empty", "full", "ones", "rand", "randn", "zeros"]
+globals().update({cls.__name__: cls for cls in PLACEMENTS})  # every registered placement, like Shard
+__all__ += [cls.__name__ for cls in PLACEMENTS if cls.__name__ not in __all__]
 __all__ += ["MixedPrecisionPolicy", "fully_shard", "compute_local_shape_and_global_offset", "transfer",
             "WeightSync"]
 
@@ -36,8 +38,7 @@ def _allow_in_weights_only_load() -> None:
 
     from .placement import NormPartial, OrderedPlacements
 
-    torch.serialization.add_safe_globals([DTensor, DTensorSpec, DeviceMesh, Shard, StridedShard, Replicate, Partial,
-                                          NormPartial, OrderedPlacements])
+    torch.serialization.add_safe_globals([DTensor, DTensorSpec, DeviceMesh, *PLACEMENTS, NormPartial, OrderedPlacements])
 
 
 _allow_in_weights_only_load()

@@ -70,7 +70,7 @@ def local_block(spec: DTensorSpec, local: torch.Tensor, index: Any = None) -> to
     """DCP's ``__get_tensor_shard__``: the local tensor, or (for a packed layout) the view of it
     that holds the block at ``index.offset`` (saved from, loaded into in place)."""
     _values_only(spec)
-    if not spec.strided or math.prod(spec.shape) == 0:
+    if len(_blocks(spec)) <= 1:
         return local
     want = tuple(getattr(index, "offset", None) or ())
     for sizes, offsets, starts in _blocks(spec):

@@ -32,6 +32,7 @@ collectives when the graph runs).  Three things make that sound:
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import importlib.abc
@@ -156,7 +157,7 @@ def _register_constants() -> bool:
     if os.environ.get("SHARDTENSOR_COMPILE_CONSTANTS", "1") == "0":
         return False
     from .mesh import DeviceMesh
-    from .placement import NormPartial, Partial, Replicate, Shard, StridedShard
+    from .placement import PLACEMENTS, NormPartial
     try:
         from torch._library import opaque_object
     except ImportError:
@@ -167,13 +168,13 @@ def _register_constants() -> bool:
     if MemberType is None or register is None:
         return False
     placement = ("is_shard", "is_replicate", "is_partial", "__eq__", "__hash__")
-    members = {Shard: placement + ("dim",), StridedShard: placement + ("dim", "split_factor"), Replicate: placement,
-               Partial: placement + ("reduce_op",), NormPartial: placement + ("reduce_op", "norm"),
-               # not the calling rank's get_rank/get_coordinate/get_local_rank: read at compile time they would
-               # be baked into a graph that simulated ranks (threads sharing dynamo's cache) reuse.  _group_key
-               # names this rank's group too, but only processes have groups: in a simulated world the
-               # lookup it keys finds none and the eager call raises
-               DeviceMesh: ("ndim", "shape", "size", "mesh_dim_names", "device_type", "_group_key", "__eq__", "__hash__")}
+    members: dict[type, tuple[str, ...]] = {
+        cls: placement + tuple(f.name for f in dataclasses.fields(cls)) for cls in (*PLACEMENTS, NormPartial)}  # type: ignore[arg-type]
+    # not the calling rank's get_rank/get_coordinate/get_local_rank: read at compile time they would
+    # be baked into a graph that simulated ranks (threads sharing dynamo's cache) reuse.  _group_key
+    # names this rank's group too, but only processes have groups: in a simulated world the
+    # lookup it keys finds none and the eager call raises
+    members.update({DeviceMesh: ("ndim", "shape", "size", "mesh_dim_names", "device_type", "_group_key", "__eq__", "__hash__")})
     inlined: dict[type, tuple[str, ...]] = {DeviceMesh: ("get_group",)}  # groups.py: reads its process group from a module global
     for typ in ("constant", "value"):  # torch 2.15 renamed "value" to "constant"
         try:

@@ -14,7 +14,6 @@ import torch
 
 from .mesh import DeviceMesh, resolve_mesh
 from .placement import Partial, Placement, Replicate
-from .redistribute.execute import partition
 from .spec import DTensorSpec
 from .submesh import empty_local
 from .tensor import DTensor
@@ -53,7 +52,7 @@ def _make(who: str, size: tuple[int, ...], fill: Any, *, dtype: torch.dtype | No
         local = out.to_local()
         for j, p in enumerate(spec.placements):
             if isinstance(p, Partial) and coord is not None:
-                local = partition(local, p, mesh.shape[j], coord[j])
+                local = p.split_value(local, mesh.shape[j], coord[j])
         out = DTensor(local, spec)
     return out.requires_grad_(requires_grad)
 

@@ -15,7 +15,7 @@ import torch
 
 from . import comm
 from .mesh import DeviceMesh
-from .placement import Placement, Shard, StridedShard, display, local_shape_and_offset
+from .placement import Placement, display, local_shape_and_offset
 
 __all__ = ["check_shape", "check_pieces", "layout_stride", "with_strides"]
 
@@ -121,7 +121,7 @@ def _check_pieces(local: torch.Tensor, mesh: DeviceMesh, pl: tuple[Placement, ..
     if bad:
         raise ValueError(f"from_local: local shapes disagree with global shape {tuple(shape)} "
                          f"and placements {display(pl)}: " + "; ".join(bad)
-                         + ". Pieces of a Shard(d) must follow torch.chunk's split of the global size")
+                         + ". Each piece must be the one its placements give that rank (a Shard(d): torch.chunk's split)")
     return shape, _common_order(meta, ranks)
 
 
@@ -141,7 +141,7 @@ def _common_order(meta: list[dict[str, Any]], ranks: Sequence[int]) -> list[int]
 def _summed_size(d: int, shapes: list[list[int]], coords: list[tuple[int, ...]], mesh: DeviceMesh,
                  pl: tuple[Placement, ...]) -> int:
     """Global size of dim ``d``: the pieces' sizes along the mesh dims sharding it, else rank 0's size."""
-    mesh_dims = [j for j, p in enumerate(pl) if isinstance(p, (Shard, StridedShard)) and p.dim == d]
+    mesh_dims = [j for j, p in enumerate(pl) if p.tensor_dim() == d]
     if not mesh_dims:
         return shapes[0][d]
     return sum(s[d] for s, c in zip(shapes, coords)

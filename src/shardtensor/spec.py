@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 
 from .mesh import DeviceMesh
-from .placement import (Placement, ShardOrder, default_shard_order, display, has_strided, local_shape_and_offset,
+from .placement import (Placement, ShardOrder, all_planned, default_shard_order, display, local_shape_and_offset,
                         normalize_placements, unpartial, validate_shard_order)
 
 
@@ -25,11 +25,15 @@ class DTensorSpec:
     _locals: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     """Local shape and offset per mesh coordinate, computed once (views and factories ask per call)."""
     _default_order: bool = field(default=True, init=False, repr=False, compare=False)
-    strided: bool = field(default=False, init=False, repr=False, compare=False)
-    """Whether a placement is a StridedShard (no rule reads one: ``dispatch/strided.py``)."""
+    opaque: bool = field(default=False, init=False, repr=False, compare=False)
+    """Whether a placement is one the sharding rules do not read (dispatch gathers it first:
+    ``dispatch/opaque.py``)."""
+    planned: bool = field(default=True, init=False, repr=False, compare=False)
+    """Whether the collective planner moves every placement (else redistribution exchanges blocks)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "strided", has_strided(self.placements))
+        object.__setattr__(self, "opaque", not all(p.rules_read for p in self.placements))
+        object.__setattr__(self, "planned", all_planned(self.placements))
         object.__setattr__(self, "_hash", hash((self.mesh, self.placements, tuple(self.shape), self.stride, self.dtype,
                                                 self.shard_order)))
         object.__setattr__(self, "_default_order", self.shard_order == default_shard_order(self.placements))
@@ -70,7 +74,7 @@ class DTensorSpec:
         if not isinstance(mesh, DeviceMesh):
             raise TypeError(f"device_mesh must be a DeviceMesh, got {mesh!r}")
         shape = torch.Size(shape)
-        pl = normalize_placements(placements, len(shape), mesh.ndim)
+        pl = normalize_placements(placements, len(shape), mesh.ndim, mesh.shape)
         order = default_shard_order(pl) if shard_order is None else validate_shard_order(pl, shard_order)
         if stride is None:
             stride = contiguous_stride(shape)
@@ -131,7 +135,7 @@ def compute_local_shape_and_global_offset(global_shape: Sequence[int], mesh: Dev
     which reads only its own placement classes); a rank off the mesh gets ``((0,), ())``."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a shardtensor DeviceMesh, got {type(mesh).__name__}")
-    pl = normalize_placements(placements, len(global_shape), mesh.ndim)
+    pl = normalize_placements(placements, len(global_shape), mesh.ndim, mesh.shape)
     order = getattr(placements, "shard_order", None)
     shape, offset = local_shape_and_offset(tuple(global_shape), mesh.shape, mesh._coord, pl, order)
     return shape, (() if skip_offset else offset)

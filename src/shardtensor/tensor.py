@@ -17,11 +17,9 @@ from .compile import in_graph, keep_dynamo_out, metadata, stable_hash
 from .implicit import TORCH_FUNCTION_CODES
 from .mesh import DeviceMesh, resolve_mesh
 from .pieces import check_partial_dtype, check_pieces, check_shape, layout_stride, local_order
-from .placement import (OrderedPlacements, Partial, Placement, Replicate, Shard, StridedShard, chunk, display,
-                        normalize_placements, unpartial)
+from .placement import (ORDERED, OrderedPlacements, Partial, Placement, Replicate, display, normalize_placements,
+                        split_local, unpartial)
 from .redistribute import redistribute_local
-from .redistribute import strided
-from .redistribute.execute import partition
 from .redistribute.move import cross_target, relocate
 from .spec import DTensorSpec, interned
 from .submesh import empty_local
@@ -185,20 +183,27 @@ class DTensor(torch.Tensor):
             placements = [Replicate()] * device_mesh.ndim
         pl = normalize_placements(placements, local_tensor.ndim, device_mesh.ndim)
         check_partial_dtype(pl, local_tensor.dtype)
-        sharded = any(isinstance(p, (Shard, StridedShard)) for p in pl)
+        sharded = any(p.tensor_dim() is not None for p in pl)
         order = None  # the global dim order, from the pieces when they are gathered
         if shape is not None:
             shape = check_shape(shape, local_tensor)
         member = device_mesh.get_coordinate() is not None  # ranks outside the mesh take no part
-        gathered = member and (run_check or (run_check is None and shape is None and sharded))
+        g: list[int | None] = [int(n) for n in local_tensor.shape]  # (int(): symbolic sizes under torch.compile)
+        for j, p in enumerate(pl):  # the even assumption, where a placement can make it
+            d = p.tensor_dim()
+            if d is not None and g[d] is not None:
+                g[d] = p.global_length(g[d], device_mesh.size(j))  # type: ignore[arg-type]
+        guessed = None if any(n is None for n in g) else tuple(n for n in g if n is not None)
+        gathered = member and (run_check or (run_check is None and shape is None and sharded)
+                               or (shape is None and guessed is None))
         if gathered:
             shape, order = check_pieces(local_tensor, device_mesh, pl, shape)
-        elif shape is None:  # (int(): torch.compile may trace the piece with symbolic sizes; a guard per dim)
-            g = [int(n) for n in local_tensor.shape]
-            for j, p in enumerate(pl):
-                if isinstance(p, (Shard, StridedShard)):
-                    g[p.dim] *= device_mesh.size(j)
-            shape = tuple(g)
+        elif shape is None:
+            if guessed is None:
+                raise ValueError(f"from_local: placements {display(pl)} do not give the global shape from one piece; "
+                                 "pass shape=")
+            shape = guessed
+        assert shape is not None
         if stride is None:
             stride = layout_stride(shape, local_order(local_tensor) if order is None else order)
         spec = DTensorSpec.build(device_mesh, pl, shape, stride, local_tensor.dtype)
@@ -461,9 +466,8 @@ def _spread_from(t: torch.Tensor, spec: DTensorSpec, src: int, coord: list[int])
         if all(coord[k] == src for k in pending):
             t = comm.broadcast(t, src, mesh, j)
         p = spec.placements[j]
-        if isinstance(p, Shard):
-            n, o = chunk(t.shape[p.dim], mesh.shape[j], coord[j])
-            t = t.narrow(p.dim, o, n).contiguous()
+        if p.nests == ORDERED:
+            t = p.split_value(t, mesh.shape[j], coord[j]).contiguous()
     return t
 
 
@@ -486,33 +490,22 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
     if placements is None:
         placements = [Replicate()] * device_mesh.ndim
     spec = DTensorSpec.build(device_mesh, placements, tensor.shape, tensor.stride(), tensor.dtype)
-    packed = spec.strided
-    if packed:  # distributed as replicas on its StridedShard mesh dims, then packed (``redistribute/strided.py``)
-        spec, packed_spec = strided.plain(spec), spec
     if src_data_rank is not None and (not isinstance(src_data_rank, int) or isinstance(src_data_rank, bool)):
         raise TypeError(f"distribute_tensor: src_data_rank must be an int mesh coordinate or None, got {src_data_rank!r}")
     if src_data_rank is not None and not 0 <= src_data_rank < min(device_mesh.shape):
         raise ValueError(f"src_data_rank={src_data_rank} must be a coordinate in 0..{min(device_mesh.shape) - 1} "
                          f"on every dim of mesh shape {device_mesh.shape} (or None for no communication)")
     coord = device_mesh.get_coordinate()
-    local = tensor.detach()
     if coord is None:
-        local = empty_local(spec, local.device)
-    else:
+        local = empty_local(spec, tensor.device)
+    else:  # each placement splits the value (Partial: terms that reduce back to it exactly)
+        local = tensor.detach()
         if src_data_rank is None:
-            shape, offset = spec.local_shape_and_offset()
-            for d, (n, o) in enumerate(zip(shape, offset)):
-                if n != tensor.shape[d]:
-                    local = local.narrow(d, min(o, tensor.shape[d]), n)
+            local = split_local(local, device_mesh.shape, coord, spec.placements, spec.shard_order)
         else:
-            local = _spread_from(local.contiguous(), spec, src_data_rank, coord)
+            local = split_local(_spread_from(local.contiguous(), spec, src_data_rank, coord), device_mesh.shape,
+                                coord, spec.placements, spec.shard_order, ordered=False)
         local = local.clone(memory_format=torch.contiguous_format)
-        for j, p in enumerate(spec.placements):
-            if isinstance(p, Partial):  # terms that reduce back to the value exactly (see partition)
-                local = partition(local, p, device_mesh.shape[j], coord[j])
-    if packed:
-        spec = packed_spec
-        local = strided.pack(local, spec) if coord is not None else empty_local(spec, local.device)
     return DTensor(local, spec, requires_grad=tensor.requires_grad)
 
 

@@ -55,8 +55,8 @@ def pieces(x: Any) -> list[Piece]:
     out: list[Piece] = []
     for coord in itertools.product(*(range(k) for k in mesh.shape)):
         rank = int(mesh.mesh[coord])
-        if spec.strided:  # a packed layout: a piece per block
-            blocks = local_blocks(shape, mesh.shape, coord, spec.placements, spec.shard_order)
+        blocks = local_blocks(shape, mesh.shape, coord, spec.placements, spec.shard_order)
+        if len(blocks) > 1:  # a packed layout: a piece per block
             out.extend(Piece(rank, tuple(coord), s, o) for s, o, _ in blocks)
             continue
         s, o = local_shape_and_offset(shape, mesh.shape, coord, spec.placements, spec.shard_order)

@@ -212,8 +212,8 @@ def _decide(func: Any, args: tuple, kwargs: dict, key: tuple, writes: int, largs
     (``bindings.py``), else ``func``."""
     flat, treedef = flatten_call(args, kwargs)
     specs = [a._spec if type(a) is DTensor else None for a in flat]
-    if any(s is not None and s.strided for s in specs):
-        return None  # the full path's (``strided.py``)
+    if any(s is not None and s.opaque for s in specs):
+        return None  # the full path's (``opaque.py``)
     try:
         decision = propagate(func, flat, specs, treedef)
     except Exception:  # noqa: BLE001

@@ -4,7 +4,7 @@
 2. Else the **full path** chooses how the op runs (``_choose``, where only propagation runs): its
    rule's decision; a decomposition into ops that have rules (an op without a rule, or whose rule
    declines these placements and has ours: ``_fused_sgd_`` with misplaced momentum buffers); the
-   inputs' packed mesh dims gathered (``strided.py``); plain tensors as replicated values where
+   inputs' mesh dims no rule reads gathered (``opaque.py``); plain tensors as replicated values where
    ``implicit_replication`` allows them (an error naming the argument elsewhere); on replicated
    inputs (``fallback.py``: visible, exact, off under ``strict_sharding``).
 3. **Check** (``aliasing.check``) what the op will write, before anything runs.
@@ -38,7 +38,7 @@ from ..submesh import off_mesh_result
 from ..tensor import DTensor
 from .decompose import DECOMPOSITIONS, SELF_BECOMES, Gathered, find_decomposition
 from .fallback import check_plain, fallback_allowed, replicate_plain, run_replicated, whole_local, wrap_replicated
-from .strided import dispatch_packed
+from .opaque import dispatch_opaque
 from .hit import MISSING, NO_WRITES, WRITES_LIST, WRITES_SELF, finish, hit, keeps_placements
 
 __all__ = ["dispatch", "route"]
@@ -94,7 +94,7 @@ def _full(func, args: tuple, kwargs: dict, view: bool, writes: tuple) -> tuple[A
         return _direct(func, what, flat, specs, treedef, view, keep, not writes)
     if how is _DECOMPOSE:
         return _decompose(func, what, args, kwargs, view, writes)
-    out = (dispatch_packed(func, args, kwargs, flat, specs, treedef, _returns_self(func), dispatch)
+    out = (dispatch_opaque(func, args, kwargs, flat, specs, treedef, _returns_self(func), dispatch)
            if how is _PACKED else
            _dispatch_with_plain(func, flat, specs, treedef, what) if how is _PLAIN else
            run_per_mesh(func, args, kwargs, dispatch, DTensor) if how is _PER_MESH else
@@ -108,7 +108,7 @@ def _full(func, args: tuple, kwargs: dict, view: bool, writes: tuple) -> tuple[A
 _DIRECT, _DECOMPOSE, _PACKED, _PLAIN, _PER_MESH, _FALLBACK, _OFF_MESH = (
     "rule", "decomposition", "packed", "plain", "per mesh", "fallback", "off mesh")
 """How the full path runs an op: its rule's decision; a decomposition into ops that have rules;
-gathered from StridedShard (``strided.py``); with plain tensors as replicated values; per mesh
+gathered where no rule reads a placement (``opaque.py``); with plain tensors as replicated values; per mesh
 (list ops over tensors on several meshes, or over DTensors and plain tensors); on replicated
 inputs (``fallback.py``); on a rank outside the mesh (nothing runs)."""
 
@@ -123,7 +123,7 @@ def _scan(func, flat: list) -> tuple[list[DTensorSpec | None], list[int] | None,
     for i, a in enumerate(flat):
         if isinstance(a, DTensor):
             specs.append(a._spec)
-            packed = packed or a._spec.strided
+            packed = packed or a._spec.opaque
             if first is None:
                 first = a
         else:
@@ -139,7 +139,7 @@ def _choose(func, flat: list, specs: list, treedef, plain: list[int] | None, pac
             first: DTensor | None) -> tuple[str, Any]:
     """``(how, what)``: how the full path runs ``func`` (``_DIRECT`` ...) and with what (the
     decision, the decomposition, the plain positions)."""
-    if packed:  # no rule reads a StridedShard (``strided.py``)
+    if packed:  # a placement no rule reads (``opaque.py``)
         return _PACKED, None
     r = route(func)
     if isinstance(r, tuple):

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from ..mesh import DeviceMesh, joined_mesh
-from ..placement import Partial, Placement, Replicate, Shard, StridedShard, chunk, display
+from ..placement import LAST, Partial, Placement, Replicate, Shard, chunk, display
 from ..spec import DTensorSpec, contiguous_stride
 from ..tensor import DTensor
 
@@ -224,7 +224,7 @@ class FSDPParam:
     def _tp_placement(self, p: Placement) -> Placement:
         if isinstance(p, Partial):
             raise ValueError(f"fully_shard: parameter {self.fqn} cannot be {p!r} on the tp mesh dim")
-        if isinstance(p, StridedShard) and p.dim == 0:  # FSDP splits dim 0 of the packed pieces: no such layout
+        if p.nests == LAST and p.tensor_dim() == 0:  # FSDP splits dim 0 of the packed pieces: no such layout
             raise NotImplementedError(f"fully_shard: parameter {self.fqn} is packed on dim 0 ({p!r}) on the tp mesh "
                                       "dim; FSDP shards dim 0 too. Pack another dim, or redistribute it to Shard(0)")
         return p

@@ -129,8 +129,8 @@ def propagate(op, flat: list[Any], specs: list[DTensorSpec | None], treedef) -> 
     if d is not None:
         return d
     one_mesh(op, specs)
-    if any(s is not None and s.strided for s in specs):  # the dispatcher unpacks them first
-        raise PropagationError(f"shardtensor: no sharding rule reads a StridedShard ({op}, input placements: "
+    if any(s is not None and s.opaque for s in specs):  # the dispatcher gathers them first
+        raise PropagationError(f"shardtensor: no sharding rule reads these placements ({op}, input placements: "
                                f"{placements_text(specs)}); dispatch gathers its mesh dims first")
     rule = rule_for(op)
     if rule is None:

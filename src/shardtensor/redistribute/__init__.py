@@ -4,8 +4,9 @@
 ``flatten.py`` / ``exchange.py`` (collectives over several mesh dims) -> ``execute.py``.
 """
 from .cost import LinkModel, plan_cost
-from .execute import apply_step, redistribute_local
+from .execute import apply_step
 from .explain import Explanation, explain_redistribute, parse_placements
+from .move import redistribute_local
 from .planner import plan, plan_for
 from .steps import Step, transition_kind
 

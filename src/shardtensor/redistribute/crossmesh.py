@@ -31,8 +31,8 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Sequence
 
-from ..placement import (NormPartial, Partial, Placement, Replicate, Shard, ShardOrder, StridedShard, default_shard_order,
-                         display, local_blocks)
+from ..placement import (NormPartial, Partial, Placement, Replicate, Shard, ShardOrder, all_planned, default_shard_order,
+                         display, local_blocks, without)
 from .cost import DEFAULT_LINK, LinkModel, plan_cost
 from .exchange import overlap
 from .planner import plan
@@ -263,20 +263,19 @@ def _move_seconds(pieces: Sequence[Piece], itemsize: int, link: LinkModel) -> fl
 
 def _reductions(src: Side, ndim: int) -> list[tuple[tuple[Placement, ...], ShardOrder]]:
     """Candidate placements (and shard orders) that reduce the source's Partials on its own mesh:
-    Replicate (an all-reduce) keeping the source's order, or a Shard of one dim (a reduce-scatter)."""
+    Replicate (an all-reduce) keeping the source's order, or, where the planner moves every
+    placement of the source, a Shard of one dim (a reduce-scatter)."""
     out = [(tuple(Replicate() if isinstance(p, Partial) else p for p in src.placements), src.order)]
-    strided = {p.dim for p in src.placements if type(p) is StridedShard}
-    if src.order == default_shard_order(src.placements):
+    if all_planned(src.placements) and src.order == default_shard_order(src.placements):
         for d in range(ndim):
-            if d not in strided:
-                pl = tuple(Shard(d) if isinstance(p, Partial) else p for p in src.placements)
-                out.append((pl, default_shard_order(pl)))
+            pl = tuple(Shard(d) if isinstance(p, Partial) else p for p in src.placements)
+            out.append((pl, default_shard_order(pl)))
     return out
 
 
-def _plain(pl: Sequence[Placement]) -> tuple[Placement, ...]:
-    """Placements the collective planner prices (a StridedShard is priced as Replicate)."""
-    return tuple(Replicate() if type(p) is StridedShard else p for p in pl)
+def _plain(pl: Sequence[Placement], order: ShardOrder) -> tuple[tuple[Placement, ...], ShardOrder]:
+    """Placements the collective planner prices (one it does not move is priced as Replicate)."""
+    return without(pl, order, lambda p: not p.planned)
 
 
 @lru_cache(maxsize=1024)
@@ -300,7 +299,7 @@ def cross_plan(shape: tuple[int, ...], itemsize: int, src: Side, dst: Side) -> C
         best = (_move_seconds(pieces, itemsize, DEFAULT_LINK), cand.total_bytes, cand)
     for pre, order in _reductions(src, len(shape)):
         try:
-            steps = plan(_plain(src.placements), src.order, _plain(pre), order, shape, src.shape, itemsize)
+            steps = plan(*_plain(src.placements, src.order), *_plain(pre, order), shape, src.shape, itemsize)
         except ValueError:
             continue
         pieces, optimum = _pieces(shape, Side(src.ranks, src.shape, pre, order), dst, need, fills)

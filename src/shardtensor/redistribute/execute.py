@@ -15,7 +15,6 @@ from ..comm.base import Completed, Work
 from ..mesh import DeviceMesh
 from ..placement import NormPartial, Partial, Replicate, Shard, chunk, local_shape_and_offset
 from ..spec import same_local
-from . import strided
 from .exchange import blocks
 from .planner import plan_for
 from .steps import ExchangeStep, FlatStep, Step
@@ -188,7 +187,7 @@ def _apply(t: torch.Tensor, step: Step, global_shape, mesh: DeviceMesh, a: bool)
         recv = comm.all_to_all(blocks, mesh, j, a)
         return _then(recv, lambda r: _merge(r, ad).narrow(ad, 0, la).narrow(bd, 0, size_b), a)
     if isinstance(src, Replicate) and isinstance(dst, Partial):
-        return partition(t, dst, k, me)
+        return dst.split_value(t, k, me)
     if type(src) is Partial and type(dst) is Partial:
         if (src.reduce_op, dst.reduce_op) == ("sum", "avg"):
             return t * k
@@ -196,7 +195,7 @@ def _apply(t: torch.Tensor, step: Step, global_shape, mesh: DeviceMesh, a: bool)
             if t.is_floating_point() or t.is_complex():
                 return t / k
             # integer terms: a floor per term would not add up to the floor of the mean
-            return partition(comm.all_reduce(t, "avg", mesh, j), "sum", k, me)
+            return Partial("sum").split_value(comm.all_reduce(t, "avg", mesh, j), k, me)
     if isinstance(src, Shard) and isinstance(dst, Partial):
         raise RuntimeError(f"redistributing {src} to {dst} is not supported in the forward pass")
     raise NotImplementedError(f"no transition from {src} to {dst} on mesh dim {j}")
@@ -212,32 +211,9 @@ def _norm_pre(t: torch.Tensor, src: Partial):
     return t.to(wide).pow(p), lambda x: x.pow(1.0 / p).to(dtype)
 
 
-def partition(t: torch.Tensor, op: "str | Partial", k: int, me: int) -> torch.Tensor:
-    """Replicate -> Partial(op), locally: the ranks' terms reduce back to ``t``."""
-    if isinstance(op, NormPartial):
-        p = op.norm
-        if p == 0:
-            raise RuntimeError("Replicate -> NormPartial(0) is not defined (a count of non-zeros cannot be split)")
-        if p in (float("inf"), float("-inf")):
-            return t.clone()
-        return t / (k ** (1.0 / p))
-    if isinstance(op, Partial):
-        op = op.reduce_op
-    if op == "sum":
-        # exact for every dtype and k: the value on coordinate 0, the additive identity elsewhere
-        # (-0.0 for floats: -0.0 + x == x bit for bit, signed zeros included)
-        if me == 0:
-            return t.clone()
-        if t.is_complex():
-            return torch.full_like(t, complex(-0.0, -0.0))
-        return torch.full_like(t, -0.0) if t.is_floating_point() else torch.zeros_like(t)
-    if op == "product":
-        return t.clone() if me == 0 else torch.ones_like(t)
-    return t.clone()
-
-
-def redistribute_local(t: torch.Tensor, src_spec, dst_spec, async_op: bool = False) -> torch.Tensor:
-    """Move this rank's local tensor from ``src_spec`` to ``dst_spec`` (same mesh).
+def run_plan(t: torch.Tensor, src_spec, dst_spec, async_op: bool = False) -> torch.Tensor:
+    """Move this rank's local tensor from ``src_spec`` to ``dst_spec`` (same mesh) by the planner's
+    collectives (every placement of both is one the planner moves).
 
     ``async_op``: the last collective is left in flight and an ``AsyncLocalTensor`` returned
     (its shape is known; the first op on it waits).  Earlier steps feed the last one, so they
@@ -252,9 +228,6 @@ def redistribute_local(t: torch.Tensor, src_spec, dst_spec, async_op: bool = Fal
         return t
     if t.shape == src_spec.shape and same_local(src_spec, dst_spec.with_dtype(src_spec.dtype)):
         return t  # they differ only on mesh dims of one rank
-    if src_spec.strided or dst_spec.strided:  # packed layouts: ``strided.py``
-        t = redistribute_local(strided.unpack(t, src_spec), strided.plain(src_spec), strided.plain(dst_spec))
-        return laid_out(strided.pack(t, dst_spec), dst_spec.stride)
     for j, (a, b) in enumerate(zip(src_spec.placements, dst_spec.placements)):
         if isinstance(a, Shard) and isinstance(b, Partial) and mesh.shape[j] > 1:
             raise RuntimeError(f"redistributing {a} to {b} on mesh dim {j} is not supported in the forward pass")
@@ -270,6 +243,15 @@ def redistribute_local(t: torch.Tensor, src_spec, dst_spec, async_op: bool = Fal
         return AsyncLocalTensor(work, dst_spec.local_shape_and_offset()[0], t.dtype, t.device)
     for step in steps:
         t = _apply(t, step, src_spec.shape, mesh, False)
+    return laid_out(t, dst_spec.stride)
+
+
+def reduce_partials(t: torch.Tensor, src_spec, dst_spec) -> torch.Tensor:
+    """``dst_spec`` is ``src_spec`` with Partial mesh dims made Replicate: an all-reduce on each
+    (the other placements, whatever they are, stay as they are on every rank of its group)."""
+    for j, (a, b) in enumerate(zip(src_spec.placements, dst_spec.placements)):
+        if a != b:
+            t = _apply(t, Step(j, a, b, src_spec.placements, src_spec.shard_order), src_spec.shape, src_spec.mesh, False)
     return laid_out(t, dst_spec.stride)
 
 

@@ -22,9 +22,9 @@ from ..mesh import DeviceMesh
 from ..spec import DTensorSpec
 from ..submesh import empty_local
 from .crossmesh import CrossPlan, Piece, Side, cross_plan
-from .execute import laid_out, redistribute_local
+from .execute import laid_out, reduce_partials, run_plan
 
-__all__ = ["relocate", "move_locals", "plan_move", "cross_target", "BUCKET_BYTES"]
+__all__ = ["redistribute_local", "relocate", "move_locals", "plan_move", "cross_target", "BUCKET_BYTES"]
 
 BUCKET_BYTES = int(os.environ.get("SHARDTENSOR_MOVE_BUCKET_BYTES", str(64 << 20)))
 """The most bytes one bucket of a move carries over all ranks (each rank's extra memory is at most this)."""
@@ -58,6 +58,25 @@ def relocate(t: torch.Tensor, src: DTensorSpec, dst: DTensorSpec, async_op: bool
     """This rank's local tensor of ``dst`` from its local tensor of ``src`` (same mesh or not)."""
     if src.mesh == dst.mesh:
         return redistribute_local(t, src, dst, async_op)
+    return move_locals([t], [src], [dst])[0]
+
+
+def redistribute_local(t: torch.Tensor, src: DTensorSpec, dst: DTensorSpec, async_op: bool = False) -> torch.Tensor:
+    """This rank's local tensor of ``dst`` from its local tensor of ``src`` (one mesh): the
+    planner's collectives where it moves every placement of both (``execute.py``), else one
+    exchange of blocks in which each rank receives exactly what it lacks (``crossmesh.py``), after
+    all-reduces of the source's Partial mesh dims where the exchange's price says so."""
+    if src.planned and dst.planned:
+        return run_plan(t, src, dst, async_op)
+    if src.mesh != dst.mesh:
+        raise NotImplementedError(f"cross-mesh redistribution is not supported here: {src.mesh} -> {dst.mesh}")
+    if src.mesh.get_coordinate() is None:
+        return t
+    if src.placements == dst.placements and src.shard_order == dst.shard_order:
+        return t
+    if src.shard_order == dst.shard_order and all(
+            a == b or (a.is_partial() and b.is_replicate()) for a, b in zip(src.placements, dst.placements)):
+        return reduce_partials(t, src, dst)
     return move_locals([t], [src], [dst])[0]
 
 

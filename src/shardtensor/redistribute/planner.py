@@ -19,7 +19,7 @@ from functools import lru_cache, partial
 from typing import Sequence
 
 from ..observe import LISTENERS, note
-from ..placement import Placement, ShardOrder, has_strided
+from ..placement import Placement, ShardOrder, all_planned
 from .cost import LinkModel, normalize_links
 from .flatten import ceiling_applies, direct_elements, direct_plan, improve
 from .exchange import clear_caches as clear_exchange_caches
@@ -85,10 +85,10 @@ def _key(src, src_order, dst, dst_order, global_shape, mesh_shape, itemsize, lin
 
 def _normalized(src, src_order, dst, dst_order, global_shape, mesh_shape, links) -> _Args:
     """The arguments as the search takes them: tuples of ints, links per mesh dim, sorted orders."""
-    if has_strided(src) or has_strided(dst):  # ``strided.py`` unpacks them around the plan
-        raise NotImplementedError(f"plans are between Shard, Replicate and Partial, not StridedShard ({tuple(src)} -> "
-                                  f"{tuple(dst)}): redistribute gathers a StridedShard mesh dim (one all-gather) "
-                                  "before the plan and slices it after; explain the plan with Replicate there")
+    if not (all_planned(src) and all_planned(dst)):  # ``move.redistribute_local`` exchanges blocks instead
+        raise NotImplementedError(f"plans of collectives are between Shard, Replicate and Partial ({tuple(src)} -> "
+                                  f"{tuple(dst)}): a placement the planner does not move goes by an exchange of "
+                                  "blocks (shardtensor.redistribute.move.plan_move prints it)")
     mesh_shape = tuple(map(int, mesh_shape))
     return (mesh_shape, normalize_links(links, len(mesh_shape)), tuple(src), norm_order(src_order), tuple(dst),
             norm_order(dst_order), tuple(map(int, global_shape)))

@@ -260,12 +260,10 @@ def _partition_locally(have: DTensorSpec, want: DTensorSpec) -> tuple[DTensorSpe
 
 def _partitioner(parts: list[tuple[int, int, Placement]], mesh) -> Callable[[list], list]:
     def local_args(flat: list) -> list:
-        from ...redistribute.execute import partition
-
         coord = mesh.get_coordinate()
         flat = list(flat)
         for e, j, q in parts:
-            flat[e] = partition(flat[e], q, mesh.shape[j], coord[j])
+            flat[e] = q.split_value(flat[e], mesh.shape[j], coord[j])
         return flat
 
     return local_args

@@ -437,13 +437,11 @@ def copy_rule(call: Call) -> Decision:
         want = DTensorSpec.build(dst.mesh, need, src.shape, src.stride, src.dtype, order)
     local_args = None
     if parts:
-        from ...redistribute.execute import partition
-
         def local_args(flat: list) -> list:
             coord = dst.mesh.get_coordinate()
             t = flat[1]
             for j, op in parts:
-                t = partition(t, op, dst.mesh.shape[j], coord[j])
+                t = op.split_value(t, dst.mesh.shape[j], coord[j])
             return [flat[0], t, *flat[2:]]
 
     return finish(call, {} if want is None else {1: want}, dst, local_args=local_args)

@@ -232,7 +232,7 @@ def view_rule(call: Call) -> Decision:
         out_order[d0] = (keep[d0][0], keep[d0][1] + js1)
     out_spec = spec_of(call, out, out_pl, tuple(sorted([*out_order.values(), *split.values()])))
     copy = call.op is aten.view_copy.default
-    if any(isinstance(p, (Shard, StridedShard)) for p in out_spec.placements):
+    if any(p.tensor_dim() is not None for p in out_spec.placements):
         kernel = _local_reshape(out_spec, copy)
     else:
         kernel = _reshape_copy if copy else _reshape

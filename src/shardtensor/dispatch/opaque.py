@@ -1,10 +1,11 @@
-"""Ops on StridedShard (packed) inputs, which no sharding rule reads.
+"""Ops on inputs with a placement no sharding rule reads (``StridedShard``, ``RaggedShard``).
 
 An elementwise op whose tensor operands all hold one layout (position by position for the
-``_foreach_`` ops; 0-d replicated scalars aside) runs on the pieces as they are: a packed weight,
-its gradient and its optimizer state stay packed through a training step with no communication.
-Any other op runs on its inputs with their StridedShard mesh dims gathered, through the normal
-dispatch, and what it writes is packed back into the tensor it wrote: exact, never a guess.
+``_foreach_`` ops; 0-d replicated scalars aside) runs on the pieces as they are: a packed or
+ragged weight, its gradient and its optimizer state keep their layout through a training step
+with no communication.  Any other op runs on its inputs with those mesh dims gathered
+(``placement.rules_view``), through the normal dispatch, and what it writes is moved back into
+the tensor it wrote: exact, never a guess.
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from typing import Any, Callable
 import torch
 
 from ..propagation import unflatten_call
-from ..redistribute import redistribute_local, strided
+from ..placement import rules_view
+from ..redistribute import redistribute_local
 from ..spec import DTensorSpec
 from ..tensor import DTensor
 
@@ -85,8 +87,8 @@ def _wrap(out: Any, layouts: list[DTensorSpec]) -> Any:
     return out
 
 
-def dispatch_packed(func: Any, args: tuple, kwargs: dict, flat: list, specs: list, treedef, inplace: bool, redispatch: Callable[..., Any]) -> Any:
-    """``func`` with StridedShard inputs (see the module docstring); ``inplace``: it returns its self.
+def dispatch_opaque(func: Any, args: tuple, kwargs: dict, flat: list, specs: list, treedef, inplace: bool, redispatch: Callable[..., Any]) -> Any:
+    """``func`` with inputs the rules do not read (see the module docstring); ``inplace``: it returns its self.
     A view op's results are copies (of the gathered inputs): dispatch records them so."""
     if elementwise(func):
         layouts = _layouts(args, kwargs)
@@ -97,8 +99,9 @@ def dispatch_packed(func: Any, args: tuple, kwargs: dict, flat: list, specs: lis
             return args[0] if inplace else _wrap(out, layouts)
     plain, versions = list(flat), {}
     for i, (a, s) in enumerate(zip(flat, specs)):
-        if s is not None and s.strided:
-            plain[i] = DTensor(strided.unpack(a._local_tensor, s), strided.plain(s))
+        if s is not None and s.opaque:
+            read = s.with_placements(*rules_view(s.placements, s.shard_order))
+            plain[i] = DTensor(redistribute_local(a._local_tensor, s, read), read)
             versions[i] = plain[i]._local_tensor._version
     pargs, pkwargs = unflatten_call(plain, treedef)
     out = redispatch(func, pargs, pkwargs)

@@ -1,0 +1,29 @@
+"""Placements: how one mesh dimension holds a tensor, one module per placement.
+
+``base.py`` is the interface every placement answers (the library asks it, never its class);
+``layout.py`` the arithmetic of local shapes, offsets and blocks built on it.  ``PLACEMENTS``
+is the registry: the public placement classes, exported at the top level, known to pickling,
+torch.compile and the drop-in by this list.  A new placement is its module and one line here.
+"""
+from .base import LAST, ORDERED, Placement, chunk, chunk_sizes, unfake
+from .layout import (OrderedPlacements, ShardOrder, all_planned, compute_local_shape, default_shard_order, display,
+                     execution_order, local_blocks, local_shape_and_offset, normalize_placements, rules_view, split_local,
+                     unpartial, validate_shard_order, without)
+from .partial import REDUCE_OPS, NormPartial, Partial
+from .replicate import Replicate
+from .shard import Shard
+from .strided import StridedShard, strided_runs
+
+PLACEMENTS: tuple[type[Placement], ...] = (
+    Shard,
+    Replicate,
+    Partial,
+    StridedShard,
+)
+"""The public placement classes (``NormPartial`` is an internal Partial of norms)."""
+
+__all__ = ["Placement", "Shard", "Replicate", "Partial", "NormPartial", "StridedShard", "PLACEMENTS", "REDUCE_OPS",
+           "ORDERED", "LAST", "ShardOrder", "OrderedPlacements", "chunk", "chunk_sizes", "unfake", "unpartial",
+           "all_planned", "rules_view", "without", "normalize_placements", "default_shard_order", "validate_shard_order",
+           "execution_order", "split_local", "local_shape_and_offset", "local_blocks", "compute_local_shape", "display",
+           "strided_runs"]
