@@ -246,3 +246,13 @@ def test_a_drawing_shows_each_block_of_a_packed_tensor():
         return [(p.rank, p.shape, p.offset) for p in pieces(d)]
 
     assert run_spmd(rank, 2)[0] == [(0, (2, 4), (0, 0)), (0, (2, 4), (4, 0)), (1, (2, 4), (2, 0)), (1, (2, 4), (6, 0))]
+
+
+def test_shardtensor_plan_spells_it_and_prints_the_block_exchange(capsys):
+    from shardtensor.cli import main
+
+    assert main(["plan", "--mesh", "2,2", "--shape", "12,6", "--src", "SS(0,2),P", "--dst", "S1,R"]) == 0
+    assert main(["plan", "--mesh", "4", "--shape", "8", "--src", "StridedShard(dim=0,sf=2)", "--dst", "R"]) == 0
+    text = capsys.readouterr().out
+    assert "(SS(0,2), P(sum))" in text and "(SS(0,2))" in text
+    assert "total 96 B on the wire (= the lower bound" in text  # 8 floats, each rank lacks 6 of them

@@ -20,13 +20,12 @@ from .parallel import distribute_module
 from .transfer import WeightSync, transfer
 
 __all__ = [
-    "CommTrace", "DTensor", "DTensorSpec", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard", "StridedShard",
+    "CommTrace", "DTensor", "DTensorSpec", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard",
+    "StridedShard",
     "distribute_tensor", "explain_redistribute", "init_device_mesh", "run_spmd", "visualize_sharding",
     "MixedTensorError", "ShardingError", "errors", "implicit_replication", "strict_sharding",
 ]
 __all__ += ["distribute_module", "empty", "full", "ones", "rand", "randn", "zeros"]
-globals().update({cls.__name__: cls for cls in PLACEMENTS})  # every registered placement, like Shard
-__all__ += [cls.__name__ for cls in PLACEMENTS if cls.__name__ not in __all__]
 __all__ += ["MixedPrecisionPolicy", "fully_shard", "compute_local_shape_and_global_offset", "transfer",
             "WeightSync"]
 

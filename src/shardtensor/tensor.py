@@ -194,8 +194,8 @@ class DTensor(torch.Tensor):
             if d is not None and g[d] is not None:
                 g[d] = p.global_length(g[d], device_mesh.size(j))  # type: ignore[arg-type]
         guessed = None if any(n is None for n in g) else tuple(n for n in g if n is not None)
-        gathered = member and (run_check or (run_check is None and shape is None and sharded)
-                               or (shape is None and guessed is None))
+        gathered = member and (run_check or (run_check is None and (shape is None and sharded or guessed is None))
+                               or (shape is None and guessed is None))  # uneven by design: checked unless told not
         if gathered:
             shape, order = check_pieces(local_tensor, device_mesh, pl, shape)
         elif shape is None:

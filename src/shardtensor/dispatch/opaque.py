@@ -3,18 +3,21 @@
 An elementwise op whose tensor operands all hold one layout (position by position for the
 ``_foreach_`` ops; 0-d replicated scalars aside) runs on the pieces as they are: a packed or
 ragged weight, its gradient and its optimizer state keep their layout through a training step
-with no communication.  Any other op runs on its inputs with those mesh dims gathered
+with no communication.  A sum or a norm of every element (``clip_grad_norm_``'s ``_foreach_norm``)
+reduces each rank's pieces and is Partial over the mesh dims that split, again with no data
+moved.  Any other op runs on its inputs with those mesh dims gathered
 (``placement.rules_view``), through the normal dispatch, and what it writes is moved back into
 the tensor it wrote: exact, never a guess.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable
 
 import torch
 
 from ..propagation import unflatten_call
-from ..placement import rules_view
+from ..placement import NormPartial, Partial, Placement, Replicate, rules_view
 from ..redistribute import redistribute_local
 from ..spec import DTensorSpec
 from ..tensor import DTensor
@@ -87,9 +90,48 @@ def _wrap(out: Any, layouts: list[DTensorSpec]) -> Any:
     return out
 
 
+_WHOLE = {aten.sum.default: "sum", aten.linalg_vector_norm.default: "norm", aten._foreach_norm.Scalar: "norm"}
+
+
+def _whole_reduction(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A sum or norm over every element of inputs without Partials, as each rank's reduction of
+    its pieces, Partial (``NormPartial``) over the mesh dims that split them; NotImplemented where
+    it does not apply (a dim given, a Partial input, an infinite norm of an empty piece)."""
+    kind = _WHOLE.get(func)
+    if kind is None:
+        return NotImplemented
+    call = dict(zip(("self", "ord", "dim", "keepdim"), args), **kwargs)
+    if call.get("dim") is not None or call.get("keepdim"):
+        return NotImplemented
+    xs = call["self"] if isinstance(call["self"], (list, tuple)) else [call["self"]]
+    if not all(isinstance(x, DTensor) and not any(p.is_partial() for p in x._spec.placements) for x in xs):
+        return NotImplemented
+    order = float(call.get("ord", 2)) if kind == "norm" else None
+    if order in (float("inf"), float("-inf")) and any(_has_empty_piece(x._spec) for x in xs):
+        return NotImplemented
+    first = [x._local_tensor for x in xs] if isinstance(call["self"], (list, tuple)) else xs[0]._local_tensor
+    local = func(first, *args[1:], **kwargs)
+
+    def placed(t: torch.Tensor, spec: DTensorSpec) -> DTensor:
+        pl: list[Placement] = [Replicate() if p.tensor_dim() is None else NormPartial(order) if order is not None
+                               else Partial("sum") for p in spec.placements]
+        return DTensor(t, DTensorSpec.build(spec.mesh, pl, (), (), t.dtype))
+
+    if isinstance(local, (list, tuple)):
+        return type(local)(placed(t, x._spec) for t, x in zip(local, xs))
+    return placed(local, xs[0]._spec)
+
+
+def _has_empty_piece(spec: DTensorSpec) -> bool:
+    return any(0 in spec.local_shape_and_offset(c)[0] for c in itertools.product(*(range(k) for k in spec.mesh.shape)))
+
+
 def dispatch_opaque(func: Any, args: tuple, kwargs: dict, flat: list, specs: list, treedef, inplace: bool, redispatch: Callable[..., Any]) -> Any:
     """``func`` with inputs the rules do not read (see the module docstring); ``inplace``: it returns its self.
     A view op's results are copies (of the gathered inputs): dispatch records them so."""
+    whole = _whole_reduction(func, args, kwargs)
+    if whole is not NotImplemented:
+        return whole
     if elementwise(func):
         layouts = _layouts(args, kwargs)
         if layouts is not None:

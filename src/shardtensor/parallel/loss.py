@@ -55,7 +55,7 @@ def _cross_entropy(input: Any, target: Any, weight: Any = None, size_average: An
         return NotImplemented
     c = 1 if input.ndim >= 2 else 0
     class_dims = tuple(j for j, p in enumerate(input.placements) if isinstance(p, Shard) and p.dim == c)
-    if not class_dims or target.is_floating_point() or \
+    if not class_dims or input._spec.opaque or target.is_floating_point() or \
             tuple(target.shape) != tuple(input.shape[:c]) + tuple(input.shape[c + 1:]):
         mesh = input.device_mesh  # the ordinary path, with plain target and weight as replicated values
         target, weight = (distribute_tensor(a, mesh, [Replicate()] * mesh.ndim, src_data_rank=None)

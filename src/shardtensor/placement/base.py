@@ -73,6 +73,12 @@ class Placement:
         a view of ``t``)."""
         return t
 
+    @classmethod
+    def from_text(cls, text: str) -> "Placement | None":
+        """The placement spelled ``text`` (lower case, no spaces) in ``shardtensor plan``'s
+        placements, or None when it is not this class's spelling (R, S and P are built in)."""
+        return None
+
     def local_grad(self) -> "Placement":
         """The placement of the gradient a rank's local tensor receives (``to_local``'s backward
         default): where each rank's local gradient is dL/d(its local tensor), the placement that

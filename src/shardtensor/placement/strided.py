@@ -7,6 +7,7 @@ planner does not move it (a redistribution exchanges blocks: each rank receives 
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,11 @@ class StridedShard(Placement):
 
     def split_value(self, t: torch.Tensor, k: int, r: int) -> torch.Tensor:
         return narrow_runs(t, self.dim, self.pieces(t.shape[self.dim], k, r))
+
+    @classmethod
+    def from_text(cls, text: str) -> Placement | None:
+        m = re.fullmatch(r"(?:ss|stridedshard)\((?:dim=)?(-?\d+),(?:split_factor=|sf=)?(\d+)\)", text)
+        return None if m is None else cls(int(m.group(1)), int(m.group(2)))
 
     def __repr__(self) -> str:
         return f"StridedShard(dim={self.dim}, split_factor={self.split_factor})"

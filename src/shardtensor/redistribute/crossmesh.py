@@ -32,7 +32,7 @@ from functools import lru_cache
 from typing import Sequence
 
 from ..placement import (NormPartial, Partial, Placement, Replicate, Shard, ShardOrder, all_planned, default_shard_order,
-                         display, local_blocks, without)
+                         display, local_blocks, local_shape_and_offset)
 from .cost import DEFAULT_LINK, LinkModel, plan_cost
 from .exchange import overlap
 from .planner import plan
@@ -273,43 +273,64 @@ def _reductions(src: Side, ndim: int) -> list[tuple[tuple[Placement, ...], Shard
     return out
 
 
-def _plain(pl: Sequence[Placement], order: ShardOrder) -> tuple[tuple[Placement, ...], ShardOrder]:
-    """Placements the collective planner prices (one it does not move is priced as Replicate)."""
-    return without(pl, order, lambda p: not p.planned)
-
-
 @lru_cache(maxsize=1024)
 def cross_plan(shape: tuple[int, ...], itemsize: int, src: Side, dst: Side) -> CrossPlan:
     """The plan of a move (cached): pieces, the pre-reduction of Partial sources, fills.
 
     A Partial source is either reduced on its mesh first (to Replicate or a Shard) or its terms
-    are sent and combined by the receivers: whichever the alpha-beta model prices cheapest."""
+    are sent and combined by the receivers: whichever the alpha-beta model prices cheapest, or on
+    one mesh (a redistribution), whichever moves the fewest bytes to the busiest rank."""
     dst_pl, fills = _identity_fill(dst)
     need, fill = _blocks(shape, dst, dst_pl), tuple(sorted(fills.items()))
     ops = {p.reduce_op for p in src.placements if isinstance(p, Partial)}
     if not ops:
         pieces, optimum = _pieces(shape, src, dst, need, fills)
         return CrossPlan(shape, itemsize, src, dst, None, (), tuple(pieces), fill, optimum * itemsize)
-    best: tuple[float, int, CrossPlan] | None = None
+    same = src.ranks == dst.ranks and src.shape == dst.shape  # a redistribution on one mesh: fewest bytes first
+    best: tuple[float, float, CrossPlan] | None = None
     if len(ops) == 1 and not any(isinstance(p, NormPartial) for p in src.placements):
         pieces, optimum = _pieces(shape, src, dst, need, fills)
         terms = math.prod(n for n, p in zip(src.shape, src.placements) if isinstance(p, Partial))
         cand = CrossPlan(shape, itemsize, src, dst, None, (), tuple(pieces), fill, optimum * itemsize,
                          next(iter(ops)), terms)
-        best = (_move_seconds(pieces, itemsize, DEFAULT_LINK), cand.total_bytes, cand)
+        seconds = _move_seconds(pieces, itemsize, DEFAULT_LINK)
+        best = (_busiest(cand), seconds, cand) if same else (seconds, cand.total_bytes, cand)
     for pre, order in _reductions(src, len(shape)):
         try:
-            steps = plan(*_plain(src.placements, src.order), *_plain(pre, order), shape, src.shape, itemsize)
+            cost = _reduce_cost(src, pre, order, shape, itemsize)
         except ValueError:
             continue
         pieces, optimum = _pieces(shape, Side(src.ranks, src.shape, pre, order), dst, need, fills)
-        cost = plan_cost(steps, shape, src.shape, itemsize)
         cand = CrossPlan(shape, itemsize, src, dst, pre, order, tuple(pieces), fill, optimum * itemsize)
-        key = (cost[1] + _move_seconds(pieces, itemsize, DEFAULT_LINK), cand.total_bytes)
+        seconds = cost[1] + _move_seconds(pieces, itemsize, DEFAULT_LINK)
+        key = (cost[0] + _busiest(cand), seconds) if same else (seconds, cand.total_bytes)
         if best is None or key < best[:2]:
             best = (*key, cand)
     assert best is not None  # Replicate is always a valid reduction
     return best[2]
+
+
+def _busiest(p: CrossPlan) -> int:
+    """The most bytes any rank receives in the point-to-point stage."""
+    return max((p.received(r) for r in p.dst.ranks), default=0)
+
+
+def _reduce_cost(src: Side, pre: tuple[Placement, ...], order: ShardOrder, shape: tuple[int, ...],
+                 itemsize: int) -> tuple[float, float]:
+    """``(bytes per rank, seconds)`` of reducing the source's Partials to ``pre`` on its mesh: the
+    planner's price where it moves every placement, else an all-reduce of each Partial mesh dim
+    on the busiest rank's local tensor (the other placements stay as they are)."""
+    if all_planned(src.placements):
+        steps = plan(src.placements, src.order, pre, order, shape, src.shape, itemsize)
+        return plan_cost(steps, shape, src.shape, itemsize)
+    numel = max(math.prod(local_shape_and_offset(shape, src.shape, c, pre, order)[0]) for c in src.coords().values())
+    total = seconds = 0.0
+    for k, p in zip(src.shape, src.placements):
+        if p.is_partial() and k > 1:
+            b = 2 * (k - 1) * numel * itemsize / k
+            total += b
+            seconds += DEFAULT_LINK.launch + 2 * (k - 1) * DEFAULT_LINK.alpha + DEFAULT_LINK.beta * b
+    return total, seconds
 
 
 def clear_cache() -> None:

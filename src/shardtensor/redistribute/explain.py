@@ -40,7 +40,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..placement import Partial, Placement, Replicate, Shard, ShardOrder, display
+from ..placement import Partial, Placement, Replicate, Shard, ShardOrder, all_planned, display
 from .cost import LinkModel, logical_shape, normalize_links, step_comm, step_link
 from .drawing import draw_plan
 from .explain_move import MoveExplanation, explain_move
@@ -326,7 +326,9 @@ def explain_redistribute(mesh_shape: Sequence[int], shape: Sequence[int], src, d
     Raises ``ValueError``/``TypeError`` with a message on bad input.  No processes or data.
 
     ``dst_mesh`` (a mesh shape; with ``src_ranks``/``dst_ranks``, default ``0..n-1``) explains a
-    move to another mesh instead: a ``MoveExplanation`` of its point-to-point transfers.
+    move to another mesh instead: a ``MoveExplanation`` of its point-to-point transfers; so is a
+    redistribution to or from a placement the planner does not move (``StridedShard``,
+    ``RaggedShard``: one exchange of blocks).
     """
     if dst_mesh is not None or src_ranks is not None or dst_ranks is not None:
         return explain_move(mesh_shape, shape, src, mesh_shape if dst_mesh is None else dst_mesh, dst,
@@ -341,6 +343,9 @@ def explain_redistribute(mesh_shape: Sequence[int], shape: Sequence[int], src, d
     m, n = len(mesh_shape), len(shape)
     src_pl, s_order = resolve_spec("source", src, src_order, m, n)
     dst_pl, d_order = resolve_spec("target", dst, dst_order, m, n)
+    if not (all_planned(src_pl) and all_planned(dst_pl)):  # an exchange of blocks, as redistribute runs it
+        return explain_move(mesh_shape, shape, src_pl, mesh_shape, dst_pl, dtype=dt, src_order=s_order,
+                            dst_order=d_order)
     lk = normalize_links(links, m)
     steps = plan(src_pl, s_order, dst_pl, d_order, shape, mesh_shape, itemsize, None if links is None else lk)
 

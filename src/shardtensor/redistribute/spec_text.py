@@ -9,7 +9,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..placement import (Partial, Placement, Replicate, Shard, ShardOrder, default_shard_order,
+from ..placement import (PLACEMENTS, Partial, Placement, Replicate, Shard, ShardOrder, default_shard_order,
                          normalize_placements, validate_shard_order, REDUCE_OPS)
 
 __all__ = ["int_tuple", "parse_dtype", "parse_spec", "parse_placements", "parse_shard_order", "resolve_spec", "format_bytes",
@@ -130,9 +130,13 @@ def parse_spec(text: str, mesh_ndim: int) -> tuple[tuple[Placement, ...], dict[i
     for j, tok in enumerate(tokens):
         m = _TOKEN.match(tok.lower())
         if m is None:
-            raise ValueError(f"cannot parse placement {tok!r} (mesh dim {j}) in {text!r}; use R, S<d> / S(<d>), "
-                             f"P / P(<op>) with op in {', '.join(REDUCE_OPS)}")
-        if m.group("r"):
+            other = next((p for cls in PLACEMENTS if (p := cls.from_text(tok.lower())) is not None), None)
+            if other is None:
+                raise ValueError(f"cannot parse placement {tok!r} (mesh dim {j}) in {text!r}; use R, S<d> / S(<d>), "
+                                 f"P / P(<op>) with op in {', '.join(REDUCE_OPS)}, SS(<d>,<split factor>) or "
+                                 "RS(<d>,<unit>:<unit>:...)")
+            out.append(other)
+        elif m.group("r"):
             out.append(Replicate())
         elif m.group("p"):
             out.append(Partial(m.group("op") or "sum"))
