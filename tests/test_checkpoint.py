@@ -14,7 +14,7 @@ import torch
 
 from distributed import gloo_available, run_multiprocess  # noqa: E402
 
-from shardtensor import (DTensor, Partial, Replicate, Shard, StridedShard, distribute_tensor,  # noqa: E402
+from shardtensor import (DTensor, Partial, RaggedShard, Replicate, Shard, StridedShard, distribute_tensor,  # noqa: E402
                          init_device_mesh, run_spmd)
 
 WORLD = 4
@@ -37,6 +37,8 @@ LAYOUTS = {
     "(R,S0) on (2,2)": ((2, 2), [Replicate(), Shard(0)], None),
     "SS0 packed on (4,)": ((4,), [StridedShard(0, 2)], None),   # several blocks per rank
     "(S1,SS0) on (2,2)": ((2, 2), [Shard(1), StridedShard(0, 3)], None),
+    "RS0 on (4,)": ((4,), [RaggedShard(0, (3, 0, 1, 2))], None),   # uneven by choice, an empty piece
+    "(RS1,S0) on (2,2)": ((2, 2), [RaggedShard(1, (1, 3)), Shard(0)], None),
 }
 
 
@@ -49,7 +51,7 @@ def _value(name: str) -> torch.Tensor:
 
 def _placements(layout: str, ndim: int):
     mesh_shape, pl, order = LAYOUTS[layout]
-    pl = [Replicate() if isinstance(p, (Shard, StridedShard)) and p.dim >= ndim else p for p in pl]
+    pl = [Replicate() if (p.tensor_dim() or 0) >= ndim else p for p in pl]
     if order is not None and not all(isinstance(p, Shard) and p.dim == 0 for p in pl):
         order = None
     return mesh_shape, pl, order
@@ -91,7 +93,8 @@ def _dcp_round_trip(rank: int, world: int, path: str, save_layout: str, load_lay
 
 PAIRS = [("S0 on (4,)", "(S0,S1) on (2,2)"), ("(S0,S0) tp-first on (2,2)", "S1 on (4,)"),
          ("R on (4,)", "(S0,S0) tp-first on (2,2)"), ("(R,S0) on (2,2)", "R on (4,)"),
-         ("SS0 packed on (4,)", "(S1,SS0) on (2,2)"), ("(S1,SS0) on (2,2)", "S0 on (4,)")]
+         ("SS0 packed on (4,)", "(S1,SS0) on (2,2)"), ("(S1,SS0) on (2,2)", "S0 on (4,)"),
+         ("RS0 on (4,)", "(S0,S1) on (2,2)"), ("S0 on (4,)", "RS0 on (4,)"), ("(RS1,S0) on (2,2)", "RS0 on (4,)")]
 
 
 @pytest.mark.skipif(not gloo_available(), reason="needs gloo")

@@ -2,7 +2,7 @@
 from .version import __version__
 from .comm import run_spmd
 from .mesh import DeviceMesh, init_device_mesh
-from .placement import PLACEMENTS, Partial, Placement, Replicate, Shard, StridedShard
+from .placement import PLACEMENTS, Partial, Placement, RaggedShard, Replicate, Shard, StridedShard
 from .spec import DTensorSpec, compute_local_shape_and_global_offset
 from .tensor import DTensor, distribute_tensor
 from .factories import empty, full, ones, rand, randn, zeros
@@ -20,7 +20,7 @@ from .parallel import distribute_module
 from .transfer import WeightSync, transfer
 
 __all__ = [
-    "CommTrace", "DTensor", "DTensorSpec", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard",
+    "CommTrace", "DTensor", "DTensorSpec", "DeviceMesh", "Partial", "Placement", "RaggedShard", "Replicate", "Shard",
     "StridedShard",
     "distribute_tensor", "explain_redistribute", "init_device_mesh", "run_spmd", "visualize_sharding",
     "MixedTensorError", "ShardingError", "errors", "implicit_replication", "strict_sharding",

@@ -12,6 +12,7 @@ from .layout import (OrderedPlacements, ShardOrder, all_planned, compute_local_s
 from .partial import REDUCE_OPS, NormPartial, Partial
 from .replicate import Replicate
 from .shard import Shard
+from .ragged import RaggedShard
 from .strided import StridedShard, strided_runs
 
 PLACEMENTS: tuple[type[Placement], ...] = tuple(  # (a slotted dataclass leaves its first class among the subclasses)
