@@ -322,3 +322,20 @@ def test_sums_and_norms_of_every_element_move_no_data(ord):
             assert fn == pytest.approx([want_n, float(torch.linalg.vector_norm(x * 2, ord))])
             if units == (2, 1) or ord not in (float("inf"), float("-inf")):
                 assert moved == 0
+
+
+def test_gradients_flow_back_through_a_redistribution():
+    x = torch.randn(11, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    w = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    ref = x.clone().requires_grad_()
+    (ref.sin() @ w).square().sum().backward()
+
+    def rank():
+        mesh = init_device_mesh("cpu", (2, 2))
+        pl = [RaggedShard(0, (3, 1)), RaggedShard(0, (1, 2))]
+        d = distribute_tensor(x, mesh, pl).requires_grad_()
+        y = d.sin().redistribute(mesh, [Shard(0), Replicate()]) @ distribute_tensor(w, mesh, [Replicate()] * 2)
+        y.square().sum().backward()
+        return d.grad.placements == tuple(pl), torch.allclose(d.grad.full_tensor(), ref.grad)
+
+    assert run_spmd(rank, 4) == [(True, True)] * 4

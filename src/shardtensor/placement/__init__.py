@@ -8,7 +8,7 @@ and torch.compile by this list.  A new placement is its module and its import li
 from .base import LAST, ORDERED, Placement, chunk, chunk_sizes, unfake
 from .layout import (OrderedPlacements, ShardOrder, all_planned, compute_local_shape, default_shard_order, display,
                      execution_order, local_blocks, local_shape_and_offset, normalize_placements, rules_view, split_local,
-                     unpartial, validate_shard_order, without)
+                     unpartial, validate_shard_order)
 from .partial import REDUCE_OPS, NormPartial, Partial
 from .replicate import Replicate
 from .shard import Shard
@@ -22,6 +22,6 @@ internal Partial of norms, not a direct subclass)."""
 
 __all__ = [cls.__name__ for cls in PLACEMENTS] + ["Placement", "NormPartial", "PLACEMENTS", "REDUCE_OPS",
            "ORDERED", "LAST", "ShardOrder", "OrderedPlacements", "chunk", "chunk_sizes", "unfake", "unpartial",
-           "all_planned", "rules_view", "without", "normalize_placements", "default_shard_order", "validate_shard_order",
+           "all_planned", "rules_view", "normalize_placements", "default_shard_order", "validate_shard_order",
            "execution_order", "split_local", "local_shape_and_offset", "local_blocks", "compute_local_shape", "display",
            "strided_runs"]

@@ -26,18 +26,12 @@ def all_planned(placements: Sequence[Placement]) -> bool:
     return all(p.planned for p in placements)
 
 
-def without(placements: Sequence[Placement], order: ShardOrder, drop) -> tuple[tuple[Placement, ...], ShardOrder]:
-    """The placements with every ``p`` where ``drop(p)`` replaced by ``Replicate``, and the shard
-    order without their mesh dims (``rules_view``, and the planner's view of a block move)."""
-    pl = tuple(Replicate() if drop(p) else p for p in placements)
-    kept = tuple((d, js2) for d, js in order if (js2 := tuple(j for j in js if pl[j].nests == ORDERED)))
-    return pl, kept
-
-
 def rules_view(placements: Sequence[Placement], order: ShardOrder) -> tuple[tuple[Placement, ...], ShardOrder]:
     """What dispatch gathers an input to before a rule reads it: every placement the sharding
-    rules do not read made ``Replicate``."""
-    return without(placements, order, lambda p: not p.rules_read)
+    rules do not read made ``Replicate``, and the shard order without its mesh dims."""
+    pl = tuple(p if p.rules_read else Replicate() for p in placements)
+    kept = tuple((d, js2) for d, js in order if (js2 := tuple(j for j in js if pl[j].nests == ORDERED)))
+    return pl, kept
 
 
 def normalize_placements(placements: Sequence[Placement], ndim: int, mesh_ndim: int,

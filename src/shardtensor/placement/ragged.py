@@ -84,11 +84,6 @@ class RaggedShard(Placement):
                          text)
         return None if m is None else cls(int(m.group(1)), [int(u) for u in re.split(r"[:,]", m.group(2))])
 
-    @classmethod
-    def by_sizes(cls, dim: int, sizes: Sequence[int]) -> "RaggedShard":
-        """The ragged shard whose pieces of a dim of ``sum(sizes)`` are exactly ``sizes``."""
-        return cls(dim, list(sizes))
-
     def __repr__(self) -> str:
         return f"RaggedShard(dim={self.dim}, local_units={self.local_units})"
 

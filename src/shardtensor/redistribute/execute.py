@@ -13,7 +13,7 @@ from .. import comm
 from ..async_tensor import AsyncLocalTensor
 from ..comm.base import Completed, Work
 from ..mesh import DeviceMesh
-from ..placement import NormPartial, Partial, Replicate, Shard, chunk, local_shape_and_offset
+from ..placement import Partial, Replicate, Shard, chunk, local_shape_and_offset
 from ..spec import same_local
 from .exchange import blocks
 from .planner import plan_for

@@ -1,7 +1,8 @@
-"""Running cross-mesh plans: many tensors, one bucketed point-to-point exchange.
+"""Running point-to-point plans: many tensors, one bucketed exchange.
 
-``relocate`` is what ``DTensor.redistribute`` runs: on one mesh the collective plan
-(``execute.py``), between two meshes the point-to-point plan (``crossmesh.py``).  A move of
+``relocate`` is what ``DTensor.redistribute`` runs: on one mesh ``redistribute_local`` (the
+collective plan of ``execute.py`` where the planner moves every placement of both specs, else
+the exchange of blocks of ``crossmesh.py``), between two meshes the point-to-point plan.  A move of
 several tensors (``move_locals``, behind ``shardtensor.transfer``) lays every tensor's pieces
 end to end in plan order and cuts that list into buckets of at most ``bucket_bytes``: per
 bucket, each pair of ranks exchanges one message (the pieces' bytes packed, widest dtype
