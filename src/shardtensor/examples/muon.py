@@ -15,14 +15,13 @@ against the same training on one device.
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from shardtensor import DTensor, RaggedShard, comm, fully_shard, init_device_mesh
-from shardtensor.examples.spawn import spawn_gloo
+from shardtensor.examples.spawn import run_example
 
 WORLD = 4
 
@@ -140,25 +139,9 @@ def report(rows: list[dict[str, Any]], world: str) -> bool:
     return ok
 
 
-def _gloo_rank(rank: int, steps: int) -> dict[str, Any]:
-    return run_rank(steps)
-
-
 def main(backend: str = "sim", steps: int = 3) -> int:
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            dist.init_process_group("gloo")
-        row = run_rank(steps)
-        rows: list = [None] * dist.get_world_size()
-        dist.all_gather_object(rows, row)
-        ok = report(rows, "torchrun, gloo") if dist.get_rank() == 0 else True
-        dist.destroy_process_group()
-        return 0 if ok else 1
-    if backend == "gloo":
-        return 0 if report(spawn_gloo(_gloo_rank, WORLD, (steps,)), f"{WORLD} gloo processes") else 1
-    return 0 if report(comm.run_spmd(run_rank, WORLD, steps), "simulated world") else 1
+    """Exit code 0 when every weight equals one device's and the bytes are the lower bound."""
+    return run_example("muon", run_rank, report, WORLD, backend, (steps,))
 
 
 if __name__ == "__main__":

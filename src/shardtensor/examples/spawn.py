@@ -8,7 +8,9 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["spawn_gloo"]
+from .. import comm
+
+__all__ = ["spawn_gloo", "run_example"]
 
 
 def _rank(rank: int, world: int, port: int, target: Callable[..., Any], args: tuple, q: Any) -> None:
@@ -51,3 +53,29 @@ def spawn_gloo(target: Callable[..., Any], world: int, args: tuple = (), timeout
             if p.is_alive():
                 p.kill()
     return [out[r] for r in range(world)]
+
+
+def _call(rank: int, fn: Callable[..., Any], args: tuple) -> Any:
+    return fn(*args)
+
+
+def run_example(name: str, run_rank: Callable[..., Any], report: Callable[[list, str], bool], world: int,
+                backend: str, args: tuple = (), timeout: float | None = None) -> int:
+    """An example's ``main`` (exit code 0 when ``report`` says so): under torchrun (``RANK`` and
+    ``WORLD_SIZE`` set) each process runs ``run_rank(*args)`` and rank 0 reports every rank's
+    result; ``backend="gloo"`` spawns ``world`` gloo processes; else the simulated world."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        if dist.get_world_size() != world:
+            raise SystemExit(f"{name} runs on {world} ranks: torchrun --nproc-per-node {world}")
+        rows: list = [None] * world
+        dist.all_gather_object(rows, run_rank(*args))
+        ok = report(rows, "torchrun, gloo") if dist.get_rank() == 0 else True
+        dist.destroy_process_group()
+        return 0 if ok else 1
+    if backend == "gloo":
+        return 0 if report(spawn_gloo(_call, world, (run_rank, args)), f"{world} gloo processes") else 1
+    return 0 if report(comm.run_spmd(run_rank, world, *args, timeout=timeout), "simulated world") else 1

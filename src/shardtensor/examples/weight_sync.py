@@ -21,7 +21,6 @@ by its first rank: the check, not the sync).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from typing import Any
@@ -30,7 +29,7 @@ import torch
 
 from shardtensor import DeviceMesh, DTensor, Placement, Replicate, Shard, WeightSync, comm, distribute_tensor
 from shardtensor.examples import tiny_lm
-from shardtensor.examples.spawn import spawn_gloo
+from shardtensor.examples.spawn import run_example
 
 WORLD = 8
 TRAINER, FAR, NEAR = [[0, 1], [2, 3]], [4, 5, 6, 7], [[0, 2], [1, 3]]
@@ -132,28 +131,9 @@ def report(per_rank: list[list[dict[str, Any]]], world: str) -> bool:
     return ok
 
 
-def _gloo_sync(rank: int, steps: int) -> list[dict[str, Any]]:
-    return run_rank(steps)
-
-
 def main(backend: str = "sim", steps: int = 3) -> int:
     """Exit code 0 when every inference weight was exact after every step."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            dist.init_process_group("gloo")
-        if dist.get_world_size() != WORLD:
-            raise SystemExit(f"weight_sync runs on {WORLD} ranks: torchrun --nproc-per-node {WORLD}")
-        rows = run_rank(steps)
-        gathered: list = [None] * WORLD
-        dist.all_gather_object(gathered, rows)
-        ok = report(gathered, "torchrun, gloo") if dist.get_rank() == 0 else True
-        dist.destroy_process_group()
-        return 0 if ok else 1
-    if backend == "gloo":
-        return 0 if report(spawn_gloo(_gloo_sync, WORLD, (steps,)), f"{WORLD} gloo processes") else 1
-    return 0 if report(comm.run_spmd(run_rank, WORLD, steps, timeout=600), "simulated world") else 1
+    return run_example("weight_sync", run_rank, report, WORLD, backend, (steps,), timeout=600)
 
 
 if __name__ == "__main__":

@@ -70,8 +70,9 @@ class Placement:
 
     def split_value(self, t: torch.Tensor, k: int, r: int) -> torch.Tensor:
         """Rank ``r`` of ``k``'s local tensor from ``t``, the value its mesh dim holds whole (may be
-        a view of ``t``)."""
-        return t
+        a view of ``t``): its ``pieces`` of its tensor dim laid end to end, or ``t`` whole."""
+        d = self.tensor_dim()
+        return t if d is None else narrow_runs(t, d, self.pieces(t.shape[d], k, r))
 
     @classmethod
     def from_text(cls, text: str) -> "Placement | None":

@@ -19,8 +19,6 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import torch
-
 from .base import ORDERED, Placement, check_int, wrap_dim
 
 
@@ -53,11 +51,14 @@ class RaggedShard(Placement):
         return self.dim
 
     def pieces(self, length: int, k: int, r: int) -> list[tuple[int, int]]:
-        if k != len(self.local_units):
-            raise ValueError(f"{self!r} gives {len(self.local_units)} pieces but its mesh dim has {k} ranks; "
-                             "give one local unit per rank")
+        self._check_ranks(k)
         lo, hi = self.bounds(length)[r:r + 2]
         return [(hi - lo, lo)]
+
+    def _check_ranks(self, k: int) -> None:
+        if k != len(self.local_units):
+            raise ValueError(f"{self!r} gives {len(self.local_units)} pieces for a mesh dim of {k} ranks; "
+                             "give one local unit per rank")
 
     def bounds(self, length: int) -> list[int]:
         """The ``k + 1`` boundaries of the pieces of a dim of ``length``."""
@@ -65,15 +66,10 @@ class RaggedShard(Placement):
         return [length * c // total for c in itertools.accumulate(self.local_units, initial=0)]
 
     def normalized(self, ndim: int, mesh_size: int | None = None) -> Placement:
-        if mesh_size is not None and mesh_size != len(self.local_units):
-            raise ValueError(f"{self!r} gives {len(self.local_units)} pieces for a mesh dim of {mesh_size} ranks; "
-                             "give one local unit per rank")
+        if mesh_size is not None:
+            self._check_ranks(mesh_size)
         d = wrap_dim(self, self.dim, ndim)
         return self if d == self.dim else RaggedShard(d, self.local_units)
-
-    def split_value(self, t: torch.Tensor, k: int, r: int) -> torch.Tensor:
-        [(size, off)] = self.pieces(t.shape[self.dim], k, r)
-        return t.narrow(self.dim, off, size)
 
     def global_length(self, local_length: int, k: int) -> int | None:
         return None  # one piece does not give the others: from_local gathers the sizes or takes shape=

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from .base import ORDERED, Placement, check_int, chunk, wrap_dim
 
 
@@ -32,10 +30,6 @@ class Shard(Placement):
     def normalized(self, ndim: int, mesh_size: int | None = None) -> Placement:
         d = wrap_dim(self, self.dim, ndim)
         return self if d == self.dim else Shard(d)
-
-    def split_value(self, t: torch.Tensor, k: int, r: int) -> torch.Tensor:
-        size, off = chunk(t.shape[self.dim], k, r)
-        return t.narrow(self.dim, off, size)
 
     @staticmethod
     def local_shard_size_and_offset(curr_local_size: int, num_chunks: int, rank: int) -> tuple[int, int]:

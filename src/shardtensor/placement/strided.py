@@ -10,9 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-import torch
-
-from .base import LAST, Placement, check_int, chunk, narrow_runs, wrap_dim
+from .base import LAST, Placement, check_int, chunk, wrap_dim
 from .shard import Shard
 
 
@@ -60,9 +58,6 @@ class StridedShard(Placement):
         if self.split_factor == 1:
             return Shard(d)
         return self if d == self.dim else StridedShard(d, self.split_factor)
-
-    def split_value(self, t: torch.Tensor, k: int, r: int) -> torch.Tensor:
-        return narrow_runs(t, self.dim, self.pieces(t.shape[self.dim], k, r))
 
     @classmethod
     def from_text(cls, text: str) -> Placement | None:

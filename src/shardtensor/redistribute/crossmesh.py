@@ -36,6 +36,7 @@ from ..placement import (NormPartial, Partial, Placement, Replicate, Shard, Shar
 from .cost import DEFAULT_LINK, LinkModel, plan_cost
 from .exchange import overlap
 from .planner import plan
+from .steps import Step
 
 __all__ = ["Side", "Piece", "CrossPlan", "cross_plan", "clear_cache", "split_box"]
 
@@ -318,19 +319,16 @@ def _busiest(p: CrossPlan) -> int:
 def _reduce_cost(src: Side, pre: tuple[Placement, ...], order: ShardOrder, shape: tuple[int, ...],
                  itemsize: int) -> tuple[float, float]:
     """``(bytes per rank, seconds)`` of reducing the source's Partials to ``pre`` on its mesh: the
-    planner's price where it moves every placement, else an all-reduce of each Partial mesh dim
-    on the busiest rank's local tensor (the other placements stay as they are)."""
+    planner's price where it moves every placement, else that of an all-reduce of each Partial mesh
+    dim on the busiest rank's local tensor (the other placements stay as they are)."""
     if all_planned(src.placements):
-        steps = plan(src.placements, src.order, pre, order, shape, src.shape, itemsize)
-        return plan_cost(steps, shape, src.shape, itemsize)
-    numel = max(math.prod(local_shape_and_offset(shape, src.shape, c, pre, order)[0]) for c in src.coords().values())
-    total = seconds = 0.0
-    for k, p in zip(src.shape, src.placements):
-        if p.is_partial() and k > 1:
-            b = 2 * (k - 1) * numel * itemsize / k
-            total += b
-            seconds += DEFAULT_LINK.launch + 2 * (k - 1) * DEFAULT_LINK.alpha + DEFAULT_LINK.beta * b
-    return total, seconds
+        return plan_cost(plan(src.placements, src.order, pre, order, shape, src.shape, itemsize), shape, src.shape,
+                         itemsize)
+    local = max((local_shape_and_offset(shape, src.shape, c, pre, order)[0] for c in src.coords().values()),
+                key=math.prod)
+    state = tuple(p if p.is_partial() else Replicate() for p in src.placements)  # the local tensor, whole
+    steps = [Step(j, p, Replicate(), state, ()) for j, p in enumerate(state) if p.is_partial()]
+    return plan_cost(steps, local, src.shape, itemsize)
 
 
 def clear_cache() -> None:

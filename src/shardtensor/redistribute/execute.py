@@ -14,7 +14,6 @@ from ..async_tensor import AsyncLocalTensor
 from ..comm.base import Completed, Work
 from ..mesh import DeviceMesh
 from ..placement import Partial, Replicate, Shard, chunk, local_shape_and_offset
-from ..spec import same_local
 from .exchange import blocks
 from .planner import plan_for
 from .steps import ExchangeStep, FlatStep, Step
@@ -212,22 +211,15 @@ def _norm_pre(t: torch.Tensor, src: Partial):
 
 
 def run_plan(t: torch.Tensor, src_spec, dst_spec, async_op: bool = False) -> torch.Tensor:
-    """Move this rank's local tensor from ``src_spec`` to ``dst_spec`` (same mesh) by the planner's
-    collectives (every placement of both is one the planner moves).
+    """Move this rank's local tensor from ``src_spec`` to ``dst_spec`` (same mesh, this rank on it,
+    different layouts: ``move.redistribute_local`` checks) by the planner's collectives (every
+    placement of both is one the planner moves).
 
     ``async_op``: the last collective is left in flight and an ``AsyncLocalTensor`` returned
     (its shape is known; the first op on it waits).  Earlier steps feed the last one, so they
     complete before this returns.
     """
     mesh = src_spec.mesh
-    if mesh != dst_spec.mesh:
-        raise NotImplementedError(f"cross-mesh redistribution is not supported: {mesh} -> {dst_spec.mesh}")
-    if mesh.get_coordinate() is None:
-        return t
-    if src_spec.placements == dst_spec.placements and src_spec.shard_order == dst_spec.shard_order:
-        return t
-    if t.shape == src_spec.shape and same_local(src_spec, dst_spec.with_dtype(src_spec.dtype)):
-        return t  # they differ only on mesh dims of one rank
     for j, (a, b) in enumerate(zip(src_spec.placements, dst_spec.placements)):
         if isinstance(a, Shard) and isinstance(b, Partial) and mesh.shape[j] > 1:
             raise RuntimeError(f"redistributing {a} to {b} on mesh dim {j} is not supported in the forward pass")

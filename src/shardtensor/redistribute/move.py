@@ -20,7 +20,7 @@ import torch
 from .. import comm
 from ..comm.base import avg_divide
 from ..mesh import DeviceMesh
-from ..spec import DTensorSpec
+from ..spec import DTensorSpec, same_local
 from ..submesh import empty_local
 from .crossmesh import CrossPlan, Piece, Side, cross_plan
 from .execute import laid_out, reduce_partials, run_plan
@@ -67,14 +67,16 @@ def redistribute_local(t: torch.Tensor, src: DTensorSpec, dst: DTensorSpec, asyn
     planner's collectives where it moves every placement of both (``execute.py``), else one
     exchange of blocks in which each rank receives exactly what it lacks (``crossmesh.py``), after
     all-reduces of the source's Partial mesh dims where the exchange's price says so."""
-    if src.planned and dst.planned:
-        return run_plan(t, src, dst, async_op)
     if src.mesh != dst.mesh:
-        raise NotImplementedError(f"cross-mesh redistribution is not supported here: {src.mesh} -> {dst.mesh}")
+        raise NotImplementedError(f"cross-mesh redistribution is not supported: {src.mesh} -> {dst.mesh}")
     if src.mesh.get_coordinate() is None:
         return t
     if src.placements == dst.placements and src.shard_order == dst.shard_order:
         return t
+    if t.shape == src.shape and same_local(src, dst.with_dtype(src.dtype)):
+        return t  # they differ only on mesh dims of one rank
+    if src.planned and dst.planned:
+        return run_plan(t, src, dst, async_op)
     if src.shard_order == dst.shard_order and all(
             a == b or (a.is_partial() and b.is_replicate()) for a, b in zip(src.placements, dst.placements)):
         return reduce_partials(t, src, dst)
