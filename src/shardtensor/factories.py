@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import torch
 
 from .mesh import DeviceMesh, resolve_mesh
-from .placement import Partial, Placement, Replicate
+from .placement import Placement, Replicate
 from .spec import DTensorSpec
 from .submesh import empty_local
 from .tensor import DTensor
@@ -51,7 +51,7 @@ def _make(who: str, size: tuple[int, ...], fill: Any, *, dtype: torch.dtype | No
     if whole != spec:  # terms that reduce back to the value exactly, no collective
         local = out.to_local()
         for j, p in enumerate(spec.placements):
-            if isinstance(p, Partial) and coord is not None:
+            if p.is_partial() and coord is not None:
                 local = p.split_value(local, mesh.shape[j], coord[j])
         out = DTensor(local, spec)
     return out.requires_grad_(requires_grad)

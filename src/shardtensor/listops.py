@@ -54,7 +54,7 @@ def _onto(t: Any, mesh: DeviceMesh, func: Any, wrap: Callable) -> Any:
     if m is None or m == mesh:
         return t
     covers = set(mesh._all) <= set(m._all)  # rank tuples, no tensor op: fake tensors under compile
-    if not covers or not all(isinstance(p, Replicate) for p in t._spec.placements):
+    if not covers or not all(p.is_replicate() for p in t._spec.placements):
         raise MeshMismatchError(f"{func}: argument on {m!r} with placements {t._spec.placements} cannot join "
                                 f"tensors on {mesh!r}; make it Replicate on a mesh covering those ranks")
     spec = DTensorSpec.build(mesh, [Replicate()] * mesh.ndim, t._spec.shape, t._spec.stride, t._spec.dtype)
@@ -93,7 +93,7 @@ def _as_plain(pos: list, part: dict) -> tuple[list, dict] | None:
         if isinstance(v, (list, tuple)):
             if any(_mesh_of(t) is not None for t in v):
                 return None
-        elif _mesh_of(v) is not None and not all(isinstance(p, Replicate) for p in v._spec.placements):
+        elif _mesh_of(v) is not None and not all(p.is_replicate() for p in v._spec.placements):
             return None
     return [_local(v) for v in pos], {k: _local(v) for k, v in part.items()}
 

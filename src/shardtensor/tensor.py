@@ -18,7 +18,7 @@ from .implicit import TORCH_FUNCTION_CODES
 from .mesh import DeviceMesh, resolve_mesh
 from .pieces import check_partial_dtype, check_pieces, check_shape, layout_stride, local_order
 from .placement import (ORDERED, OrderedPlacements, Partial, Placement, Replicate, display, normalize_placements,
-                        split_local, unpartial)
+                        partial_op, split_local, unpartial)
 from .redistribute import redistribute_local
 from .redistribute.move import cross_target, relocate
 from .spec import DTensorSpec, interned
@@ -269,7 +269,7 @@ class DTensor(torch.Tensor):
                                        backward_dtype, False)
         target = self._spec.with_placements(placements, order)
         for j, (p, cur) in enumerate(zip(target.placements, self.placements)):
-            if isinstance(p, Partial) and p != cur:
+            if p.is_partial() and p != cur:
                 raise RuntimeError(
                     f"redistributing to {p!r} on mesh dim {j} (currently {cur!r}) is for internal use only"
                 )
@@ -373,7 +373,7 @@ class _FromLocal(torch.autograd.Function):
         out = local.view_as(local)
         if run_check:
             for j, p in enumerate(spec.placements):
-                if isinstance(p, Replicate):
+                if p.is_replicate():
                     out = comm.broadcast(out, 0, spec.mesh, j)
         return DTensor(out, spec, requires_grad=local.requires_grad)
 
@@ -382,7 +382,7 @@ class _FromLocal(torch.autograd.Function):
         spec: DTensorSpec = ctx.spec
         if not isinstance(grad, DTensor):
             return grad, None, None
-        kinds = {p.reduce_op for p in spec.placements if isinstance(p, Partial)}
+        kinds = {op for p in spec.placements if (op := partial_op(p)) is not None}
         if kinds - {"sum", "avg"}:
             raise NotImplementedError(f"backward of from_local with {display(spec.placements)} (Partial {sorted(kinds)})")
         gspec = grad._spec  # (not grad.shape and the like: each would be a torch-function call)

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..placement import Partial, Replicate, display, local_blocks, local_shape_and_offset
+from ..placement import display, local_blocks, local_shape_and_offset
 from ..redistribute.drawing import PALETTE, ranks_label
 
 __all__ = ["visualize_sharding", "describe_sharding", "Piece", "pieces"]
@@ -86,10 +86,10 @@ _OP_WORD = {"sum": "sum", "avg": "average", "max": "max", "min": "min", "product
 def _notes(spec, ps: list[Piece], replicate_notes: bool = False) -> list[str]:
     out = []
     for j, p in enumerate(spec.placements):
-        if isinstance(p, Partial):
+        if p.is_partial():
             out.append(f"{p} over {_mesh_dim_name(spec.mesh, j)}: ranks hold terms; "
                        f"value = {_OP_WORD[p.reduce_op]} over mesh dim {j}")
-        elif replicate_notes and isinstance(p, Replicate):
+        elif replicate_notes and p.is_replicate():
             out.append(f"R over {_mesh_dim_name(spec.mesh, j)}: ranks hold copies")
     empty: dict[tuple[int, ...], list[int]] = {}
     for pc in ps:
@@ -147,7 +147,7 @@ def _iv(off: int, size: int) -> str:
 def _draw(spec, g: _Grid) -> tuple[list[str], list[list[int | None]]]:
     """ASCII lines of the grid and, per character, the cell index it belongs to (for colour)."""
     nd = len(spec.shape)
-    partial = any(isinstance(p, Partial) for p in spec.placements)
+    partial = any(p.is_partial() for p in spec.placements)
     labels = {rc: _cell_label(rs, partial) for rc, rs in g.cells.items()}
     nr, nc = len(g.rows), len(g.cols)
     col_heads = [_iv(*c) for c in g.cols]
@@ -232,7 +232,7 @@ def _png(spec, g: _Grid | None, title: list[str], notes: list[str], path: str) -
                 transform=ax.transAxes)
     else:
         assert g is not None
-        partial = any(isinstance(p, Partial) for p in spec.placements)
+        partial = any(p.is_partial() for p in spec.placements)
         ncols = len(g.cols)
         for (r, c), ranks in sorted(g.cells.items()):
             x0, w = g.cols[c]

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import PropagationError
-from ..placement import Replicate, Shard
+from ..placement import Replicate
 from ..propagation.registry import unsupported
 from ..propagation.rules.foreach import overloads
 from ..spec import DTensorSpec
@@ -355,8 +355,8 @@ def _unbind(x, dim=0):
     from ..tensor import DTensor
 
     d = dim % x.ndim
-    if isinstance(x, DTensor) and any(isinstance(p, Shard) and p.dim == d for p in x.placements):
-        gathered = x.redistribute(x.device_mesh, [Replicate() if isinstance(p, Shard) and p.dim == d else p
+    if isinstance(x, DTensor) and any(p.is_shard(d) for p in x.placements):
+        gathered = x.redistribute(x.device_mesh, [Replicate() if p.is_shard(d) else p
                                                   for p in x.placements])
         return Gathered(aten.select.int(gathered, d, i) for i in range(x.shape[d]))  # views of the copy, not of x
     return tuple(aten.select.int(x, d, i) for i in range(x.shape[d]))

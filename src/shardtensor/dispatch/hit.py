@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from ..placement import Partial
 from ..propagation import flatten_call, propagate, unflatten_call
 from ..propagation.engine import HOT, HOT_HITS, remember
 from ..spec import DTensorSpec
@@ -244,7 +243,7 @@ def keeps_placements(spec: DTensorSpec, out: Any) -> bool:
     ``check_placement_change`` refuses that while views share its memory); in-place view ops
     (``t_``, ``squeeze_``) take the result's spec."""
     return (isinstance(out, DTensorSpec) and out.shape == spec.shape
-            and not any(isinstance(p, Partial) for p in spec.placements))
+            and not any(p.is_partial() for p in spec.placements))
 
 
 def wrap(out: Any, spec: Any) -> Any:

@@ -32,7 +32,6 @@ from ..propagation import flatten_call, propagate, rule_for, unflatten_call
 from ..propagation.engine import freezer
 from ..redistribute import redistribute_local
 from ..rng import agreed
-from ..placement import Partial, Shard
 from ..spec import DTensorSpec, placements_text
 from ..submesh import off_mesh_result
 from ..tensor import DTensor
@@ -242,7 +241,7 @@ def _stays(me: DTensor, out: Any) -> bool:
     if not (me._has_views or me._copies or me._source is not None or torch._C._current_graph_task_id() != -1):
         return False
     sizes = me._spec.mesh.shape
-    return not any(isinstance(a, Shard) and isinstance(b, Partial) and sizes[j] > 1
+    return not any(a.is_shard() and b.is_partial() and sizes[j] > 1
                    for j, (a, b) in enumerate(zip(out.placements, me._spec.placements)))
 
 

@@ -29,7 +29,7 @@ import torch
 
 from .. import comm
 from ..kernels import chunk_cat, split_with_sizes_copy
-from ..placement import Partial, Replicate, display
+from ..placement import Partial, display
 from ..redistribute import redistribute_local
 from ..spec import DTensorSpec, contiguous_stride
 from ..tensor import DTensor
@@ -343,7 +343,7 @@ class ParamGroup:
         dp_dims = p.info.dp_dims if p.tp_spec.mesh == p.info.mesh else ()
         want = list(p.tp_spec.placements)
         for d in dp_dims:
-            if not (isinstance(g.placements[d], Replicate) or g.placements[d] == Partial("sum")):
+            if not (g.placements[d].is_replicate() or g.placements[d] == Partial("sum")):
                 raise NotImplementedError(
                     f"FSDP: the gradient of {p.fqn} is {display(g.placements)}; on the data-parallel mesh dim {d} it "
                     "must be Replicate or Partial(sum) (each rank's own term), FSDP combines them itself")

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from ..mesh import DeviceMesh, joined_mesh
-from ..placement import LAST, Partial, Placement, Replicate, Shard, chunk, display
+from ..placement import LAST, Placement, Replicate, Shard, chunk, display
 from ..spec import DTensorSpec, contiguous_stride
 from ..tensor import DTensor
 
@@ -196,7 +196,7 @@ class FSDPParam:
                              f"{'a plain tensor' if pl is None else param.device_mesh}")
         # a DTensor on the FSDP mesh itself: dp_mesh_dims, or the (dp, tp) form
         if pl is not None and on_mesh and (info.spmd or info.tp_dim is not None):
-            if any(not isinstance(pl[d], Replicate) for d in info.dp_dims):
+            if any(not pl[d].is_replicate() for d in info.dp_dims):
                 raise ValueError(f"fully_shard: parameter {self.fqn} on the FSDP mesh is {display(pl)}; it must be "
                                  "Replicate on the data-parallel dims")
             tp_pl = None if info.tp_dim is None else self._tp_placement(pl[info.tp_dim])
@@ -222,7 +222,7 @@ class FSDPParam:
         return joined, info.dp_dim, info.mesh.ndim, self._tp_placement(pl[0])
 
     def _tp_placement(self, p: Placement) -> Placement:
-        if isinstance(p, Partial):
+        if p.is_partial():
             raise ValueError(f"fully_shard: parameter {self.fqn} cannot be {p!r} on the tp mesh dim")
         if p.nests == LAST and p.tensor_dim() == 0:  # FSDP splits dim 0 of the packed pieces: no such layout
             raise NotImplementedError(f"fully_shard: parameter {self.fqn} is packed on dim 0 ({p!r}) on the tp mesh "

@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import comm
 from ..mesh import DeviceMesh
-from ..placement import Placement, Replicate, Shard, unpartial
+from ..placement import Placement, Replicate, Shard, shard_dim, unpartial
 from ..tensor import DTensor, distribute_tensor
 
 __all__ = ["loss_parallel"]
@@ -54,7 +54,7 @@ def _cross_entropy(input: Any, target: Any, weight: Any = None, size_average: An
     if not isinstance(input, DTensor) or not isinstance(target, torch.Tensor):
         return NotImplemented
     c = 1 if input.ndim >= 2 else 0
-    class_dims = tuple(j for j, p in enumerate(input.placements) if isinstance(p, Shard) and p.dim == c)
+    class_dims = tuple(j for j, p in enumerate(input.placements) if p.is_shard(c))
     if not class_dims or input._spec.opaque or target.is_floating_point() or \
             tuple(target.shape) != tuple(input.shape[:c]) + tuple(input.shape[c + 1:]):
         mesh = input.device_mesh  # the ordinary path, with plain target and weight as replicated values
@@ -91,7 +91,8 @@ def _without_partial(x: DTensor) -> DTensor:
 
 def _target_like(target: torch.Tensor, placements: tuple[Placement, ...], c: int, mesh: DeviceMesh) -> DTensor:
     """The target placed as the logits without their class dim (replicated where classes are sharded)."""
-    pl = [Shard(p.dim - (p.dim > c)) if isinstance(p, Shard) and p.dim != c else Replicate() for p in placements]
+    dims = [shard_dim(p) for p in placements]
+    pl = [Shard(d - (d > c)) if d is not None and d != c else Replicate() for d in dims]
     if isinstance(target, DTensor):
         return target if tuple(target.placements) == tuple(pl) else target.redistribute(mesh, pl)
     return distribute_tensor(target, mesh, pl, src_data_rank=None)

@@ -19,7 +19,7 @@ import torch.nn as nn
 from .. import comm
 from ..compile import in_graph
 from ..mesh import DeviceMesh
-from ..placement import Placement, Replicate, Shard, normalize_placements
+from ..placement import Placement, Replicate, Shard, normalize_placements, shard_dim
 from ..tensor import DTensor, distribute_tensor
 from .hooks import ConvertInputs, ConvertOutputs
 from .module import distribute_module
@@ -71,8 +71,9 @@ def _layout(placements: tuple, ndim: int, mesh_ndim: int) -> tuple[tuple[Placeme
     pl = normalize_placements(placements, ndim, mesh_ndim)
     shards: dict[int, list[int]] = {}
     for j, p in enumerate(pl):
-        if isinstance(p, Shard):
-            shards.setdefault(p.dim, []).append(j)
+        d = shard_dim(p)
+        if d is not None:
+            shards.setdefault(d, []).append(j)
     return pl, tuple((d, tuple(js)) for d, js in shards.items())
 
 

@@ -50,6 +50,16 @@ class Placement:
     def is_partial(self, reduce_op: str | None = None) -> bool:
         return False
 
+    def plain_op(self) -> str | None:
+        """The reduction of its terms when they are parts of the value itself (a ``Partial``; a
+        ``NormPartial``'s terms are norms of parts), else None."""
+        return None
+
+    def rescales_to(self, other: "Placement") -> bool:
+        """Whether this placement's local values become ``other``'s by a local rescale (a
+        ``Partial`` sum <-> avg), with no data moved."""
+        return False
+
     def tensor_dim(self) -> int | None:
         """The tensor dim it splits, or None."""
         return None
@@ -85,6 +95,16 @@ class Placement:
         default): where each rank's local gradient is dL/d(its local tensor), the placement that
         makes them the gradient of the global value.  A shard or a replica keeps its placement."""
         return self
+
+
+def shard_dim(p: Placement) -> int | None:
+    """The tensor dim ``p`` splits as ``Shard`` does (the torch.chunk rule, ordered), or None."""
+    return p.tensor_dim() if p.is_shard() else None
+
+
+def partial_op(p: Placement) -> str | None:
+    """The reduction that combines ``p``'s terms when it is a partial (``"sum"``, ...), or None."""
+    return getattr(p, "reduce_op", None) if p.is_partial() else None
 
 
 def chunk(length: int, k: int, r: int) -> tuple[int, int]:

@@ -28,6 +28,13 @@ class Partial(Placement):
     def is_partial(self, reduce_op: str | None = None) -> bool:
         return reduce_op is None or reduce_op == self.reduce_op
 
+    def plain_op(self) -> str | None:
+        return self.reduce_op
+
+    def rescales_to(self, other: Placement) -> bool:
+        """A sum's terms are ``k`` times an average's (plain partials only, not norms)."""
+        return {self.plain_op(), other.plain_op()} == {"sum", "avg"}
+
     def split_value(self, t: torch.Tensor, k: int, r: int) -> torch.Tensor:
         """Terms that reduce back to ``t`` exactly: the value on rank 0 and the identity elsewhere
         for a sum or product (-0.0 for floats: -0.0 + x == x bit for bit, signed zeros included);
@@ -88,6 +95,9 @@ class NormPartial(Partial):
         op = "max" if norm == float("inf") else "min" if norm == float("-inf") else "sum"
         object.__setattr__(self, "reduce_op", op)
         object.__setattr__(self, "norm", norm)
+
+    def plain_op(self) -> str | None:
+        return None
 
     def split_value(self, t: torch.Tensor, k: int, r: int) -> torch.Tensor:
         """Local norms whose p-norm is ``t``: each ``t / k^(1/p)`` (the value itself for +-inf)."""

@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..errors import PropagationError
-from ..placement import Partial, Placement, Replicate, Shard
+from ..placement import Placement, Replicate, Shard, shard_dim
 from ..spec import DTensorSpec, placements_text, same_local
 from .call import Decision
 
@@ -52,7 +52,7 @@ LINEAR_KINDS = ("sum", "avg")
 
 def linear_partial(p: Placement) -> bool:
     """A plain Partial whose combine is linear (sum or avg); norm partials are not."""
-    return type(p) is Partial and p.reduce_op in LINEAR_KINDS
+    return p.plain_op() in LINEAR_KINDS
 
 
 def any_partial(p: Placement) -> bool:
@@ -67,7 +67,7 @@ def no_partial(p: Placement) -> bool:
 
 def compatible_kinds(out: Sequence[Placement]) -> bool:
     """Partials on several mesh dims must commute: only {sum, avg} mix, else all equal."""
-    parts = [p for p in out if isinstance(p, Partial)]
+    parts = [p for p in out if p.is_partial()]
     if len(parts) < 2:
         return True
     if all(linear_partial(p) for p in parts):
@@ -107,7 +107,7 @@ def input_cost(src: DTensorSpec, placements: Pl) -> float:
 
     mesh = src.mesh
     for j, (a, b) in enumerate(zip(src.placements, placements)):
-        if isinstance(b, Partial) and isinstance(a, Shard) and mesh.shape[j] > 1:
+        if b.is_partial() and a.is_shard() and mesh.shape[j] > 1:
             return math.inf
     try:
         dst = src.with_placements(placements)
@@ -130,9 +130,10 @@ def kept_order(spec: DTensorSpec, pl: Sequence[Placement]) -> Order:
             order.append((d, keep + new))
             done.add(d)
     for j, p in enumerate(pl):
-        if isinstance(p, Shard) and p.dim not in done:
-            order.append((p.dim, tuple(i for i in range(m) if pl[i] == p)))
-            done.add(p.dim)
+        e = shard_dim(p)
+        if e is not None and e not in done:
+            order.append((e, tuple(i for i in range(m) if pl[i] == p)))
+            done.add(e)
     return tuple(sorted(order))
 
 
@@ -230,7 +231,7 @@ def shard_instead(call, pos: int, base: Sequence[Placement], dims: Sequence[int]
     or ``alone`` (ops whose output the next op rarely needs whole: softmax rows, histograms)."""
     s = call.specs[pos]
     moves = any(a != b for a, b in zip(s.placements, base))
-    sharded = {j for j, a in enumerate(s.placements) if isinstance(a, Shard)}
+    sharded = {j for j, a in enumerate(s.placements) if a.is_shard()}
     per_dim: list[list[Placement]] = []
     for j, (a, b) in enumerate(zip(s.placements, base)):
         opens = (a != b or (moves and b.is_partial())) and (not a.is_partial() or alone or bool(sharded - {j}))

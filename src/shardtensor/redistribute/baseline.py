@@ -9,7 +9,7 @@ remaining partials; (4) partition.
 """
 from __future__ import annotations
 
-from ..placement import Partial, Placement, Replicate, Shard, ShardOrder
+from ..placement import Placement, Replicate, Shard, ShardOrder, shard_dim
 from .steps import Step
 
 __all__ = ["baseline_plan"]
@@ -46,7 +46,7 @@ def baseline_plan(src: tuple[Placement, ...], src_order: ShardOrder, dst: tuple[
                 continue
             j = lst[-1]
             t = dst[j]
-            e = t.dim if isinstance(t, Shard) else None
+            e = shard_dim(t)
             lands = (e is not None and e != d and len(order.get(e, [])) == keep[e]
                      and len(tgt[e]) > keep[e] and tgt[e][keep[e]] == j)
             new = t if lands else Replicate()
@@ -60,20 +60,20 @@ def baseline_plan(src: tuple[Placement, ...], src_order: ShardOrder, dst: tuple[
 
     for d in sorted(tgt):
         for j in tgt[d][len(order.get(d, [])):]:
-            assert not isinstance(cur[j], Shard), (src, dst, cur)
+            assert not cur[j].is_shard(), (src, dst, cur)
             steps.append(Step(j, cur[j], Shard(d), tuple(cur), _freeze(order)))
             cur[j] = Shard(d)
             order.setdefault(d, []).append(j)
 
     for j, (c, t) in enumerate(zip(cur, dst)):
-        if isinstance(c, Partial) and c != t:
-            if type(t) is Partial and type(c) is Partial and {c.reduce_op, t.reduce_op} == {"sum", "avg"}:
+        if c.is_partial() and c != t:
+            if c.rescales_to(t):
                 emit(j, t)
             else:
                 emit(j, Replicate())
     for j, (c, t) in enumerate(zip(cur, dst)):
         if c != t:
-            assert isinstance(c, Replicate) and isinstance(t, Partial), (src, dst, cur)
+            assert c.is_replicate() and t.is_partial(), (src, dst, cur)
             emit(j, t)
     assert tuple(cur) == tuple(dst) and _freeze(order) == tuple(dst_order), (src, src_order, dst, dst_order, cur, order)
     return tuple(steps)

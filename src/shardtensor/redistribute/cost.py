@@ -8,19 +8,8 @@ the cost rank independent.  With coordinate 0 a tensor dim ``d`` split by the me
 has length ``ceil(L_d / prod(k_i, i in M))`` whatever their order (``ceil(ceil(a/b)/c) ==
 ceil(a/(b*c))``).
 
-Bytes sent per rank (``c_d = ceil(l_d / k)``, ``|X| = itemsize * prod(l)``):
-
-=================  =================  ==========================================  =========
-transition         collective         bytes per rank (padded)                     latency
-=================  =================  ==========================================  =========
-R->S, R->P, x->x   none               0                                           0
-S(d)->R            all-gather         ``(k-1) * c_d * |X| / l_d``                 ``k-1``
-P->R               all-reduce         ``2 (k-1) / k * |X|``                       ``2(k-1)``
-P->S(d)            reduce-scatter     ``(k-1) * c_d * |X| / l_d``                 ``k-1``
-S(a)->S(b)         all-to-all         ``(k-1) * c_a * c_b * |X| / (l_a l_b)``     ``k-1``
-P(sum)<->P(avg)    none (rescale)     0                                           0
-S->P (backward)    all-gather         as S->R                                     ``k-1``
-=================  =================  ==========================================  =========
+Bytes sent per rank and latency terms of each transition: its row in ``moves.py`` (an
+all-gather ``(k-1) c_d |X| / l_d``, an all-reduce ``2 (k-1) / k |X|``, ...; ``c_d = ceil(l_d / k)``).
 
 Time of a step on mesh dim ``j``: ``launch_j + latency * alpha_j + bytes * beta_j`` for a
 collective (``LinkModel`` per mesh dim; intra-host and inter-host links differ), 0 for a local
@@ -36,11 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from ..placement import Partial, Replicate, Shard
+from .moves import elements, move
 from .steps import ExchangeStep
 
 __all__ = ["LinkModel", "DEFAULT_LINK", "normalize_links", "logical_shape", "step_comm", "step_bytes",
-           "step_latency", "step_time", "step_link", "link_of", "plan_cost"]
+           "step_time", "step_link", "link_of", "plan_cost"]
 
 
 @dataclass(frozen=True)
@@ -98,66 +87,26 @@ def _prod(xs: Iterable[int]) -> int:
 
 
 def step_comm(step, global_shape: Sequence[int], mesh_shape: Sequence[int]) -> tuple[str, int, int, int]:
-    """``(kind, num, den, latency)``: the step sends ``num / den`` elements per rank."""
+    """``(kind, num, den, latency)``: the step sends ``num / den`` elements per rank (its row in
+    ``moves.py``)."""
     if type(step) is ExchangeStep:
         from .exchange import exchange_comm
 
         num, lat = exchange_comm(tuple(global_shape), tuple(mesh_shape), step.dims, step.placements, step.order,
                                  step.target, step.target_order)
         return "all_to_all", num, 1, lat
-    src, dst = step.src, step.dst
     k = _prod(mesh_shape[i] for i in step.mesh_dims)
-    if src == dst or k == 1:
-        return "identity", 0, 1, 0
-    if isinstance(src, Replicate):
-        return ("chunk" if isinstance(dst, Shard) else "partition"), 0, 1, 0
-    ell = logical_shape(step, global_shape, mesh_shape)
-    if isinstance(src, Shard):
-        a = src.dim
-        if isinstance(dst, Shard):  # all-to-all: one c_a x c_b block to each peer
-            b = dst.dim
-            sizes = list(ell)
-            sizes[a] = _cdiv(ell[a], k)
-            sizes[b] = _cdiv(ell[b], k)
-            return "all_to_all", (k - 1) * _prod(sizes), 1, k - 1
-        # S -> R (and the backward-only S -> P, run as an all-gather)
-        sizes = list(ell)
-        sizes[a] = _cdiv(ell[a], k)
-        return "all_gather", (k - 1) * _prod(sizes), 1, k - 1
-    assert isinstance(src, Partial)
-    if isinstance(dst, Replicate):
-        return "all_reduce", 2 * (k - 1) * _prod(ell), k, 2 * (k - 1)
-    if isinstance(dst, Shard):
-        sizes = list(ell)
-        sizes[dst.dim] = _cdiv(ell[dst.dim], k)
-        return "reduce_scatter", (k - 1) * _prod(sizes), 1, k - 1
-    if {src.reduce_op, dst.reduce_op} == {"sum", "avg"}:
-        return "rescale", 0, 1, 0
-    # another partial kind: all-reduce, then partition
-    return "all_reduce", 2 * (k - 1) * _prod(ell), k, 2 * (k - 1)
+    m = move(step.src, step.dst, k)
+    if not m.hops:
+        return m.collective, 0, 1, 0
+    num, den = elements(m, step.src, step.dst, logical_shape(step, global_shape, mesh_shape), k)
+    return m.collective, num, den, m.hops * (k - 1)
 
 
 def step_bytes(step, global_shape: Sequence[int], mesh_shape: Sequence[int], itemsize: int) -> float:
     """Bytes one rank sends in ``step`` (padded pieces; the all-reduce may be fractional)."""
     _, num, den, _ = step_comm(step, global_shape, mesh_shape)
     return num * itemsize / den if den != 1 else float(num * itemsize)
-
-
-def step_latency(step, mesh_shape: Sequence[int]) -> int:
-    """Number of latency terms (ring steps) of ``step``."""
-    if type(step) is ExchangeStep:
-        return _prod(mesh_shape[i] for i in step.mesh_dims) - 1
-    src, dst = step.src, step.dst
-    k = _prod(mesh_shape[i] for i in step.mesh_dims)
-    if src == dst or k == 1 or isinstance(src, Replicate):
-        return 0
-    if isinstance(src, Partial):
-        if isinstance(dst, Shard):
-            return k - 1
-        if isinstance(dst, Partial) and {src.reduce_op, dst.reduce_op} == {"sum", "avg"}:
-            return 0
-        return 2 * (k - 1)
-    return k - 1
 
 
 def step_link(step, links: Sequence[LinkModel]) -> LinkModel:

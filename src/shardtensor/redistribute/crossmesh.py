@@ -31,8 +31,8 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Sequence
 
-from ..placement import (NormPartial, Partial, Placement, Replicate, Shard, ShardOrder, all_planned, default_shard_order,
-                         display, local_blocks, local_shape_and_offset)
+from ..placement import (Placement, Replicate, Shard, ShardOrder, all_planned, default_shard_order, display,
+                         local_blocks, local_shape_and_offset, partial_op)
 from .cost import DEFAULT_LINK, LinkModel, plan_cost
 from .exchange import overlap
 from .planner import plan
@@ -149,13 +149,13 @@ class CrossPlan:
 
 def _identity_fill(dst: Side) -> tuple[tuple[Placement, ...], dict[int, str]]:
     """Destination placements as the needs see them, and the ranks that start from an identity."""
-    ops = {p.reduce_op for p in dst.placements if isinstance(p, Partial) and p.reduce_op in ("sum", "product")}
+    ops = {op for p in dst.placements if (op := partial_op(p)) is not None and op in ("sum", "product")}
     if len(ops) > 1:
         raise ValueError(f"destination placements {display(dst.placements)} mix Partial(sum) and Partial(product); "
                          "move to one of them, then redistribute on the destination mesh")
-    dims = [j for j, p in enumerate(dst.placements) if isinstance(p, Partial) and p.reduce_op in ops]
+    dims = [j for j, p in enumerate(dst.placements) if partial_op(p) in ops]
     fill = {r: next(iter(ops)) for r, c in dst.coords().items() if any(c[j] for j in dims)}
-    return tuple(Replicate() if isinstance(p, Partial) else p for p in dst.placements), fill
+    return tuple(Replicate() if p.is_partial() else p for p in dst.placements), fill
 
 
 def _blocks(shape: tuple[int, ...], side: Side, placements: Sequence[Placement]
@@ -191,8 +191,8 @@ def _pieces(shape: tuple[int, ...], src: Side, dst: Side, need: dict, fill: dict
     """The pieces of a move, term 0 first, and the balanced optimum (elements).  A source's Partial
     mesh dims number its terms: each term is a class of its own, every destination needs them all.
     ``need``: every destination rank's blocks; ``fill``: the ranks that need none."""
-    pdims = [j for j, p in enumerate(src.placements) if isinstance(p, Partial)]
-    held = _blocks(shape, src, [Replicate() if isinstance(p, Partial) else p for p in src.placements])
+    pdims = [j for j, p in enumerate(src.placements) if p.is_partial()]
+    held = _blocks(shape, src, [Replicate() if p.is_partial() else p for p in src.placements])
     coords = src.coords()
     classes: dict[tuple[int, tuple], list[int]] = {}
     for r in src.ranks:
@@ -266,10 +266,10 @@ def _reductions(src: Side, ndim: int) -> list[tuple[tuple[Placement, ...], Shard
     """Candidate placements (and shard orders) that reduce the source's Partials on its own mesh:
     Replicate (an all-reduce) keeping the source's order, or, where the planner moves every
     placement of the source, a Shard of one dim (a reduce-scatter)."""
-    out = [(tuple(Replicate() if isinstance(p, Partial) else p for p in src.placements), src.order)]
+    out = [(tuple(Replicate() if p.is_partial() else p for p in src.placements), src.order)]
     if all_planned(src.placements) and src.order == default_shard_order(src.placements):
         for d in range(ndim):
-            pl = tuple(Shard(d) if isinstance(p, Partial) else p for p in src.placements)
+            pl = tuple(Shard(d) if p.is_partial() else p for p in src.placements)
             out.append((pl, default_shard_order(pl)))
     return out
 
@@ -283,15 +283,15 @@ def cross_plan(shape: tuple[int, ...], itemsize: int, src: Side, dst: Side) -> C
     one mesh (a redistribution), whichever moves the fewest bytes to the busiest rank."""
     dst_pl, fills = _identity_fill(dst)
     need, fill = _blocks(shape, dst, dst_pl), tuple(sorted(fills.items()))
-    ops = {p.reduce_op for p in src.placements if isinstance(p, Partial)}
+    ops = {op for p in src.placements if (op := partial_op(p)) is not None}
     if not ops:
         pieces, optimum = _pieces(shape, src, dst, need, fills)
         return CrossPlan(shape, itemsize, src, dst, None, (), tuple(pieces), fill, optimum * itemsize)
     same = src.ranks == dst.ranks and src.shape == dst.shape  # a redistribution on one mesh: fewest bytes first
     best: tuple[float, float, CrossPlan] | None = None
-    if len(ops) == 1 and not any(isinstance(p, NormPartial) for p in src.placements):
+    if len(ops) == 1 and all(p.plain_op() for p in src.placements if p.is_partial()):
         pieces, optimum = _pieces(shape, src, dst, need, fills)
-        terms = math.prod(n for n, p in zip(src.shape, src.placements) if isinstance(p, Partial))
+        terms = math.prod(n for n, p in zip(src.shape, src.placements) if p.is_partial())
         cand = CrossPlan(shape, itemsize, src, dst, None, (), tuple(pieces), fill, optimum * itemsize,
                          next(iter(ops)), terms)
         seconds = _move_seconds(pieces, itemsize, DEFAULT_LINK)

@@ -10,7 +10,7 @@ import math
 
 from typing import Any, Sequence
 
-from ..placement import Partial, display, local_shape_and_offset
+from ..placement import display, local_shape_and_offset
 from .spec_text import format_bytes, format_time
 
 __all__ = ["PALETTE", "draw_plan", "ranks_label"]
@@ -75,7 +75,7 @@ def _draw_state(ax, ex: Any, pl, order, palette) -> None:
 
     shape, mesh_shape = ex.shape, ex.mesh_shape
     nd = len(shape)
-    partial = [j for j, p in enumerate(pl) if isinstance(p, Partial)]
+    partial = [j for j, p in enumerate(pl) if p.is_partial()]
     notes = [f"P over m{j}: ranks hold terms" for j in partial]
     ax.set_title(display(pl, order), fontsize=9)
     if nd in (1, 2) and math.prod(shape) > 0:

@@ -34,7 +34,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..placement import Partial, Placement, Replicate, Shard, ShardOrder, execution_order, local_shape_and_offset
+from ..placement import Placement, ShardOrder, execution_order, local_shape_and_offset, shard_dim
 
 __all__ = ["overlap", "exchange_dims", "exchange_bound", "exchange_lack", "exchange_floor", "exchange_comm", "exchange_loads",
            "blocks", "clear_caches", "MAX_RANKS"]
@@ -53,13 +53,14 @@ def exchange_dims(src: Sequence[Placement], src_order: ShardOrder, dst: Sequence
         if mesh_shape[j] == 1:
             continue
         if a == b:
-            if not isinstance(a, Shard):
+            d = shard_dim(a)
+            if d is None:
                 continue
-            la, lb = ls[a.dim], ld[a.dim]
+            la, lb = ls[d], ld[d]
             p = la.index(j)
             if la[:p + 1] == lb[:p + 1]:
                 continue
-        if isinstance(a, Partial) or isinstance(b, Partial):
+        if a.is_partial() or b.is_partial():
             return None
         dims.append(j)
     return tuple(dims) if len(dims) > 1 else None
@@ -89,7 +90,7 @@ def blocks(shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: tuple[int
     """For the rank at ``coord``, per peer of its group (row-major over ``dims``): the global box
     it sends there and the box it receives from there (``None``: nothing).
     Cached: the executor asks once per (rank, redistribution)."""
-    rdims = [j for j in dims if isinstance(src[j], Replicate)]
+    rdims = [j for j in dims if src[j].is_replicate()]
     me_held = _box(shape, mesh_shape, coord, src, src_order)
     me_need = _box(shape, mesh_shape, coord, dst, dst_order)
     my_server = _serving(shape, mesh_shape, coord, dims, src, src_order, dst, dst_order)
@@ -110,12 +111,12 @@ def blocks(shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: tuple[int
 def _serving(shape, mesh_shape, coord, dims, src, src_order, dst, dst_order) -> tuple[int, ...]:
     """The coordinates, on the group's mesh dims that replicate the source, of the holders that
     send the rank at ``coord`` what it needs (see the module docstring)."""
-    rdims = [j for j in dims if isinstance(src[j], Replicate)]
+    rdims = [j for j in dims if src[j].is_replicate()]
     own = tuple(coord[j] for j in rdims)
     if not rdims or overlap(_box(shape, mesh_shape, coord, src, src_order),
                              _box(shape, mesh_shape, coord, dst, dst_order)) is not None:
         return own
-    tdims = [j for j in dims if isinstance(dst[j], Replicate)]
+    tdims = [j for j in dims if dst[j].is_replicate()]
     shift = 0
     for j in tdims:
         shift = shift * mesh_shape[j] + coord[j]
@@ -143,7 +144,7 @@ def exchange_bound(shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims: tu
     zero = (0,) * len(mesh_shape)
     held = math.prod(local_shape_and_offset(shape, mesh_shape, zero, src, src_order)[0])
     need = math.prod(local_shape_and_offset(shape, mesh_shape, zero, dst, dst_order)[0])
-    copies = math.prod(mesh_shape[j] for j in dims if isinstance(dst[j], Replicate))
+    copies = math.prod(mesh_shape[j] for j in dims if dst[j].is_replicate())
     return max(need, held * copies)
 
 
@@ -196,13 +197,13 @@ def exchange_loads(shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims: tu
     for j in reversed(dims):
         stride[j] = step
         step *= mesh_shape[j]
-    rdims = [j for j in dims if isinstance(src[j], Replicate)]
+    rdims = [j for j in dims if src[j].is_replicate()]
     base = np.zeros(ranks, np.int64)
     if rdims:  # _serving, for every rank at once
         radix = [mesh_shape[j] for j in rdims]
         shift = np.zeros(ranks, np.int64)
         for j in dims:
-            if isinstance(dst[j], Replicate):
+            if dst[j].is_replicate():
                 shift = shift * mesh_shape[j] + coords[j]
         value = np.zeros(ranks, np.int64)
         for j in rdims:

@@ -6,6 +6,8 @@ the chunk size before a collective and trimmed after, so every collective moves 
 """
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -13,10 +15,13 @@ from .. import comm
 from ..async_tensor import AsyncLocalTensor
 from ..comm.base import Completed, Work
 from ..mesh import DeviceMesh
-from ..placement import Partial, Replicate, Shard, chunk, local_shape_and_offset
+from ..placement import Partial, Placement, Replicate, chunk, local_shape_and_offset, partial_op
 from .exchange import blocks
+from .moves import IDENTITY, kind, move
 from .planner import plan_for
 from .steps import ExchangeStep, FlatStep, Step
+
+Shape = Sequence[int]
 
 
 def _coord(mesh: DeviceMesh) -> list[int]:
@@ -63,6 +68,20 @@ def _logical_len(step: Step, global_shape, mesh: DeviceMesh, coord, dim: int) ->
     return local_shape_and_offset(global_shape, mesh.shape, coord, pl, order)[0][dim]
 
 
+def _dim(p: Placement) -> int:
+    """The tensor dim of a shard in a step (the move's row says the step has one)."""
+    d = p.tensor_dim()
+    assert d is not None, p
+    return d
+
+
+def _op(p: Placement) -> str:
+    """The reduction of a partial in a step."""
+    op = partial_op(p)
+    assert op is not None, p
+    return op
+
+
 def _nested_pieces(length: int, ks: list[int]) -> list[tuple[int, int]]:
     """``(size, offset)`` of every piece when ``length`` is split by ``ks`` in turn (row-major)."""
     pieces = [(length, 0)]
@@ -107,29 +126,44 @@ def _apply_flat(t: torch.Tensor, step: FlatStep, global_shape, mesh: DeviceMesh,
     me = 0
     for j, k in zip(dims, ks):
         me = me * k + coord[j]
-    if isinstance(src, Partial) and isinstance(dst, Replicate):
-        t, back = _norm_pre(t, src)
-        return _then(comm.all_reduce(t, src.reduce_op, mesh, dims, a), back, a)
-    if isinstance(src, Shard) and isinstance(dst, Replicate):
-        d = src.dim
-        pieces = _nested_pieces(_logical_len(step, global_shape, mesh, coord, d), ks)
-        c = pieces[0][0]
-        gathered = comm.all_gather(_pad_to(t, d, c).contiguous(), mesh, dims, a)
-        if all(size == c for size, _ in pieces):
-            return _then(gathered, lambda g: _merge(g, d), a)
-        return _then(gathered, lambda g: torch.cat([g[i].narrow(d, 0, n) for i, (n, _) in enumerate(pieces)], d), a)
-    if isinstance(src, Partial) and isinstance(dst, Shard):
-        d = dst.dim
-        pieces = _nested_pieces(t.shape[d], ks)
-        c = pieces[0][0]
-        t, back = _norm_pre(t, src)
-        if all(size == c for size, _ in pieces):
-            stack = _pieces(t, d, len(pieces))
-        else:
-            stack = torch.stack([_pad_to(t.narrow(d, off, size), d, c) for size, off in pieces])
-        out = comm.reduce_scatter(stack.contiguous(), src.reduce_op, mesh, dims, a)
-        return _then(out, lambda o: back(o.narrow(d, 0, pieces[me][0])), a)
-    raise NotImplementedError(f"no flattened transition from {src} to {dst} over mesh dims {dims}")
+    run = _FLAT.get((kind(src), kind(dst)))
+    if run is None:
+        raise NotImplementedError(f"no flattened transition from {src} to {dst} over mesh dims {dims}")
+    return run(t, step, global_shape, mesh, coord, ks, me, a)
+
+
+def _flat_reduce(t: torch.Tensor, step: FlatStep, global_shape: Shape, mesh: DeviceMesh, coord: list[int], ks: list[int],
+        me: int, a: bool) -> Any:
+    t, back = _norm_pre(t, step.src)
+    return _then(comm.all_reduce(t, _op(step.src), mesh, step.dims, a), back, a)
+
+
+def _flat_gather(t: torch.Tensor, step: FlatStep, global_shape: Shape, mesh: DeviceMesh, coord: list[int], ks: list[int],
+        me: int, a: bool) -> Any:
+    d = _dim(step.src)
+    pieces = _nested_pieces(_logical_len(step, global_shape, mesh, coord, d), ks)
+    c = pieces[0][0]
+    gathered = comm.all_gather(_pad_to(t, d, c).contiguous(), mesh, step.dims, a)
+    if all(size == c for size, _ in pieces):
+        return _then(gathered, lambda g: _merge(g, d), a)
+    return _then(gathered, lambda g: torch.cat([g[i].narrow(d, 0, n) for i, (n, _) in enumerate(pieces)], d), a)
+
+
+def _flat_reduce_scatter(t: torch.Tensor, step: FlatStep, global_shape: Shape, mesh: DeviceMesh, coord: list[int], ks: list[int],
+        me: int, a: bool) -> Any:
+    d = _dim(step.dst)
+    pieces = _nested_pieces(t.shape[d], ks)
+    c = pieces[0][0]
+    t, back = _norm_pre(t, step.src)
+    if all(size == c for size, _ in pieces):
+        stack = _pieces(t, d, len(pieces))
+    else:
+        stack = torch.stack([_pad_to(t.narrow(d, off, size), d, c) for size, off in pieces])
+    out = comm.reduce_scatter(stack.contiguous(), _op(step.src), mesh, step.dims, a)
+    return _then(out, lambda o: back(o.narrow(d, 0, pieces[me][0])), a)
+
+
+_FLAT = {("P", "R"): _flat_reduce, ("S", "R"): _flat_gather, ("P", "S"): _flat_reduce_scatter}
 
 
 def apply_step(t: torch.Tensor, step: Step, global_shape, mesh: DeviceMesh,
@@ -155,52 +189,84 @@ def _apply(t: torch.Tensor, step: Step, global_shape, mesh: DeviceMesh, a: bool)
         return _apply_exchange(t, step, global_shape, mesh, a)
     src, dst, j = step.src, step.dst, step.mesh_dim
     k = mesh.shape[j]
-    if src == dst or k == 1:
+    m = move(src, dst, k)
+    if m is IDENTITY:
         return t
-    coord = _coord(mesh)
-    me = coord[j]
-    if isinstance(src, Replicate) and isinstance(dst, Shard):
-        size, off = chunk(t.shape[dst.dim], k, me)
-        return t.narrow(dst.dim, off, size).clone()
-    if isinstance(src, Shard) and isinstance(dst, Replicate):
-        d = src.dim
-        length = _logical_len(step, global_shape, mesh, coord, d)
-        c = -(-length // k) if length else 0
-        gathered = comm.all_gather(_pad_to(t, d, c).contiguous(), mesh, j, a)
-        return _then(gathered, lambda g: _merge(g, d).narrow(d, 0, length), a)
-    if isinstance(src, Partial) and isinstance(dst, Replicate):
-        t, back = _norm_pre(t, src)
-        return _then(comm.all_reduce(t, src.reduce_op, mesh, j, a), back, a)
-    if isinstance(src, Partial) and isinstance(dst, Shard):
-        d = dst.dim
-        size, _ = chunk(t.shape[d], k, me)
-        t, back = _norm_pre(t, src)
-        out = comm.reduce_scatter(_pieces(t, d, k).contiguous(), src.reduce_op, mesh, j, a)
-        return _then(out, lambda o: back(o.narrow(d, 0, size)), a)
-    if isinstance(src, Shard) and isinstance(dst, Shard):
-        ad, bd = src.dim, dst.dim
-        la = _logical_len(step, global_shape, mesh, coord, ad)
-        ca = -(-la // k) if la else 0
-        size_b, _ = chunk(t.shape[bd], k, me)
-        blocks = _pieces(_pad_to(t, ad, ca), bd, k).contiguous()
-        recv = comm.all_to_all(blocks, mesh, j, a)
-        return _then(recv, lambda r: _merge(r, ad).narrow(ad, 0, la).narrow(bd, 0, size_b), a)
-    if isinstance(src, Replicate) and isinstance(dst, Partial):
-        return dst.split_value(t, k, me)
-    if type(src) is Partial and type(dst) is Partial:
-        if (src.reduce_op, dst.reduce_op) == ("sum", "avg"):
-            return t * k
-        if (src.reduce_op, dst.reduce_op) == ("avg", "sum"):
-            if t.is_floating_point() or t.is_complex():
-                return t / k
-            # integer terms: a floor per term would not add up to the floor of the mean
-            return Partial("sum").split_value(comm.all_reduce(t, "avg", mesh, j), k, me)
-    if isinstance(src, Shard) and isinstance(dst, Partial):
+    if not m.forward:
         raise RuntimeError(f"redistributing {src} to {dst} is not supported in the forward pass")
-    raise NotImplementedError(f"no transition from {src} to {dst} on mesh dim {j}")
+    coord = _coord(mesh)
+    run = _RUN.get(m.collective)
+    if run is None:
+        raise NotImplementedError(f"no transition from {src} to {dst} on mesh dim {j}")
+    return run(t, step, global_shape, mesh, coord, k, coord[j], a)
 
 
-def _norm_pre(t: torch.Tensor, src: Partial):
+def _chunk(t: torch.Tensor, step: Step, global_shape: Shape, mesh: DeviceMesh, coord: list[int], k: int, me: int,
+        a: bool) -> Any:
+    d = _dim(step.dst)
+    size, off = chunk(t.shape[d], k, me)
+    return t.narrow(d, off, size).clone()
+
+
+def _partition(t: torch.Tensor, step: Step, global_shape: Shape, mesh: DeviceMesh, coord: list[int], k: int, me: int,
+        a: bool) -> Any:
+    return step.dst.split_value(t, k, me)
+
+
+def _gather(t: torch.Tensor, step: Step, global_shape: Shape, mesh: DeviceMesh, coord: list[int], k: int, me: int,
+        a: bool) -> Any:
+    d = _dim(step.src)
+    length = _logical_len(step, global_shape, mesh, coord, d)
+    c = -(-length // k) if length else 0
+    gathered = comm.all_gather(_pad_to(t, d, c).contiguous(), mesh, step.mesh_dim, a)
+    return _then(gathered, lambda g: _merge(g, d).narrow(d, 0, length), a)
+
+
+def _reduce(t: torch.Tensor, step: Step, global_shape: Shape, mesh: DeviceMesh, coord: list[int], k: int, me: int,
+        a: bool) -> Any:
+    """P -> R; P -> another P (planned as P -> R then R -> P) all-reduces, then partitions."""
+    src, dst = step.src, step.dst
+    t, back = _norm_pre(t, src)
+    out = _then(comm.all_reduce(t, _op(src), mesh, step.mesh_dim, a), back, a)
+    return out if dst.is_replicate() else _then(out, lambda x: dst.split_value(x, k, me), a)
+
+
+def _reduce_scatter(t: torch.Tensor, step: Step, global_shape: Shape, mesh: DeviceMesh, coord: list[int], k: int, me: int,
+        a: bool) -> Any:
+    d = _dim(step.dst)
+    size, _ = chunk(t.shape[d], k, me)
+    t, back = _norm_pre(t, step.src)
+    out = comm.reduce_scatter(_pieces(t, d, k).contiguous(), _op(step.src), mesh, step.mesh_dim, a)
+    return _then(out, lambda o: back(o.narrow(d, 0, size)), a)
+
+
+def _all_to_all(t: torch.Tensor, step: Step, global_shape: Shape, mesh: DeviceMesh, coord: list[int], k: int, me: int,
+        a: bool) -> Any:
+    ad, bd = _dim(step.src), _dim(step.dst)
+    la = _logical_len(step, global_shape, mesh, coord, ad)
+    ca = -(-la // k) if la else 0
+    size_b, _ = chunk(t.shape[bd], k, me)
+    blocks = _pieces(_pad_to(t, ad, ca), bd, k).contiguous()
+    recv = comm.all_to_all(blocks, mesh, step.mesh_dim, a)
+    return _then(recv, lambda r: _merge(r, ad).narrow(ad, 0, la).narrow(bd, 0, size_b), a)
+
+
+def _rescale(t: torch.Tensor, step: Step, global_shape: Shape, mesh: DeviceMesh, coord: list[int], k: int, me: int,
+        a: bool) -> Any:
+    """Partial sum <-> avg, locally (an integer average's terms: see below)."""
+    if _op(step.src) == "sum":
+        return t * k
+    if t.is_floating_point() or t.is_complex():
+        return t / k
+    # integer terms: a floor per term would not add up to the floor of the mean
+    return Partial("sum").split_value(comm.all_reduce(t, "avg", mesh, step.mesh_dim), k, me)
+
+
+_RUN = {"chunk": _chunk, "partition": _partition, "all_gather": _gather, "all_reduce": _reduce,
+        "reduce_scatter": _reduce_scatter, "all_to_all": _all_to_all, "rescale": _rescale}
+
+
+def _norm_pre(t: torch.Tensor, src: Placement):
     """For ``PN(p)`` with finite ``p`` other than 0 and 1: ``L^p`` in fp32 before the sum, ``^(1/p)`` after."""
     p = getattr(src, "norm", None)
     if p is None or p in (0.0, 1.0) or p in (float("inf"), float("-inf")):
@@ -221,7 +287,7 @@ def run_plan(t: torch.Tensor, src_spec, dst_spec, async_op: bool = False) -> tor
     """
     mesh = src_spec.mesh
     for j, (a, b) in enumerate(zip(src_spec.placements, dst_spec.placements)):
-        if isinstance(a, Shard) and isinstance(b, Partial) and mesh.shape[j] > 1:
+        if not move(a, b, mesh.shape[j]).forward:
             raise RuntimeError(f"redistributing {a} to {b} on mesh dim {j} is not supported in the forward pass")
     steps = plan_for(src_spec, dst_spec)
     if async_op and steps:

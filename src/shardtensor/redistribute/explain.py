@@ -40,11 +40,12 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..placement import Partial, Placement, Replicate, Shard, ShardOrder, all_planned, display
+from ..placement import Placement, ShardOrder, all_planned, display
 from .cost import LinkModel, logical_shape, normalize_links, step_comm, step_link
 from .drawing import draw_plan
 from .explain_move import MoveExplanation, explain_move
 from .exchange import exchange_dims, exchange_loads
+from .moves import bound_fraction, move
 from .planner import plan
 from .spec_text import (_jnum, int_tuple, _order_from_json, _order_json, _pl_str, format_bytes, format_time, parse_dtype,
                         parse_placements, parse_shard_order, parse_spec, resolve_spec)
@@ -268,31 +269,18 @@ def _bound_term(j: int, a: Placement, b: Placement, mesh_shape, numel: int, item
     xmin = Fraction(numel * itemsize, rest)
     x_txt = (f"|X|min = {format_bytes(numel * itemsize)} / {rest}, split by the other mesh dims" if rest > 1
              else "|X|min = the whole tensor")
-    if a == b or k == 1 or isinstance(a, Replicate):
+    m = move(a, b, k)
+    if not m.hops:
         why = ("same placement" if a == b else "a group of one rank" if k == 1
-               else "local chunk" if isinstance(b, Shard) else "local partition")
+               else f"local {m.collective}")
         return BoundTerm(j, a, b, "", 0, 0, f"{a} -> {b}: {why}, no communication")
-    if isinstance(a, Partial) and isinstance(b, Partial) and {a.reduce_op, b.reduce_op} == {"sum", "avg"}:
-        return BoundTerm(j, a, b, "", 0, 0, f"{a} -> {b}: local rescale, no communication")
-    if isinstance(a, Shard):
-        if isinstance(b, Shard):
-            frac, lat, coll, ftxt = Fraction(k - 1, k * k), k - 1, "all_to_all", "(k-1)/k^2"
-            how = "an all-to-all (or a dearer all-gather)"
-        else:
-            frac, lat, coll, ftxt = Fraction(k - 1, k), k - 1, "all_gather", "(k-1)/k"
-            how = "an all-gather (the only way out of a shard)" + (" and a partition" if isinstance(b, Partial) else "")
-    elif isinstance(b, Shard):
-        frac, lat, coll, ftxt = Fraction(k - 1, k), k - 1, "reduce_scatter", "(k-1)/k"
-        how = "a reduce-scatter (or a dearer all-reduce)"
-    else:
-        frac, lat, coll, ftxt = Fraction(2 * (k - 1), k), 2 * (k - 1), "all_reduce", "2(k-1)/k"
-        how = ("an all-reduce, or a reduce-scatter and later an all-gather"
-               + (" (then a partition)" if isinstance(b, Partial) else ""))
+    frac = bound_fraction(m, k)
+    ftxt = ("2" if m.hops == 2 else "") + ("(k-1)/k" if len(m.split) < 2 else "(k-1)/k^2")
     byt = frac * xmin
     val = str(frac.numerator) if frac.denominator == 1 else f"{frac.numerator}/{frac.denominator}"
-    return BoundTerm(j, a, b, coll, byt, lat, f"{a} -> {b} (k={k}) needs {how}: >= {ftxt} x |X|min "
-                                              f"= {val} x {format_bytes(float(xmin))} = {format_bytes(float(byt))} "
-                                              f"({x_txt})")
+    return BoundTerm(j, a, b, m.collective, byt, m.hops * (k - 1),
+                     f"{a} -> {b} (k={k}) needs {m.how}: >= {ftxt} x |X|min "
+                     f"= {val} x {format_bytes(float(xmin))} = {format_bytes(float(byt))} ({x_txt})")
 
 
 # -- the main call ------------------------------------------------------------------------------
@@ -304,10 +292,11 @@ def _after(step: Step) -> tuple[tuple[Placement, ...], ShardOrder]:
     order = {d: list(js) for d, js in step.order}
     for j in step.mesh_dims:
         pl[j] = step.dst
-        if isinstance(step.src, Shard):
-            order[step.src.dim].remove(j)
-        if isinstance(step.dst, Shard):
-            order.setdefault(step.dst.dim, []).append(j)
+        a, b = step.src.tensor_dim(), step.dst.tensor_dim()
+        if a is not None:
+            order[a].remove(j)
+        if b is not None:
+            order.setdefault(b, []).append(j)
     return tuple(pl), tuple((d, tuple(js)) for d, js in sorted(order.items()) if js)
 
 
@@ -384,7 +373,7 @@ def explain_redistribute(mesh_shape: Sequence[int], shape: Sequence[int], src, d
 
     notes = []
     for j, (pa, pb) in enumerate(zip(src_pl, dst_pl)):
-        if isinstance(pa, Shard) and isinstance(pb, Partial) and mesh_shape[j] > 1:
+        if not move(pa, pb, mesh_shape[j]).forward:
             notes.append(f"mesh dim {j}: {pa} -> {pb} is refused by DTensor.redistribute in the forward pass"
                          "; the plan is what the planner returns")
     if links is not None:

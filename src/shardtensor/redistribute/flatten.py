@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import math
 
-from ..placement import Partial, Placement, Replicate, Shard
-from .cost import link_of, step_comm, step_latency
+from ..placement import Placement, Replicate, Shard
+from .cost import link_of, step_comm
 from .exchange import exchange_bound, exchange_comm, exchange_dims, exchange_floor, exchange_lack
 from .search import LOWER, search
 from .steps import ExchangeStep, FlatStep, Step
@@ -45,7 +45,7 @@ def improve(base: tuple[Step, ...], mesh_shape, links, src, src_order, dst, dst_
     plan (``direct_plan``, passed in) where that moves fewer bytes, or the same bytes in fewer
     collectives."""
     groups = _reduce_groups(src, dst, mesh_shape)
-    ncoll = sum(1 for st in base if step_latency(st, mesh_shape))
+    ncoll = sum(1 for st in base if step_comm(st, shape, mesh_shape)[3])
     if not ncoll:
         direct = None
     joins = ncoll > 1 and any(_join(a, b) is not None for a, b in zip(base, base[1:]))
@@ -89,11 +89,11 @@ def direct_plan(mesh_shape, src, src_order, dst, dst_order, shape) -> tuple[Step
     cur, lists = list(src), dict(src_order)
     order = src_order
     for j, (a, b) in enumerate(zip(src, dst)):
-        if not isinstance(a, Partial) or a == b or mesh_shape[j] == 1:
+        if not a.is_partial() or a == b or mesh_shape[j] == 1:
             continue
-        if isinstance(b, Partial) or not shape:
+        if b.is_partial() or not shape:
             return None
-        d = b.dim if isinstance(b, Shard) else max(range(len(shape)), key=lambda e: (shape[e], -e))
+        d = b.dim if b.is_shard() else max(range(len(shape)), key=lambda e: (shape[e], -e))
         pre.append(Step(j, a, Shard(d), tuple(cur), order))
         cur[j] = Shard(d)
         lists[d] = lists.get(d, ()) + (j,)
@@ -143,7 +143,7 @@ def ceiling_applies(links, src, dst, mesh_shape) -> bool:
     may hold each partial kind.  The links must share one bandwidth (the search's units)."""
     if len({lk.beta for lk in links}) != 1 or not links[0].beta:
         return False
-    kinds = [a for j, a in enumerate(src) if isinstance(a, Partial) and mesh_shape[j] > 1]
+    kinds = [a for j, a in enumerate(src) if a.is_partial() and mesh_shape[j] > 1]
     return len(kinds) == len(set(kinds))
 
 
@@ -210,16 +210,16 @@ def _reduce_groups(src, dst, mesh_shape) -> list[tuple[int, ...]]:
     """Mesh dims of one partial kind, all headed for Replicate (two or more, each of size > 1)."""
     by_kind: dict[Placement, list[int]] = {}
     for j, (a, b) in enumerate(zip(src, dst)):
-        if isinstance(a, Partial) and isinstance(b, Replicate) and mesh_shape[j] > 1:
+        if a.is_partial() and b.is_replicate() and mesh_shape[j] > 1:
             by_kind.setdefault(a, []).append(j)
     return [tuple(js) for js in by_kind.values() if len(js) > 1]
 
 
 def _kind(st: Step) -> str:
     a, b = st.src, st.dst
-    if isinstance(a, Shard) and isinstance(b, Replicate):
+    if a.is_shard() and b.is_replicate():
         return "ag"
-    if isinstance(a, Partial) and isinstance(b, Replicate):
+    if a.is_partial() and b.is_replicate():
         return "ar"
     return ""
 

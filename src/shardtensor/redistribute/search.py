@@ -20,7 +20,7 @@ import heapq
 import math
 from typing import Callable
 
-from ..placement import Partial, Replicate, Shard, ShardOrder
+from ..placement import Replicate, ShardOrder
 from .baseline import baseline_plan
 from .cycles import clear_caches as clear_cycle_caches
 from .cycles import cycle_extra
@@ -148,10 +148,10 @@ def _free_plan(src, src_order: ShardOrder, dst_order: ShardOrder, compat: list[b
         if js[:len(have)] != have:
             return None
         for j in js[len(have):]:
-            if not isinstance(src[j], Replicate):
+            if not src[j].is_replicate():
                 return None
             chunks.append((j, _CHUNK, d))
-    if lists or not all(compat[j] for j, p in enumerate(src) if isinstance(p, Partial)):
+    if lists or not all(compat[j] for j, p in enumerate(src) if p.is_partial()):
         return None
     return chunks
 
@@ -171,14 +171,12 @@ class _Problem:
         (self.ks, self.K_all, S, self.hmul, self.MASK, self.SH, self.CD, self.CP, self.AG, self.AR,
          self.LAT1, self.LAT2) = t
         self.start = encode(src, src_order, m, N, self.SH, "source")
-        self.goal = encode(tuple(p if isinstance(p, Shard) else _REPLICATE for p in dst), dst_order, m, N,
+        self.goal = encode(tuple(p if p.is_shard() else _REPLICATE for p in dst), dst_order, m, N,
                             self.SH, "target")
         # target facts per mesh dim; a compatible source partial may stay (goal mask GM)
-        self.tS = [isinstance(b, Shard) for b in dst]
-        self.TD = [b.dim if isinstance(b, Shard) else -1 for b in dst]
-        self.compat = [isinstance(b, Partial) and (a == b or (type(a) is Partial and type(b) is Partial and
-                                                              {a.reduce_op, b.reduce_op} == {"sum", "avg"}))
-                       for a, b in zip(src, dst)]
+        self.tS = [b.is_shard() for b in dst]
+        self.TD = [b.dim if b.is_shard() else -1 for b in dst]
+        self.compat = [b.is_partial() and (a == b or a.rescales_to(b)) for a, b in zip(src, dst)]
         self.GM = -1
         for j in range(m):
             if self.compat[j]:

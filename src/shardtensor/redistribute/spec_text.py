@@ -9,8 +9,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..placement import (PLACEMENTS, Partial, Placement, Replicate, Shard, ShardOrder, default_shard_order,
-                         normalize_placements, validate_shard_order, REDUCE_OPS)
+from ..placement import (PLACEMENTS, Partial, Placement, REDUCE_OPS, Replicate, Shard, ShardOrder, default_shard_order,
+                         normalize_placements, shard_dim, validate_shard_order)
 
 __all__ = ["int_tuple", "parse_dtype", "parse_spec", "parse_placements", "parse_shard_order", "resolve_spec", "format_bytes",
            "format_time"]
@@ -150,8 +150,9 @@ def parse_spec(text: str, mesh_ndim: int) -> tuple[tuple[Placement, ...], dict[i
     order: dict[int, tuple[int, ...]] = {}
     by_dim: dict[int, list[int]] = {}
     for j, p in enumerate(out):
-        if isinstance(p, Shard):
-            by_dim.setdefault(p.dim, []).append(j)
+        d = shard_dim(p)
+        if d is not None:
+            by_dim.setdefault(d, []).append(j)
     for d, js in by_dim.items():
         marked = [j for j in js if j in pos]
         if not marked:

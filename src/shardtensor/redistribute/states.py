@@ -14,7 +14,7 @@ from fractions import Fraction
 from functools import lru_cache
 from typing import Sequence
 
-from ..placement import Partial, Placement, Replicate, Shard, ShardOrder
+from ..placement import Placement, Replicate, Shard, ShardOrder
 from .cost import LinkModel
 from .steps import Step
 
@@ -73,9 +73,9 @@ def encode(pl: tuple, order: ShardOrder, m: int, N: int, SH: tuple, what: str) -
     code = 0
     nshard = 0
     for j, p in enumerate(pl):
-        if isinstance(p, Shard):
+        if p.is_shard():
             nshard += 1
-        elif isinstance(p, Partial):
+        elif p.is_partial():
             code |= 1 << SH[j]
     seen = 0
     dims = 0
@@ -89,7 +89,7 @@ def encode(pl: tuple, order: ShardOrder, m: int, N: int, SH: tuple, what: str) -
             if not 0 <= j < m or seen >> j & 1:
                 raise ValueError(f"{what} shard order {order} does not match placements {pl}")
             p = pl[j]
-            if not isinstance(p, Shard) or p.dim != d:
+            if not p.is_shard() or p.dim != d:
                 raise ValueError(f"{what} shard order {order} does not match placements {pl}")
             seen |= 1 << j
             code |= (2 + d * m + pos) << SH[j]
@@ -130,14 +130,14 @@ def to_steps(moves, src, src_order, dst, dst_order) -> tuple[Step, ...]:
         to_r = kind in (AG, AR)
         new: Placement = _REPLICATE if to_r else Shard(b)
         steps.append(Step(j, p, new, tuple(cur), frozen))
-        if isinstance(p, Shard):
+        if p.is_shard():
             lists[p.dim] = lists[p.dim][:-1]
         if not to_r:
             lists[b] = lists.get(b, ()) + (j,)
         frozen = tuple((d, lists[d]) for d in sorted(lists) if lists[d])
         cur[j] = new
     for j, t in enumerate(dst):
-        if isinstance(t, Partial) and cur[j] != t:
+        if t.is_partial() and cur[j] != t:
             steps.append(Step(j, cur[j], t, tuple(cur), frozen))
             cur[j] = t
     assert tuple(cur) == tuple(dst) and frozen == tuple(dst_order), (src, src_order, dst, dst_order, moves)

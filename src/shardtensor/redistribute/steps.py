@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..placement import Placement, Replicate, Shard, ShardOrder
+from ..placement import Placement, ShardOrder
+from .moves import move
 
 __all__ = ["Step", "FlatStep", "ExchangeStep", "transition_kind"]
 
@@ -70,17 +71,5 @@ class ExchangeStep(Step):
 
 
 def transition_kind(src: Placement, dst: Placement) -> str:
-    """Name of the collective (or local op) a single-mesh-dim transition uses."""
-    if src == dst:
-        return "identity"
-    if isinstance(src, Replicate):
-        return "chunk" if isinstance(dst, Shard) else "partition"
-    if isinstance(src, Shard):
-        if isinstance(dst, Replicate):
-            return "all_gather"
-        return "all_to_all" if isinstance(dst, Shard) else "invalid"
-    if isinstance(dst, Replicate):
-        return "all_reduce"
-    if isinstance(dst, Shard):
-        return "reduce_scatter"
-    return "rescale"
+    """Name of the collective (or local op) a single-mesh-dim transition uses (``moves.py``)."""
+    return move(src, dst).collective

@@ -40,7 +40,7 @@ def _follows(shape: Any, ref: tuple[int, ...], dim: int) -> bool:
 
 
 def _placement(shape: Any, ref: tuple[int, ...], p: Placement) -> Placement:
-    return p if isinstance(p, Shard) and _follows(shape, ref, p.dim) else Replicate()
+    return p if p.is_shard() and _follows(shape, ref, p.dim) else Replicate()
 
 
 @register(*OPS)

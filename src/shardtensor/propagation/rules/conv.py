@@ -80,7 +80,7 @@ def convolution_rule(call: Call) -> Decision:
     labels: dict[int, Any] = {xp: xl, wp: wl}
     if bp is not None:
         options = [[({**req, bp: Shard(0) if out == Shard(1) else
-                      out if isinstance(out, Partial) else Replicate()}, out) for req, out in opts]
+                      out if out.is_partial() else Replicate()}, out) for req, out in opts]
                    for opts in options]
         labels[bp] = (O,)
     cand = select(call, expand(options, list(labels)))
@@ -149,7 +149,7 @@ def _pool_options(call: Call, positions: list[int], lead: int, linear: int | Non
     ``n_out`` outputs, the second (max pools' indices) is ``R`` where the first is Partial."""
 
     def out(pl: Placement) -> Any:
-        return (pl, Replicate() if isinstance(pl, Partial) else pl) if n_out else pl
+        return (pl, Replicate() if pl.is_partial() else pl) if n_out else pl
 
     per_dim = []
     for j in range(call.mesh.ndim):

@@ -73,7 +73,7 @@ def embedding_rule(call: Call) -> Decision:
         opts.append(({wpos: Shard(1)}, Shard(n)))
         opts.append(({wpos: Shard(0)}, Partial("sum")))
         p = w.placements[j]
-        if isinstance(p, Partial):
+        if p.is_partial():
             opts.append(({wpos: p}, p))
         options.append(opts)
     cand = select(call, expand(options, [wpos, ipos]))

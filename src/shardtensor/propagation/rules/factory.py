@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ...placement import Replicate, Shard, unpartial
+from ...placement import Replicate, unpartial
 from ...spec import DTensorSpec
 from ..call import Call, Decision
 from ..registry import register
@@ -61,7 +61,7 @@ def new_factory_rule(call: Call) -> Decision:
     keep = call.op in KEEPS_PARTIAL
     pl = s.placements if keep else unpartial(s.placements)
     out = DTensorSpec.build(s.mesh, pl, s.shape, meta.stride(), meta.dtype, s.shard_order)
-    if not any(isinstance(p, Shard) for p in pl):
+    if not any(p.is_shard() for p in pl):
         return finish(call, {}, out)
     size_slots = call.slots("size")
     stride_slots = call.slots("stride") if call.op is aten.new_empty_strided.default else None

@@ -37,7 +37,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ...errors import PropagationError
-from ...placement import Partial, Placement, Replicate, Shard
+from ...placement import Placement, Replicate, Shard
 from ...spec import DTensorSpec
 from ..call import Call, Decision, unflatten_call
 from ..registry import register, rule_for
@@ -96,11 +96,11 @@ def _aligned(self_spec: DTensorSpec, other: DTensorSpec, keep_partial: bool) -> 
     shift = self_spec.ndim - other.ndim
     pl: list[Placement] = []
     for p, q in zip(self_spec.placements, other.placements):
-        if isinstance(p, Shard):
+        if p.is_shard():
             d = p.dim - shift
             ok = d >= 0 and other.shape[d] == self_spec.shape[p.dim]
             pl.append(Shard(d) if ok else Replicate())
-        elif isinstance(p, Partial) and keep_partial and q == p:
+        elif p.is_partial() and keep_partial and q == p:
             pl.append(q)
         else:
             pl.append(Replicate())
@@ -251,7 +251,7 @@ def _partition_locally(have: DTensorSpec, want: DTensorSpec) -> tuple[DTensorSpe
     split into terms is the same value and needs only the gather.
     """
     moved = [(j, q) for j, (p, q) in enumerate(zip(have.placements, want.placements))
-             if isinstance(q, Partial) and p != q]
+             if q.is_partial() and p != q]
     if not moved:
         return want, []
     pl = [Replicate() if any(j == m for m, _ in moved) else q for j, q in enumerate(want.placements)]

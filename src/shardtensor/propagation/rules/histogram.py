@@ -39,7 +39,7 @@ def histc_rule(call: Call) -> Decision:
     pl = shard_instead(call, 0, s.placements, range(x.ndim), alone=True)  # a Partial reduce-scattered
     s = s if pl == s.placements else x.with_placements(pl)
     mesh = s.mesh
-    dims = [j for j, p in enumerate(s.placements) if isinstance(p, Shard) and mesh.shape[j] > 1]
+    dims = [j for j, p in enumerate(s.placements) if p.is_shard() and mesh.shape[j] > 1]
     out_pl: list[Placement] = [Partial("sum") if j in dims else Replicate() for j in range(mesh.ndim)]
     meta = call.out_meta
     out = DTensorSpec.build(mesh, out_pl, meta.shape, meta.stride(), meta.dtype)
@@ -81,7 +81,7 @@ def bucketize_rule(call: Call) -> Decision:
 @register(aten.multinomial.default)
 def multinomial_rule(call: Call) -> Decision:
     s = call.specs[0]
-    keep: list[Placement] = [p if isinstance(p, Shard) and p.dim == 0 and s.ndim == 2 else Replicate()
+    keep: list[Placement] = [p if p.is_shard(0) and s.ndim == 2 else Replicate()
                              for p in s.placements]
     need = s.with_placements(keep)
     meta = call.out_meta

@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ...placement import NormPartial, Partial, Placement, Replicate, Shard
+from ...placement import Partial, Placement, Replicate, Shard
 from ...spec import DTensorSpec
 from ..call import Call, Decision
 from ..registry import register
@@ -57,17 +57,13 @@ def _norm(dim: int, n: int) -> int:
 
 def _commuting(pls: Sequence[Placement]) -> bool:
     """Partial kinds on one tensor must commute."""
-    parts = [p for p in pls if isinstance(p, Partial)]
+    parts = [p for p in pls if p.is_partial()]
     if not parts:
         return True
-    if any(isinstance(p, NormPartial) for p in parts):
+    if any(p.plain_op() is None for p in parts):
         return all(p == parts[0] for p in parts)
     kinds = {p.reduce_op for p in parts}
     return len(kinds) == 1 or kinds <= {"sum", "avg"}
-
-
-def _plain(p: Placement) -> bool:
-    return isinstance(p, Partial) and not isinstance(p, NormPartial)
 
 
 Pair = tuple[int, int, int, int]
@@ -124,7 +120,7 @@ def _partial_kinds(*specs: DTensorSpec | None) -> list[Partial]:
         if s is None:
             continue
         for p in s.placements:
-            if isinstance(p, Partial) and p not in out:
+            if p.is_partial() and p not in out:
                 out.append(p)
     return out
 
@@ -137,7 +133,7 @@ def _constant_term(value: Any, output: Sequence[Placement], mesh) -> Any:
     """
     coord = mesh.get_coordinate()
     for j, p in enumerate(output):
-        if isinstance(p, Partial) and coord[j] != 0:
+        if p.is_partial() and coord[j] != 0:
             if p.reduce_op == "sum":
                 return _like(value, 0)
             if p.reduce_op == "product":
@@ -169,7 +165,7 @@ def _gather_dims(call: Call, pos: int, gather: set[int]) -> Decision:
     """Single-input data movement: ``S`` on ``gather`` dims -> R, everything else (partials too) kept."""
     s = call.specs[pos]
     meta = call.out_meta
-    pl = tuple(R if isinstance(p, Shard) and p.dim in gather else p for p in s.placements)
+    pl = tuple(R if p.is_shard() and p.dim in gather else p for p in s.placements)
     order = tuple((d, js) for d, js in s.shard_order if d not in gather)
     req = s.with_placements(pl, order)
     out = DTensorSpec.build(s.mesh, pl, meta.shape, meta.stride(), meta.dtype, order)
@@ -359,7 +355,7 @@ def index_put_rule(call: Call) -> Decision:
                 opts.append(((ps, Shard(k), _values_pl(vshape, rnd, start + k, bshape[k])), ps))
     kinds = ("sum", "avg") if accumulate else ("sum", "avg", "max", "min", "product")
     for p in _partial_kinds(s, v):
-        if _plain(p) and p.reduce_op in kinds:
+        if p.plain_op() in kinds:
             opts.append(((p,) + rr + (p,), p))
     if vp is None:
         opts = [(o[0][:-1] + (R,), o[1]) for o in opts]
@@ -382,7 +378,7 @@ def _values_kernel(call: Call, vp: int | None) -> Callable[[Candidate], Callable
     op, mesh = call.op, call.mesh
 
     def kernel_for(best: Candidate) -> Callable | None:
-        if vp is not None or not any(isinstance(p, Partial) for p in best.output):
+        if vp is not None or not any(p.is_partial() for p in best.output):
             return None
         return _term_kernel(op, "values", 2, best.output, mesh)
 

@@ -57,7 +57,7 @@ def _ascending(pl: Sequence[Placement], d: int) -> tuple[int, ...]:
 
 
 def _order_for(pl: Sequence[Placement], labels: Labels, label_order: dict) -> tuple:
-    dims = sorted({p.dim for p in pl if isinstance(p, Shard)})
+    dims = sorted({p.dim for p in pl if p.is_shard()})
     order = []
     for d in dims:
         js = _ascending(pl, d)
@@ -140,7 +140,7 @@ def label_options(call: Call, operands: Sequence[tuple[int, Labels]],
 
 
 def _bias_placement(out: Placement, blabs: Labels, out_labels: Labels) -> Placement:
-    if isinstance(out, Shard):
+    if out.is_shard():
         L = out_labels[out.dim]
         return Shard(blabs.index(L)) if L in blabs else Replicate()
     return out

@@ -49,9 +49,9 @@ def _spec_with(s: DTensorSpec, pl: Sequence[Placement]) -> DTensorSpec:
 def gather_dims(s: DTensorSpec, keep_shard: Callable[[int], bool], keep_partial: Callable[[Partial], bool]) -> DTensorSpec:
     pl: list[Placement] = []
     for p in s.placements:
-        if isinstance(p, Shard) and not keep_shard(p.dim):
+        if p.is_shard() and not keep_shard(p.dim):
             p = Replicate()
-        elif isinstance(p, Partial) and not keep_partial(p):
+        elif p.is_partial() and not keep_partial(p):
             p = Replicate()
         pl.append(p)
     return _spec_with(s, pl)
@@ -69,7 +69,7 @@ def cheapest_gather(call: Call, pos: int, keep_shard: Callable[[int], bool],
 
 def _renumbered(req: DTensorSpec, where: dict[int, int], meta: torch.Tensor) -> DTensorSpec:
     """Output spec: ``S(d)`` of the input becomes ``S(where[d])``, other placements unchanged."""
-    pl = [Shard(where[p.dim]) if isinstance(p, Shard) else p for p in req.placements]
+    pl = [Shard(where[p.dim]) if p.is_shard() else p for p in req.placements]
     order = tuple(sorted((where[d], js) for d, js in req.shard_order))
     return DTensorSpec.build(req.mesh, pl, meta.shape, meta.stride(), meta.dtype, order)
 
@@ -86,7 +86,7 @@ def triangle_rule(call: Call) -> Decision:
     out = DTensorSpec.build(s.mesh, s.placements, meta.shape, meta.stride(), meta.dtype, s.shard_order)
     rows, cols = s.ndim - 2, s.ndim - 1
     kernel = None
-    if any(isinstance(p, Shard) and p.dim in (rows, cols) for p in s.placements):
+    if any(p.is_shard() and p.dim in (rows, cols) for p in s.placements):
         op = call.op
 
         def kernel(x: torch.Tensor, diagonal: int = 0) -> torch.Tensor:

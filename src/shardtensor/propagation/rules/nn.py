@@ -63,36 +63,36 @@ from ..strategy import Candidate, Pl, decide, finish, shard_instead
 
 aten = torch.ops.aten
 
-__all__ = ["unpartial", "gather", "gather_from", "drop", "insert", "mask_piece"]
+__all__ = ["unpartial", "gather", "gather_from", "drop", "insert"]
 
 
 # -- placement transforms --------------------------------------------------------------------
 
 def gather(pl: Sequence[Placement], dims: Sequence[int]) -> Pl:
     """``unpartial``, and shards of ``dims`` -> Replicate."""
-    return tuple(Replicate() if p.is_partial() or (isinstance(p, Shard) and p.dim in dims) else p for p in pl)
+    return tuple(Replicate() if p.is_partial() or (p.is_shard() and p.dim in dims) else p for p in pl)
 
 
 def gather_from(pl: Sequence[Placement], axis: int) -> Pl:
     """``unpartial``, and shards of every dim ``>= axis`` -> Replicate."""
-    return tuple(Replicate() if p.is_partial() or (isinstance(p, Shard) and p.dim >= axis) else p for p in pl)
+    return tuple(Replicate() if p.is_partial() or (p.is_shard() and p.dim >= axis) else p for p in pl)
 
 
 def drop(pl: Sequence[Placement], c: int) -> Pl:
     """Dim ``c`` removed: shards of later dims move down by one (no ``S(c)`` allowed)."""
-    assert not any(isinstance(p, Shard) and p.dim == c for p in pl)
-    return tuple(Shard(p.dim - 1) if isinstance(p, Shard) and p.dim > c else p for p in pl)
+    assert not any(p.is_shard(c) for p in pl)
+    return tuple(Shard(p.dim - 1) if p.is_shard() and p.dim > c else p for p in pl)
 
 
 def insert(pl: Sequence[Placement], c: int) -> Pl:
     """Dim ``c`` inserted: shards of dims ``>= c`` move up by one."""
-    return tuple(Shard(p.dim + 1) if isinstance(p, Shard) and p.dim >= c else p for p in pl)
+    return tuple(Shard(p.dim + 1) if p.is_shard() and p.dim >= c else p for p in pl)
 
 
 def _shards(spec: DTensorSpec, pl: Sequence[Placement]) -> int:
     n = 1
     for j, p in enumerate(pl):
-        if isinstance(p, Shard):
+        if p.is_shard():
             n *= spec.mesh.shape[j]
     return n
 
@@ -140,7 +140,7 @@ def _nll_layouts(call: Call, backward: bool = False) -> list[tuple[Pl, Pl, Pl]]:
     c = 1 if x.ndim >= 2 else 0
     m = x.mesh.ndim
     keep = [p.is_partial() and t.placements[j] == Replicate()
-            and (backward or (type(p) is Partial and p.reduce_op in ("sum", "avg")))
+            and (backward or p.plain_op() in ("sum", "avg"))
             for j, p in enumerate(x.placements)]
 
     def layout(i_pl: Pl, t_pl: Pl) -> tuple[Pl, Pl, Pl]:
@@ -171,12 +171,12 @@ def nll_loss_forward_rule(call: Call) -> Decision:
         if reduction == 0:
             out = (tuple(k or p for k, p in zip(kept, t_pl)), rep)
         else:
-            summed = tuple(Partial("sum") if isinstance(p, Shard) else Replicate() for p in t_pl)
+            summed = tuple(Partial("sum") if p.is_shard() else Replicate() for p in t_pl)
             loss = tuple(k or p for k, p in zip(kept, summed))
             out = (loss, summed if reduction == 2 else rep)
         cands.append(Candidate(inputs, out))
     d = decide(call, cands)
-    dims = [j for j, p in enumerate(d.inputs[tp].placements) if isinstance(p, Shard)]
+    dims = [j for j, p in enumerate(d.inputs[tp].placements) if p.is_shard()]
     if reduction != 1 or not dims:
         return d
     return replace(d, kernel=kernels.nll_mean(call.op, call.mesh, dims))
@@ -217,7 +217,7 @@ def _norm_axis(call: Call, x: DTensorSpec) -> int:
 
 
 def _weight_grad_pl(a: Pl, axis: int) -> Pl:
-    return tuple(Partial("sum") if isinstance(p, Shard) and p.dim < axis else Replicate() for p in a)
+    return tuple(Partial("sum") if p.is_shard() and p.dim < axis else Replicate() for p in a)
 
 
 @register(aten.native_layer_norm.default, aten._fused_rms_norm.default)
@@ -296,7 +296,7 @@ def _expand(x: DTensorSpec, dim: int) -> list[Pl]:
             continue
         pieces: dict[int, int] = {}
         for j, p in enumerate(combo):
-            if isinstance(p, Shard):
+            if p.is_shard():
                 pieces[p.dim] = pieces.get(p.dim, 1) * x.mesh.shape[j]
         if all(n <= x.shape[d] for d, n in pieces.items()):
             out.append(tuple(combo))

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ...placement import NormPartial, Partial, Shard
+from ...placement import NormPartial, Partial
 from ..call import Call, Decision
 from ..registry import register
 from ..strategy import finish, keep_order, kept_order, pick
@@ -78,7 +78,7 @@ def vector_norm_rule(call: Call) -> Decision:
     req = pick(call, pos, choices(s, D, decomposable=True, keep=_keep(pn)))
     kernel = None
     fill = norm_identity(pn.norm)
-    if fill is not None and any(isinstance(p, Shard) and p.dim in D for p in req):
+    if fill is not None and any(p.is_shard() and p.dim in D for p in req):
         kernel = empty_safe(call.op, D, keepdim, lambda dt: fill, meta.dtype)
     out_pl = reduce_out(req, D, keepdim, pn)
     order = out_order(kept_order(s, req), out_pl, D, keepdim)

@@ -119,7 +119,7 @@ def _keeps_partial(call: Call, kinds: set[str], partial_args: list[int]) -> bool
 
 def _plain(ps: Any) -> bool:
     """Plain ``Partial`` s only: a norm partial's ``reduce_op`` (sum for ``PN(2)``) is not its value."""
-    return all(type(p) is Partial for p in ps)
+    return all(p.plain_op() is not None for p in ps)
 
 
 def _kept(call: Call, ps: list[Placement], group: list[int]) -> Placement | None:
@@ -169,12 +169,12 @@ def _inplace_rule(call: Call) -> Decision:
     others = [i for i, s in enumerate(call.specs) if s is not None and i != 0]
     self_pl = list(me.placements)
     for j, p in enumerate(me.placements):
-        if not isinstance(p, Partial):
+        if not p.is_partial():
             continue
         row = PARTIAL_ROWS.get(call.op)
         keeps = (linear_partial(p) and (row in ("factor", "numerator") or (row == "terms" and others == [1]))) or \
             _order_kind(call, {p.reduce_op}, [0]) == p.reduce_op
-        if not keeps or (row == "terms" and any(isinstance(call.specs[i].placements[j], Shard) for i in others)):
+        if not keeps or (row == "terms" and any(call.specs[i].placements[j].is_shard() for i in others)):
             self_pl[j] = Replicate()  # (a shard cannot become a term of the Partial)
     if tuple(self_pl) != me.placements:
         inputs[0] = me.with_placements(self_pl)
@@ -183,10 +183,10 @@ def _inplace_rule(call: Call) -> Decision:
         s = call.specs[i]
         need: list[Placement] = []
         for p in target.placements:
-            if isinstance(p, Shard):
+            if p.is_shard():
                 d = p.dim - (nd - s.ndim)
                 need.append(Shard(d) if d >= 0 and s.shape[d] == me.shape[p.dim] else Replicate())
-            elif isinstance(p, Partial):
+            elif p.is_partial():
                 need.append(p if PARTIAL_ROWS.get(call.op) == "terms" and linear_partial(p) else Replicate())
             else:
                 need.append(Replicate())
@@ -259,12 +259,12 @@ def _options(call: Call, j: int, out0: torch.Tensor) -> list[Option]:
     dims: list[int] = []
     for i in pos:
         p = pls[i]
-        if isinstance(p, Shard):
+        if p.is_shard():
             od = p.dim + nd - call.specs[i].ndim
             if in_dim(i, od) == p.dim and od not in dims:
                 dims.append(od)
     opts: list[Option] = [sharded(od) for od in dims]
-    partial = [i for i in pos if isinstance(pls[i], Partial)]
+    partial = [i for i in pos if pls[i].is_partial()]
     for group in [partial] + ([[i] for i in partial] if len(partial) > 1 else []):
         kinds = {pls[i].reduce_op for i in group}
         if (kind := _kept(call, [pls[i] for i in group], group)) is not None:
@@ -272,7 +272,7 @@ def _options(call: Call, j: int, out0: torch.Tensor) -> list[Option]:
             opts.append(({i: kind if every or i in group else Replicate() for i in pos}, kind))
         elif _plain(pls[i] for i in group) and (ordered := _order_kind(call, kinds, group)) is not None:
             opts.append(({i: pls[i] if i in group else Replicate() for i in pos}, Partial(ordered)))
-    if partial and any(isinstance(p, Shard) for i in pos for jj, p in enumerate(call.specs[i].placements) if jj != j):
+    if partial and any(p.is_shard() for i in pos for jj, p in enumerate(call.specs[i].placements) if jj != j):
         k = call.mesh.shape[j]
         opts += [sharded(od) for od in range(nd) if od not in dims and out0.shape[od] >= k
                  and all(in_dim(i, od) is not None for i in partial)]
@@ -302,7 +302,7 @@ def _follow(call: Call) -> Decision:
         od = None
         for i in pos:
             p = specs[i].placements[j]
-            if isinstance(p, Shard) and len(specs[i].shape) <= nd:
+            if p.is_shard() and len(specs[i].shape) <= nd:
                 cand = p.dim + nd - len(specs[i].shape)
                 if in_dim(i, cand) == p.dim:
                     od = cand
@@ -313,8 +313,8 @@ def _follow(call: Call) -> Decision:
                 d = in_dim(i, od)
                 in_pl[i][j] = Shard(d) if d is not None else Replicate()
             continue
-        partial = [i for i in pos if isinstance(specs[i].placements[j], Partial)]
-        if partial and not any(isinstance(specs[i].placements[j], Shard) for i in pos):
+        partial = [i for i in pos if specs[i].placements[j].is_partial()]
+        if partial and not any(specs[i].placements[j].is_shard() for i in pos):
             kinds = {specs[i].placements[j].reduce_op for i in partial}
             kind = _kept(call, [specs[i].placements[j] for i in partial], partial)
             if kind is not None:
@@ -335,7 +335,7 @@ def _follow(call: Call) -> Decision:
         for i in pos:
             in_pl[i][j] = Replicate()
 
-    lead = next((i for i in pos if any(isinstance(p, Shard) for p in specs[i].placements)), pos[0])
+    lead = next((i for i in pos if any(p.is_shard() for p in specs[i].placements)), pos[0])
     out_order = _map_order(specs[lead], out_pl, nd - specs[lead].ndim)
     inputs = []
     for i, s in enumerate(call.specs):
@@ -366,7 +366,7 @@ def _map_order(spec: DTensorSpec, out_pl: list[Placement], shift: int):
         if keep:
             order.append((d + shift, keep))
     for j, p in enumerate(out_pl):
-        if isinstance(p, Shard) and not any(j in js for _, js in order):
+        if p.is_shard() and not any(j in js for _, js in order):
             for idx, (d, js) in enumerate(order):
                 if d == p.dim:
                     order[idx] = (d, js + (j,))
@@ -423,14 +423,14 @@ def copy_rule(call: Call) -> Decision:
     lead = dst.ndim - (src.ndim if src is not None else 0)
     need: list[Placement] = []
     for p, q in zip(dst.placements, src.placements if src is not None else dst.placements):
-        if isinstance(p, Shard):
+        if p.is_shard():
             d = p.dim - lead
             need.append(Shard(d) if src is not None and d >= 0 and src.shape[d] == dst.shape[p.dim] else Replicate())
-        elif isinstance(p, Partial) and p == q and src is not None and tuple(src.shape) == tuple(dst.shape):
+        elif p.is_partial() and p == q and src is not None and tuple(src.shape) == tuple(dst.shape):
             need.append(p)
         else:
             need.append(Replicate())
-    parts = [(j, p) for j, (p, n) in enumerate(zip(dst.placements, need)) if isinstance(p, Partial) and n != p]
+    parts = [(j, p) for j, (p, n) in enumerate(zip(dst.placements, need)) if p.is_partial() and n != p]
     want = None
     if src is not None:
         order = tuple((d - lead, js) for d, js in dst.shard_order if need[js[0]] == Shard(d - lead))

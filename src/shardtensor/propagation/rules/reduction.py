@@ -108,7 +108,7 @@ def reduce_out(pl: Sequence[Placement], D: Sequence[int], keepdim: bool, kind: P
     """The output placements of a reduction over ``D``: ``S(d in D)`` -> ``kind``, other shards renumbered."""
     out: list[Placement] = []
     for p in pl:
-        if isinstance(p, Shard):
+        if p.is_shard():
             if p.dim in D:
                 if kind is None:
                     raise AssertionError(f"reduced dim {p.dim} still sharded in a non-decomposable reduction")
@@ -152,10 +152,10 @@ def choices(spec: DTensorSpec, D: Sequence[int], *, decomposable: bool,
     per: list[list[Placement]] = []
     for j, p in enumerate(spec.placements):
         if spec.mesh.shape[j] == 1:
-            per.append([p if not isinstance(p, Partial) or keep(p) else Replicate()])
-        elif isinstance(p, Partial) and not keep(p):
+            per.append([p if not p.is_partial() or keep(p) else Replicate()])
+        elif p.is_partial() and not keep(p):
             per.append([Replicate()] + _targets(spec, j, shard_dims))
-        elif isinstance(p, Shard) and p.dim in D and not decomposable:
+        elif p.is_shard() and p.dim in D and not decomposable:
             per.append([Replicate()] + [t for t in _targets(spec, j, shard_dims) if t != p])
         else:
             per.append([p])
@@ -251,7 +251,7 @@ def decomposable_rule(call: Call) -> Decision:
     bool_only = call.op in _BOOL_ONLY_KEEP
 
     def keep(p: Partial) -> bool:
-        if type(p) is not Partial or p.reduce_op not in kept:
+        if p.plain_op() not in kept:
             return False
         return s.dtype == torch.bool if bool_only else True
 
@@ -260,7 +260,7 @@ def decomposable_rule(call: Call) -> Decision:
     if kind == "avg" and not _evenly_split(s, req, D):
         kind = "sum"
         kernel = _uneven_mean(s, D, keepdim, meta.dtype)
-    elif call.op in _EMPTY_RAISES and any(isinstance(p, Shard) and p.dim in D for p in req):
+    elif call.op in _EMPTY_RAISES and any(p.is_shard() and p.dim in D for p in req):
         kernel = empty_safe(call.op, D, keepdim, lambda dt, k=kind: identity_of(k, dt), meta.dtype)
     out_pl = reduce_out(req, D, keepdim, Partial(kind))
     order = out_order(kept_order(s, req), out_pl, D, keepdim)
@@ -344,7 +344,7 @@ def var_std_rule(call: Call) -> Decision:
     partial_out = not is_std and denom > 0
     req = min(choices(s, D, decomposable=True, keep=lambda p: False),
               key=lambda c: input_cost(s, c) + _merge_cost(s, c, D, 1 if partial_out else 2))
-    J = [j for j, p in enumerate(req) if isinstance(p, Shard) and p.dim in D and s.mesh.shape[j] > 1]
+    J = [j for j, p in enumerate(req) if p.is_shard() and p.dim in D and s.mesh.shape[j] > 1]
     kind = Partial("sum") if partial_out else Replicate()
     out_pl = reduce_out(req, D, keepdim, kind)
     order = out_order(kept_order(s, req), out_pl, D, keepdim)
@@ -357,11 +357,11 @@ def var_std_rule(call: Call) -> Decision:
 def _merge_cost(s: DTensorSpec, req: Pl, D: Sequence[int], n: int) -> float:
     """Modeled time of the variance kernel's ``n`` all-reduces of per-row sums over the mesh
     dims where ``req`` shards a reduced dim (0 where none does)."""
-    J = [j for j, p in enumerate(req) if isinstance(p, Shard) and p.dim in D and s.mesh.shape[j] > 1]
+    J = [j for j, p in enumerate(req) if p.is_shard() and p.dim in D and s.mesh.shape[j] > 1]
     if not J:
         return 0.0
     shape = tuple(1 if d in D else k for d, k in enumerate(s.shape))
-    rest = [p if isinstance(p, Shard) and p.dim not in D else Replicate() for p in req]
+    rest = [p if p.is_shard() and p.dim not in D else Replicate() for p in req]
     sums = DTensorSpec.build(s.mesh, [Partial("sum") if j in J else p for j, p in enumerate(rest)], shape,
                              contiguous_stride(shape), s.dtype)
     return n * input_cost(sums, tuple(rest))
@@ -392,7 +392,7 @@ def scan_rule(call: Call) -> Decision:
         D: tuple[int, ...] = ()
     else:
         D = (call.arg("dim") % s.ndim,)
-    req = pick(call, pos, choices(s, D, decomposable=False, keep=lambda p: type(p) is Partial and p.reduce_op in kept))
+    req = pick(call, pos, choices(s, D, decomposable=False, keep=lambda p: p.plain_op() in kept))
     order = kept_order(s, req)
     meta = call.out_meta
     if isinstance(meta, (tuple, list)):

@@ -30,7 +30,7 @@ from ...placement import Partial, Shard
 from ..call import Call, Decision
 from ..registry import register
 from ..strategy import Candidate, decide
-from .indexing import (R, Opt, _candidates, _dedupe, _first, _index_shaped, _inplace, _norm, _partial_kinds, _plain,
+from .indexing import (R, Opt, _candidates, _dedupe, _first, _index_shaped, _inplace, _norm, _partial_kinds,
                        _self, _term_kernel)
 
 aten = torch.ops.aten
@@ -73,7 +73,7 @@ def scatter_rule(call: Call) -> Decision:
     opts = _index_shaped(dim, s, ix, src)
     kinds = _kept_kinds(reduce, s.dtype) if reduce is not None else ("sum", "avg", "max", "min", "product")
     for p in _partial_kinds(s, src):
-        if _plain(p) and p.reduce_op in kinds:
+        if p.plain_op() in kinds:
             opts.append(((p, R, p), p))
     if reduce == "sum" and call.arg("include_self", True) and not _inplace(call.op):
         ps = Partial("sum")
@@ -94,13 +94,13 @@ def scatter_value_rule(call: Call) -> Decision:
     dim = _norm(call.arg("dim"), s.ndim)
     opts = _index_shaped(dim, s, ix)
     for p in _partial_kinds(s):
-        if _plain(p):
+        if p.plain_op() is not None:
             opts.append(((p, R), p))
     per_dim = [_dedupe(_first(opts, (s.placements[j], ix.placements[j]))) for j in range(s.mesh.ndim)]
     op, mesh = call.op, call.mesh
 
     def kernel_for(best: Candidate) -> Callable | None:
-        if not any(isinstance(p, Partial) for p in best.output):
+        if not any(p.is_partial() for p in best.output):
             return None
         return _term_kernel(op, "value", 3, best.output, mesh)
 
@@ -135,7 +135,7 @@ def _index_decision(call: Call, reduce: str) -> Decision:
         opts += [((Shard(d), R, Shard(d)), Shard(d)) for d in range(s.ndim) if d != dim]
     kinds = _kept_kinds(reduce, s.dtype)
     for p in _partial_kinds(s, src):
-        if _plain(p) and p.reduce_op in kinds:
+        if p.plain_op() in kinds:
             opts.append(((p, R, p), p))
     if reduce == "sum" and ix.ndim == 1 and src.ndim == s.ndim and s.ndim > 0 and not _inplace(call.op):
         ps = Partial("sum")
@@ -158,7 +158,7 @@ def put_rule(call: Call) -> Decision:
     opts: list[Opt] = [((R, R, R), R)]
     kinds = ("sum", "avg") if accumulate else ("sum", "avg", "max", "min", "product")
     for p in _partial_kinds(s, src):
-        if _plain(p) and p.reduce_op in kinds:
+        if p.plain_op() in kinds:
             opts.append(((p, R, p), p))
     if accumulate and not _inplace(call.op) and tuple(ix.shape) == tuple(src.shape):
         ps = Partial("sum")
@@ -176,7 +176,7 @@ def masked_scatter_rule(call: Call) -> Decision:
     m, src = call.specs[mp], call.specs[rp]
     opts: list[Opt] = [((R, R, R), R)]
     for p in _partial_kinds(s, src):
-        if _plain(p):
+        if p.plain_op() is not None:
             opts.append(((p, R, p), p))
     per_dim = [_dedupe(_first(opts, (s.placements[j], m.placements[j], src.placements[j])))
                for j in range(s.mesh.ndim)]
@@ -189,6 +189,6 @@ def masked_scatter_backward_rule(call: Call) -> Decision:
     gp, mp = call.pos("grad_output"), call.pos("mask")
     g, m = call.specs[gp], call.specs[mp]
     opts: list[Opt] = [((R, R), R)]
-    opts += [((p, R), p) for p in _partial_kinds(g) if _plain(p)]
+    opts += [((p, R), p) for p in _partial_kinds(g) if p.plain_op() is not None]
     per_dim = [_dedupe(_first(opts, (g.placements[j], m.placements[j]))) for j in range(g.mesh.ndim)]
     return decide(call, _candidates([gp, mp], per_dim))

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from ...placement import NormPartial, Partial, Placement
+from ...placement import Placement
 from ..call import Call, Decision
 from ..registry import register
 from ..strategy import linear_partial
@@ -64,11 +64,8 @@ def constant_pad_rule(call: Call) -> Decision:
     padded = {s.ndim - 1 - i // 2 for i, n in enumerate(pad) if n != 0}
 
     def partial_ok(p: Placement) -> bool:
-        if isinstance(p, NormPartial) or not isinstance(p, Partial):
-            return False
-        if p.reduce_op in ("max", "min"):
-            return True
-        return value == 0 and p.reduce_op in ("sum", "avg")
+        op = p.plain_op()
+        return op in ("max", "min") or (value == 0 and op in ("sum", "avg"))
 
     return follow(call, 0, {d: d for d in range(s.ndim)}, call.out_meta, gather=sorted(padded),
                   partial_ok=partial_ok)

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from ...placement import Partial, Placement, Shard, chunk
+from ...placement import Placement, Shard, chunk
 from ...spec import DTensorSpec
 from .. import kernels
 from ..call import Call, Decision
@@ -63,7 +63,7 @@ def select_rule(call: Call) -> Decision:
         offset += off
         owners.append((j, r))
     local_index = index - offset
-    out_pl = tuple(R if isinstance(p, Shard) and p.dim == dim else Shard(dim_map[p.dim]) if isinstance(p, Shard)
+    out_pl = tuple(R if p.is_shard(dim) else Shard(dim_map[p.dim]) if p.is_shard()
                    else p for p in s.placements)
     out_order = tuple(sorted((dim_map[d], js2) for d, js2 in s.shard_order if d != dim))
     out_spec = spec_of(call, call.out_meta, out_pl, out_order)
@@ -146,11 +146,11 @@ def _scatter_target(self_spec: DTensorSpec, src_spec: DTensorSpec, cut: set[int]
     Partial both share, else R."""
     target: list[Placement] = []
     for a, b in zip(self_spec.placements, src_spec.placements):
-        if isinstance(a, Shard) and (a.dim not in cut or whole):
+        if a.is_shard() and (a.dim not in cut or whole):
             target.append(a)
-        elif isinstance(b, Shard) and b.dim in src_to_self and (src_to_self[b.dim] not in cut or whole):
+        elif b.is_shard() and b.dim in src_to_self and (src_to_self[b.dim] not in cut or whole):
             target.append(Shard(src_to_self[b.dim]))
-        elif isinstance(a, Partial) and a == b:
+        elif a.is_partial() and a == b:
             target.append(a)
         else:
             target.append(R)
@@ -164,7 +164,7 @@ def _scatter_decision(call: Call, cut: set[int], src_to_self: dict[int, int], wh
     sp, rp = call.pos("self"), call.pos("src")
     s, r = call.spec("self"), call.spec("src")
     back = {v: k for k, v in src_to_self.items()}
-    cands = [Candidate({sp: t, rp: tuple(Shard(back[p.dim]) if isinstance(p, Shard) else p for p in t)}, t)
+    cands = [Candidate({sp: t, rp: tuple(Shard(back[p.dim]) if p.is_shard() else p for p in t)}, t)
              for t in _scatter_options(s, r, _scatter_target(s, r, cut, src_to_self, whole),
                                        [d for d in back if whole or d not in cut])]
     return decide(call, cands, kernel=kernel)
@@ -174,11 +174,11 @@ def _scatter_options(s: DTensorSpec, r: DTensorSpec, target: list[Placement], di
     """``target`` first, then per mesh dim where an operand's shard is gathered or its Partial
     reduced, ``S(d)`` for each of ``dims`` instead (a Partial only where an operand is sharded on
     another mesh dim, as elementwise ops choose)."""
-    sharded = {j for x in (s, r) for j, p in enumerate(x.placements) if isinstance(p, Shard)}
+    sharded = {j for x in (s, r) for j, p in enumerate(x.placements) if p.is_shard()}
     per_dim = []
     for j, t in enumerate(target):
         have = (s.placements[j], r.placements[j])
-        moved = t == R and (any(isinstance(p, Shard) for p in have) or
+        moved = t == R and (any(p.is_shard() for p in have) or
                             (any(p.is_partial() for p in have) and sharded - {j}))
         per_dim.append([t] + ([Shard(d) for d in dims if s.shape[d] >= s.mesh.shape[j] > 1] if moved else []))
     return list(itertools.islice(itertools.product(*per_dim), 64))

@@ -26,7 +26,7 @@ import torch
 
 from ...errors import PropagationError
 from ...pieces import with_strides
-from ...placement import NormPartial, Partial, Placement, Replicate, Shard, ShardOrder, StridedShard, chunk, unpartial
+from ...placement import Placement, Replicate, Shard, ShardOrder, StridedShard, chunk, unpartial
 from ...spec import DTensorSpec
 from ..call import Call, Decision
 from ..registry import register
@@ -55,7 +55,7 @@ def spec_of(call: Call, meta: torch.Tensor, pl: Sequence[Placement], order: Shar
 
 def plain_partial(p: Placement) -> bool:
     """Zero-filling ops: a 0 is the identity of sum/avg and absorbing for max/min/product terms alike."""
-    return not isinstance(p, NormPartial)
+    return p.plain_op() is not None or not p.is_partial()
 
 
 def follow(call: Call, pos: int, dim_map: dict[int, int], metas: Any, *, gather: Sequence[int] = (),
@@ -73,9 +73,9 @@ def follow(call: Call, pos: int, dim_map: dict[int, int], metas: Any, *, gather:
     gather = set(gather)
     need: list[Placement] = []
     for p in s.placements:
-        if isinstance(p, Shard) and (p.dim in gather or p.dim not in dim_map):
+        if p.is_shard() and (p.dim in gather or p.dim not in dim_map):
             p = R
-        elif isinstance(p, Partial) and not partial_ok(p):
+        elif p.is_partial() and not partial_ok(p):
             p = R
         need.append(p)
     order = tuple((d, js) for d, js in s.shard_order if d in dim_map and d not in gather)
@@ -83,7 +83,7 @@ def follow(call: Call, pos: int, dim_map: dict[int, int], metas: Any, *, gather:
     pl = shard_instead(call, pos, need, [d for d in dim_map if d not in gather])
     if pl != required.placements:
         required, need = s.with_placements(pl), list(pl)
-    out_pl = tuple(Shard(dim_map[p.dim]) if isinstance(p, Shard) else p for p in need)
+    out_pl = tuple(Shard(dim_map[p.dim]) if p.is_shard() else p for p in need)
     out_order = tuple(sorted((dim_map[d], js) for d, js in required.shard_order))
     if not decision:
         return required, out_pl, out_order
@@ -96,7 +96,7 @@ def follow(call: Call, pos: int, dim_map: dict[int, int], metas: Any, *, gather:
 
 def local_sizes(call: Call, name: str, out_spec: DTensorSpec) -> Callable[[list], list] | None:
     """Per-rank rewrite of the size argument ``name`` to the output's local shape."""
-    if not any(isinstance(p, Shard) for p in out_spec.placements):
+    if not any(p.is_shard() for p in out_spec.placements):
         return None
     slots = call.slots(name)
     if slots is None:
@@ -204,7 +204,7 @@ def view_rule(call: Call) -> Decision:
     need: list[Placement] = []
     out_pl: list[Placement] = []
     for j, p in enumerate(s.placements):
-        if isinstance(p, Shard):
+        if p.is_shard():
             if p.dim in keep and j in keep[p.dim][1]:
                 need.append(p)
                 out_pl.append(Shard(keep[p.dim][0]))
@@ -400,7 +400,7 @@ def _common(call: Call, positions: list[int], gather_dim: int | None) -> tuple[P
     """The cheapest placements shared by every input (modeled cost; all-R always offered)."""
     cands: list[tuple[Placement, ...]] = []
     for i in positions:
-        pl = tuple(R if isinstance(p, Shard) and p.dim == gather_dim else p for p in call.specs[i].placements)
+        pl = tuple(R if gather_dim is not None and p.is_shard(gather_dim) else p for p in call.specs[i].placements)
         for c in (pl, unpartial(pl)):
             if c not in cands:
                 cands.append(c)
@@ -444,7 +444,7 @@ def stack_rule(call: Call) -> Decision:
     nd = call.specs[positions[0]].ndim
     dim = norm_dim(call.arg("dim", 0), nd + 1)
     common = _common(call, positions, None)
-    out_pl = tuple(Shard(p.dim + (p.dim >= dim)) if isinstance(p, Shard) else p for p in common)
+    out_pl = tuple(Shard(p.dim + (p.dim >= dim)) if p.is_shard() else p for p in common)
     return _list_decision(call, positions, common, out_pl)
 
 
