@@ -459,6 +459,7 @@ def gloo_report():
     return run_multiprocess(_gloo_worker, world_size=WORLD, timeout=90, env={"SHARDTENSOR_COMM_TIMEOUT": "20"})
 
 
+@pytest.mark.main_release  # a gloo repeat of simulated-world tests that run on every release
 @pytest.mark.parametrize("section", ["equalities", "in_flight", "sync_between"])
 def test_gloo(gloo_report, section):
     for rank, report in enumerate(gloo_report):
@@ -611,6 +612,7 @@ def _gloo_redistribute_async(rank, world):
     return issued, ok and ok_ex, ok_a2a, busy.shape
 
 
+@pytest.mark.main_release  # a gloo repeat of simulated-world tests that run on every release
 @pytest.mark.skipif(not gloo_available(), reason="torch.distributed gloo backend not available")
 def test_gloo_dtensor_redistribute_async():
     for issued, ok, ok_a2a, _ in run_multiprocess(_gloo_redistribute_async, world_size=4, timeout=120):

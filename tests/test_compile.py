@@ -122,6 +122,7 @@ def _gloo_methods(rank: int, world: int, backend: str):
     return _method_graphs(backend, (world,))
 
 
+@pytest.mark.main_release  # a gloo repeat of simulated-world tests that run on every release
 @pytest.mark.skipif(not gloo_available() or not methods_traced(), reason="needs gloo and torch 2.13 or newer")
 def test_methods_trace_without_recompiles_in_gloo_processes():
     res = run_multiprocess(_gloo_methods, 2, timeout=240, args=("aot_eager",))
@@ -286,6 +287,7 @@ def _local_map_in_graph(world: int):
     return [all(torch.allclose(u, v) for u, v in zip(run, want)) for run in got]
 
 
+@pytest.mark.main_release  # a gloo repeat of simulated-world tests that run on every release
 @pytest.mark.skipif(not gloo_available() or not methods_traced(), reason="needs gloo and torch 2.13 or newer")
 def test_tensor_parallel_models_compile_into_one_graph_in_gloo_processes():
     """fullgraph=True: the styles' hooks and from_local are nodes of the graph (no graph break)."""
@@ -294,6 +296,7 @@ def test_tensor_parallel_models_compile_into_one_graph_in_gloo_processes():
     assert run_multiprocess(_gloo_fullgraph, 4, timeout=300, args=("from_local",)) == [True] * 4
 
 
+@pytest.mark.main_release  # a gloo repeat of simulated-world tests that run on every release
 @pytest.mark.skipif(not gloo_available() or not methods_traced(), reason="needs gloo and torch 2.13 or newer")
 def test_local_map_compiles_into_one_graph_in_gloo_processes():
     """fullgraph=True: dynamo reads local_map's wrapper (its DTensor reads, methods and from_local
@@ -450,6 +453,7 @@ def _gloo_compiled(rank: int, world: int, backend: str):
     return _tp_mlp(backend, world, fullgraph=methods_traced())
 
 
+@pytest.mark.main_release  # a gloo repeat of simulated-world tests that run on every release
 @pytest.mark.skipif(not gloo_available(), reason="needs gloo")
 def test_compiled_tp_mlp_in_gloo_processes():
     res = run_multiprocess(_gloo_compiled, 2, timeout=240, args=("aot_eager",))

@@ -137,6 +137,7 @@ def _gloo(rank: int, world: int, cases: list[tuple]) -> list[dict]:
     return out
 
 
+@pytest.mark.main_release  # a gloo repeat of simulated-world tests that run on every release
 @pytest.mark.skipif(not gloo_available() or not methods_traced(), reason="needs gloo and torch 2.13 or newer")
 def test_fully_shard_models_compile_whole_in_gloo_processes():
     """fullgraph=True over real process groups: 3 ranks (uneven shards), then FSDP x TP and HSDP on 4."""

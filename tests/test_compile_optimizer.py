@@ -100,6 +100,7 @@ def _gloo(rank: int, world: int) -> list[dict]:
     return out
 
 
+@pytest.mark.main_release  # a gloo repeat of simulated-world tests that run on every release
 @pytest.mark.skipif(not gloo_available() or not methods_traced(), reason="needs gloo and torch 2.13 or newer")
 def test_a_compiled_adam_step_matches_eager_in_gloo_processes():
     for per_rank in run_multiprocess(_gloo, 2, timeout=600):

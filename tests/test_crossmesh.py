@@ -19,6 +19,8 @@ from shardtensor import DeviceMesh, Partial, Replicate, Shard, StridedShard, com
 from shardtensor.redistribute.move import plan_move
 from shardtensor.placement import OrderedPlacements
 
+pytestmark = pytest.mark.main_release  # our own algorithms: the main torch release runs them (tests/conftest.py)
+
 WORLD = 8
 MESH_SHAPES = [(1,), (2,), (3,), (4,), (8,), (2, 2), (2, 3), (3, 2), (2, 4), (4, 2), (1, 3), (2, 2, 2)]
 DTYPES = [torch.float32, torch.float32, torch.int64, torch.bfloat16, torch.float64]

@@ -336,6 +336,7 @@ def _gloo_trace(rank: int, world_size: int):
     return [(e.kind, e.rank, e.scope, e.bytes_sent, e.bytes_received, e.group_size, e.backend) for e in t.events]
 
 
+@pytest.mark.main_release  # a gloo repeat of simulated-world tests that run on every release
 def test_trace_under_gloo():
     dist_helpers = pytest.importorskip("distributed")
     if not dist_helpers.gloo_available():

@@ -33,6 +33,7 @@ def test_tour_cli_matches_dense():
     assert "MISMATCH" not in out.stdout
 
 
+@pytest.mark.main_release  # a gloo repeat of simulated-world tests that run on every release
 @pytest.mark.timeout(400)
 def test_demo_gloo_processes():
     out = subprocess.run([sys.executable, "-m", "shardtensor", "demo", "--backend", "gloo", "--steps", "2"],

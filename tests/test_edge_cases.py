@@ -71,6 +71,7 @@ def _gloo_partial(rank, world, cases):
     return [_partial_full((4,), terms, kind) for terms, kind in cases]
 
 
+@pytest.mark.main_release  # a gloo repeat of simulated-world tests that run on every release
 def test_partial_keeps_dtype_and_value_gloo():
     from distributed import gloo_available, run_multiprocess
     if not gloo_available():

@@ -18,6 +18,8 @@ from shardtensor.redistribute.explain import (Explanation, explain_redistribute,
                                               parse_placements, parse_shard_order, parse_spec)
 from shardtensor.redistribute.planner import plan
 
+pytestmark = pytest.mark.main_release  # our own algorithms: the main torch release runs them (tests/conftest.py)
+
 KiB = 1024
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -195,6 +195,7 @@ def pinv_product(a, b):
     return torch.linalg.pinv(a).t() @ torch.linalg.pinv(b)
 
 
+@pytest.mark.main_release  # a gloo repeat of simulated-world tests that run on every release
 def test_fallback_in_gloo_processes():
     from distributed import gloo_available
 

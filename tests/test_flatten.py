@@ -30,6 +30,8 @@ from shardtensor.redistribute.search import LOWER, search
 from shardtensor.redistribute.steps import ExchangeStep, FlatStep, Step
 from test_redistribute import dense, expected_slice, make_source, rank_events
 
+pytestmark = pytest.mark.main_release  # our own algorithms: the main torch release runs them (tests/conftest.py)
+
 R, S0, S1, PS, PM = Replicate(), Shard(0), Shard(1), Partial("sum"), Partial("max")
 
 

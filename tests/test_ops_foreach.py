@@ -367,6 +367,7 @@ def test_warm_optimizer_steps_take_only_the_hit_path(name, mode, monkeypatch):
             torch.testing.assert_close(g, d.detach(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.main_release  # a gloo repeat of simulated-world tests that run on every release
 def test_optimizer_adam_fused_gloo():
     combos = [((Shard(0),), (Replicate(),), (Shard(1),), (Partial("sum"),), (Shard(0),), (Partial("sum"),))]
     fcheck(functools.partial(optimizer_steps, "adamw", "fused"), _opt_values(), (4,), grad=False, combos=combos,

@@ -333,6 +333,7 @@ def gather_then_scatter_add(t, i, s):
     return torch.scatter_add(torch.gather(t, 0, i), 1, i.remainder(2), s)
 
 
+@pytest.mark.main_release  # a gloo repeat of simulated-world tests that run on every release
 def test_gloo_gather_scatter_add():
     from distributed import gloo_available
 

@@ -351,6 +351,7 @@ def emb_then_mm(w, i, b):
     return torch.mm(F.embedding(i, w), b)
 
 
+@pytest.mark.main_release  # a gloo repeat of simulated-world tests that run on every release
 def test_gloo_embedding_and_mm():
     w, i, b = rand((7, 4), "w"), torch.tensor([0, 6, 3, 5, 1, 6, 2]), rand((4, 3), "b")
     cases = [((Shard(0),), (R,), (R,)), ((R,), (Shard(0),), (Shard(1),)), ((Shard(1),), (R,), (Shard(0),)),

@@ -49,6 +49,7 @@ def test_tril_row_and_column_sharded_moves_nothing():
             assert torch.equal(y, torch.tril(x, -1)) and torch.equal(z, torch.triu(x, 2))
 
 
+@pytest.mark.main_release  # a gloo repeat of simulated-world tests that run on every release
 def test_tril_gloo():
     x = data("any", (7, 5), gen("gloo-tril"))
     combos = [((Shard(0),),), ((Shard(1),),), ((Partial("sum"),),)]

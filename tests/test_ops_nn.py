@@ -510,6 +510,7 @@ def gloo_body(rank, world, x, t, w):
     return loss.placements, loss.full_tensor(), a.grad.full_tensor(), drops
 
 
+@pytest.mark.main_release  # a gloo repeat of simulated-world tests that run on every release
 def test_gloo_cross_entropy_backward_and_dropout():
     from distributed import gloo_available, run_multiprocess
     if not gloo_available():

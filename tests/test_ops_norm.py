@@ -195,6 +195,7 @@ def gloo_norms(t):
     return torch.linalg.vector_norm(t, 2), torch.linalg.vector_norm(t, INF, 0), torch.linalg.vector_norm(t, -1, 1)
 
 
+@pytest.mark.main_release  # a gloo repeat of simulated-world tests that run on every release
 def test_gloo_norms():
     from distributed import gloo_available
 

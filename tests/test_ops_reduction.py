@@ -342,6 +342,7 @@ def gloo_mean(t):
     return t.mean(0), t.amax(0), t.var(0), t.std(0)
 
 
+@pytest.mark.main_release  # a gloo repeat of simulated-world tests that run on every release
 def test_gloo_uneven_mean_amax_var():
     from distributed import gloo_available
 

@@ -435,6 +435,7 @@ def view_stack_gloo(t):
     return torch.stack([v, v * 2], 1).permute(1, 0, 2, 3)[0, 1:], v[5]
 
 
+@pytest.mark.main_release  # a gloo repeat of simulated-world tests that run on every release
 def test_gloo_view_stack():
     check(view_stack_gloo, [_x((7, 6))], (4,), partial=("sum",), limit=2, world="gloo")
 

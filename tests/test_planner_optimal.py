@@ -29,6 +29,8 @@ from shardtensor.redistribute.planner import per_dim_plan, plan_uncached
 from shardtensor.redistribute.steps import Step
 from shardtensor.spec import DTensorSpec
 
+pytestmark = pytest.mark.main_release  # our own algorithms: the main torch release runs them (tests/conftest.py)
+
 R = Replicate()
 PSUM, PMAX, PAVG = Partial("sum"), Partial("max"), Partial("avg")
 
@@ -194,7 +196,6 @@ def _targets(m, ndim):
     return specs(m, ndim, kinds)
 
 
-@pytest.mark.main_release
 @pytest.mark.parametrize("mesh,shape,mode", OPT_CASES, ids=lambda x: str(x))
 def test_optimal_matches_exhaustive_and_beats_simple(mesh, shape, mode):
     m, ndim = len(mesh), len(shape)

@@ -15,6 +15,8 @@ from shardtensor.comm import recording, scope
 
 from distributed import gloo_available
 
+pytestmark = pytest.mark.main_release  # our own algorithms: the main torch release runs them (tests/conftest.py)
+
 
 @pytest.mark.parametrize("units", [(1, 2, 1, 1), (3, 0, 1), (1,), (5, 7), (0, 0, 2, 1, 1)])
 @pytest.mark.parametrize("length", [0, 1, 5, 20, 23, 64])

@@ -29,6 +29,8 @@ from shardtensor.mesh import DeviceMesh
 from shardtensor.placement import default_shard_order, display, local_shape_and_offset
 from shardtensor.redistribute import redistribute_local
 
+pytestmark = pytest.mark.main_release  # our own algorithms: the main torch release runs them (tests/conftest.py)
+
 R = Replicate()
 S0, S1 = Shard(0), Shard(1)
 PS = Partial("sum")
@@ -245,7 +247,6 @@ SWEEP_CASES.append(pytest.param((2, 2, 2), (5,), enumerate_pairs(3, 1)[0::2], id
 SWEEP_CASES.append(pytest.param((2, 2, 2), (13,), enumerate_pairs(3, 1)[1::2], id="mesh2x2x2-(13,)"))
 
 
-@pytest.mark.main_release
 @pytest.mark.parametrize("mesh_shape,shape,pairs", SWEEP_CASES)
 def test_round_trip_every_pair(mesh_shape, shape, pairs):
     results = run_spmd(_sweep_rank, math.prod(mesh_shape), mesh_shape, shape, pairs, 7)

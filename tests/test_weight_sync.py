@@ -8,6 +8,8 @@ import torch
 from distributed import gloo_available
 from shardtensor import DeviceMesh, Replicate, Shard, WeightSync, comm, distribute_tensor, run_spmd
 
+pytestmark = pytest.mark.main_release  # our own algorithms: the main torch release runs them (tests/conftest.py)
+
 
 def _sides(case):
     me = comm.current_transport().rank
