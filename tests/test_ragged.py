@@ -341,3 +341,119 @@ def test_gradients_flow_back_through_a_redistribution():
         return d.grad.placements == tuple(pl), torch.allclose(d.grad.full_tensor(), ref.grad)
 
     assert run_spmd(rank, 4) == [(True, True)] * 4
+
+
+_ALONG_CASES = [  # (name, op on a (7, 5, 6) tensor, a dim it reduces or scans)
+    ("sum", lambda t: t.sum(2), 2), ("sum keepdim", lambda t: t.sum((1, -1), keepdim=True), 1),
+    ("mean", lambda t: t.mean(1), 1), ("amax", lambda t: t.amax(-1), 2), ("amin", lambda t: t.amin((1, 2)), 1),
+    ("prod", lambda t: t.prod(2), 2), ("var", lambda t: t.var(1, correction=0), 1), ("std", lambda t: t.std(2), 2),
+    ("norm", lambda t: torch.linalg.vector_norm(t, 3.0, dim=1), 1), ("logsumexp", lambda t: t.logsumexp(2), 2),
+    ("argmax", lambda t: t.argmax(1), 1), ("any", lambda t: (t > 1).any(2), 2),
+    ("cumsum", lambda t: t.cumsum(1), 1), ("softmax", lambda t: t.softmax(-1), 2),
+    ("log_softmax", lambda t: t.log_softmax(1), 1),
+]
+
+
+@pytest.mark.parametrize("name,op,dim", _ALONG_CASES, ids=[c[0] for c in _ALONG_CASES])
+def test_reductions_along_unsplit_dims_keep_the_layout_and_move_nothing(name, op, dim):
+    """Each rank's pieces hold whole rows along the reduced dims: the op runs on them as they are."""
+    x = torch.randn(7, 5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    want = op(x)
+
+    def rank():
+        out = []
+        for shape, pl in (((4,), [RaggedShard(0, (3, 0, 1, 2))]),
+                          ((2, 2), [RaggedShard(0, (1, 2)), StridedShard(0 if dim else 1, 2)]),
+                          ((2, 2), [Shard(0), RaggedShard(0, (2, 1))])):
+            mesh = init_device_mesh("cpu", shape)
+            d = distribute_tensor(x, mesh, pl)
+            if any(p.tensor_dim() == dim for p in d.placements):
+                continue
+            with recording() as log:
+                y = op(d)
+            moved = sum(e.bytes_received for e in log.events if e.rank == mesh.get_rank())
+            out.append((moved, [p.tensor_dim() for p in y.placements], y.dtype == want.dtype,
+                        torch.allclose(y.full_tensor(), want) if want.is_floating_point()
+                        else torch.equal(y.full_tensor(), want)))
+        return out
+
+    for r in run_spmd(rank, 4):
+        assert r and all(moved == 0 and same_dtype and ok for moved, _, same_dtype, ok in r), r
+        assert all(dims[0] == 0 for _, dims, _, _ in r)  # the ragged dim 0 stays dim 0 (only later dims go)
+
+
+def test_a_reduction_along_a_split_dim_gathers_and_is_exact():
+    x = torch.randn(9, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+
+    def rank():
+        mesh = init_device_mesh("cpu", (2,))
+        d = distribute_tensor(x, mesh, [RaggedShard(1, (3, 1))])
+        y = d.sum(0)  # dim 0 is whole on every rank: the ragged dim 1 becomes dim 0
+        z = d.sum(1)  # along the ragged dim: gathered first
+        w = distribute_tensor(x3, mesh, [StridedShard(2, 2)]).amax((0, 1))  # packed dim 2 becomes dim 0
+        return y.placements == (RaggedShard(0, (3, 1)),), torch.allclose(y.full_tensor(), x.sum(0)), \
+            torch.allclose(z.full_tensor(), x.sum(1)), w.placements == (StridedShard(0, 2),), \
+            torch.equal(w.full_tensor(), x3.amax((0, 1)))
+
+    x3 = torch.randn(3, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(15))
+    assert run_spmd(rank, 2) == [(True,) * 5] * 2
+
+
+def test_gradients_through_reductions_along_unsplit_dims():
+    """Backward mixes the layout with replicated gradients (a whole sum's); each rank cuts its
+    piece of them, so a 1-row piece never broadcasts against the whole gradient."""
+    x = torch.randn(7, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(10))
+    losses = (lambda t: t.log_softmax(1).sum(1).square().sum(), lambda t: t.amax(1).sum(),
+              lambda t: (t.softmax(-1) * t).sum(), lambda t: t.cumsum(1).square().mean())
+    refs = []
+    for loss in losses:
+        ref = x.clone().requires_grad_()
+        loss(ref).backward()
+        refs.append(ref.grad)
+
+    def rank():
+        mesh = init_device_mesh("cpu", (4,))
+        pl = [RaggedShard(0, (1, 3, 0, 2))]
+        out = []
+        for loss, want in zip(losses, refs):
+            d = distribute_tensor(x, mesh, pl).requires_grad_()
+            loss(d).backward()
+            out.append(torch.allclose(d.grad.full_tensor(), want))
+        return out
+
+    assert run_spmd(rank, 4) == [[True] * len(losses)] * 4
+
+
+def test_a_replicated_operand_is_cut_to_the_layout():
+    x = torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(11))
+    r = torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(12))
+
+    def rank():
+        mesh = init_device_mesh("cpu", (2, 2))
+        pl = [RaggedShard(0, (1, 3)), StridedShard(1, 2)]
+        d, rep = distribute_tensor(x, mesh, pl), distribute_tensor(r, mesh, [Replicate(), Replicate()])
+        with recording() as log:
+            y = d * rep + rep.sin()
+            z = torch._foreach_add([d, d * 2], [rep, rep])
+            d2 = d.clone()
+            d2.copy_(rep)
+        moved = sum(e.bytes_received for e in log.events if e.rank == mesh.get_rank())
+        return (moved, y.placements == tuple(pl), torch.allclose(y.full_tensor(), x * r + r.sin()),
+                [torch.allclose(v.full_tensor(), w) for v, w in zip(z, (x + r, 2 * x + r))],
+                d2.placements == tuple(pl) and torch.equal(d2.full_tensor(), r))
+
+    assert run_spmd(rank, 4) == [(0, True, True, [True, True], True)] * 4
+
+
+def test_an_in_place_op_on_a_replicated_tensor_is_not_cut():
+    x = torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(13))
+    r = torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(14))
+
+    def rank():
+        mesh = init_device_mesh("cpu", (2,))
+        d, rep = distribute_tensor(x, mesh, [RaggedShard(0, (1, 2))]), distribute_tensor(r, mesh, [Replicate()])
+        rep.add_(d)
+        torch._foreach_mul_([rep], [d])
+        return rep.placements == (Replicate(),), torch.allclose(rep.full_tensor(), (r + x) * x)
+
+    assert run_spmd(rank, 2) == [(True, True)] * 2

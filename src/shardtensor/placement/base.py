@@ -21,6 +21,7 @@ A new placement is one module with one class answering these, plus its line in `
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar
 
 import torch
@@ -63,6 +64,12 @@ class Placement:
     def tensor_dim(self) -> int | None:
         """The tensor dim it splits, or None."""
         return None
+
+    def on_dim(self, dim: int) -> "Placement":
+        """This placement splitting tensor dim ``dim`` instead (an op moved its dim: a reduction
+        dropped an earlier one); itself where it splits none.  The default rebuilds it with
+        ``dim`` (its field of that name)."""
+        return self if self.tensor_dim() is None else dataclasses.replace(self, dim=dim)  # type: ignore[type-var]
 
     def pieces(self, length: int, k: int, r: int) -> list[tuple[int, int]]:
         """``(size, offset)`` of each run that rank ``r`` of ``k`` holds of a dim of ``length``."""
