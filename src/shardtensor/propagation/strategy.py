@@ -103,12 +103,12 @@ def input_cost(src: DTensorSpec, placements: Pl) -> float:
     if src.placements == placements:
         return 0.0
     from ..redistribute.cost import plan_cost
+    from ..redistribute.moves import move
     from ..redistribute.planner import plan_for
 
     mesh = src.mesh
-    for j, (a, b) in enumerate(zip(src.placements, placements)):
-        if b.is_partial() and a.is_shard() and mesh.shape[j] > 1:
-            return math.inf
+    if not all(move(a, b, k).forward for a, b, k in zip(src.placements, placements, mesh.shape)):
+        return math.inf  # a move the forward refuses (S -> P)
     try:
         dst = src.with_placements(placements)
     except (ValueError, TypeError):
