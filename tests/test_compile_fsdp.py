@@ -19,7 +19,7 @@ from shardtensor import DTensor, init_device_mesh, run_spmd
 from shardtensor.comm import current_transport
 from shardtensor.compile import methods_traced
 from shardtensor.examples.tiny_lm import VOCAB, batch, build_model, tp_plan
-from shardtensor.fsdp import MixedPrecisionPolicy, fully_shard
+from shardtensor.fsdp import MixedPrecisionPolicy, block_aligned, fully_shard, whole_parameters
 from shardtensor.parallel import parallelize_module
 
 TRACED = pytest.mark.skipif(not methods_traced(), reason="placements are graph constants from torch 2.13 on")
@@ -36,8 +36,12 @@ def _shard(m: nn.Module, kind: str, world: int, mp: torch.dtype | None) -> int:
     """Apply ``kind`` to the demo model; returns the seed of this rank's data (its dp coordinate)."""
     rank = current_transport().rank
     policy = MixedPrecisionPolicy(param_dtype=mp)
-    if kind == "fsdp":
+    fn: dict = {}
+    if kind in ("fsdp", "ragged"):
         mesh, seed = init_device_mesh("cpu", (world,)), rank
+        if kind == "ragged":  # whole parameters per rank in the blocks, 8-element blocks in the root
+            fn = {id(blk): whole_parameters(blk, world) for blk in m.blocks}
+            fn[id(m)] = block_aligned(world, block=8)
     elif kind == "hsdp":  # replicate over dim 0, shard over dim 1
         mesh, seed = init_device_mesh("cpu", (2, world // 2) if world > 1 else (1, 1)), rank
     else:  # torch's 2-D recipe: TP on the blocks over "tp", FSDP over "dp"
@@ -47,8 +51,8 @@ def _shard(m: nn.Module, kind: str, world: int, mp: torch.dtype | None) -> int:
             parallelize_module(blk, parent["tp"], tp_plan())
         mesh, seed = parent["dp"], rank // tp
     for blk in m.blocks:
-        fully_shard(blk, mesh=mesh, mp_policy=policy)
-    fully_shard(m, mesh=mesh, mp_policy=policy)
+        fully_shard(blk, mesh=mesh, mp_policy=policy, shard_placement_fn=fn.get(id(blk)))
+    fully_shard(m, mesh=mesh, mp_policy=policy, shard_placement_fn=fn.get(id(m)))
     return seed
 
 
@@ -140,8 +144,9 @@ def _gloo(rank: int, world: int, cases: list[tuple]) -> list[dict]:
 @pytest.mark.main_release  # a gloo repeat of simulated-world tests that run on every release
 @pytest.mark.skipif(not gloo_available() or not methods_traced(), reason="needs gloo and torch 2.13 or newer")
 def test_fully_shard_models_compile_whole_in_gloo_processes():
-    """fullgraph=True over real process groups: 3 ranks (uneven shards), then FSDP x TP and HSDP on 4."""
-    for world, cases in ((3, [("fsdp", "inductor", None)]),
+    """fullgraph=True over real process groups: 3 ranks (uneven shards; ragged layouts), then FSDP x TP
+    and HSDP on 4."""
+    for world, cases in ((3, [("fsdp", "inductor", None), ("ragged", "aot_eager", None)]),
                          (4, [("2d", "aot_eager", torch.bfloat16), ("hsdp", "aot_eager", None)])):
         res = run_multiprocess(_gloo, world, timeout=600, args=(cases,))
         for per_rank in res:

@@ -141,11 +141,12 @@ def reference(kind: str, opt: str, steps: int = STEPS, param_dtype: torch.dtype 
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def rank_train(kind: str, opt: str, steps: int = STEPS, mesh_shape=(WORLD,), **kw):
-    """One rank: FSDP training on its slice; returns (its losses, full parameters)."""
+def rank_train(kind: str, opt: str, steps: int = STEPS, mesh_shape=(WORLD,), wrapper=None, on_grads=None, **kw):
+    """One rank: FSDP training on its slice; returns (its losses, full parameters).  ``wrapper``
+    replaces ``wrap``; ``on_grads(model)`` is called after each backward."""
     mesh = init_device_mesh("cpu", mesh_shape)
-    r, W = mesh.get_local_rank(), mesh.size()
-    model = wrap(kind, build(kind), mesh, **kw)
+    r, W = mesh.get_rank(), mesh.size()
+    model = (wrapper or wrap)(kind, build(kind), mesh, **kw)
     o = make_opt(opt, model.parameters())
     losses = []
     for s in range(steps):
@@ -154,6 +155,8 @@ def rank_train(kind: str, opt: str, steps: int = STEPS, mesh_shape=(WORLD,), **k
         o.zero_grad()
         loss = loss_fn(kind, model, x[r * n:(r + 1) * n], y[r * n:(r + 1) * n])
         loss.backward()
+        if on_grads is not None:
+            on_grads(model)
         o.step()
         losses.append(loss.item())
     return losses, {n: p.full_tensor() for n, p in model.named_parameters()}
@@ -693,6 +696,21 @@ def test_fsdp_x_tp_2d(form):
         assert layout[0]["norm.weight"][0] == (Shard(0), Replicate())
 
 
+def tp_train(model: nn.Module, steps: int, part: int, parts: int) -> list[float]:
+    """Adam on TPMLP over ``steps`` batches, this rank taking part ``part`` of ``parts`` of each: its losses."""
+    o = torch.optim.Adam(model.parameters(), lr=0.01)
+    losses = []
+    for s in range(steps):
+        x, y = _tp_batch(s)
+        n = BATCH // parts
+        o.zero_grad()
+        loss = ((model(x[part * n:(part + 1) * n]) - y[part * n:(part + 1) * n]) ** 2).mean()
+        loss.backward()
+        o.step()
+        losses.append(loss.item())
+    return losses
+
+
 def _hsdp_body(steps: int, mesh_shape, names, tp: bool):
     """HSDP: fully_shard on a 2-D (replicate, shard) mesh; with ``tp`` a third mesh dim for TP."""
     from shardtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -708,17 +726,8 @@ def _hsdp_body(steps: int, mesh_shape, names, tp: bool):
     fully_shard(model, mesh=dp_mesh)
     coord = mesh.get_coordinate()
     part, parts = coord[0] * mesh_shape[1] + coord[1], mesh_shape[0] * mesh_shape[1]
-    o = torch.optim.Adam(model.parameters(), lr=0.01)
-    losses = []
     with comm.recording() as log:
-        for s in range(steps):
-            x, y = _tp_batch(s)
-            n = BATCH // parts
-            o.zero_grad()
-            loss = ((model(x[part * n:(part + 1) * n]) - y[part * n:(part + 1) * n]) ** 2).mean()
-            loss.backward()
-            o.step()
-            losses.append(loss.item())
+        losses = tp_train(model, steps, part, parts)
     me = comm.current_transport().rank
     kinds = sorted({(e.kind, e.mesh_dim) for e in log.of_rank(me) if e.kind in ("all_gather", "reduce_scatter")
                     or (e.kind == "all_reduce" and e.group_size == mesh_shape[0] and e.dtype == torch.float32)})
@@ -953,17 +962,7 @@ def _meta_body(steps: int, layout: str):
     coord = mesh.get_coordinate()
     part, parts = {"fsdp": lambda: (coord[0], WORLD), "hsdp": lambda: (2 * coord[0] + coord[1], WORLD),
                    "tp": lambda: (0, 1), "fsdp_tp": lambda: (coord[0], 2)}[layout]()
-    o = torch.optim.Adam(model.parameters(), lr=0.01)
-    losses = []
-    for s in range(steps):
-        x, y = _tp_batch(s)
-        n = BATCH // parts
-        o.zero_grad()
-        out = model(x[part * n:(part + 1) * n])
-        loss = ((out - y[part * n:(part + 1) * n]) ** 2).mean()
-        loss.backward()
-        o.step()
-        losses.append(loss.item())
+    losses = tp_train(model, steps, part, parts)
     return losses, {n: p.full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in model.named_parameters()}
 
 

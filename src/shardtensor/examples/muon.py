@@ -4,13 +4,18 @@
     python -m shardtensor.examples.muon --backend gloo   # 4 gloo processes
 
 Muon orthogonalises each 2-D update with Newton-Schulz iterations: an op on the whole matrix,
-not on the row slices FSDP leaves on each rank.  The step here gives every 2-D momentum a
-``RaggedShard`` layout with all its rows on one rank (``local_units`` one-hot; the matrices are
-dealt out largest first to the least loaded rank), runs Newton-Schulz on the matrices each rank
-owns, and redistributes each update back to its parameter's layout.  Both moves receive exactly
-what a rank lacks: the owner the rows it does not hold, then every other rank its rows of the
-update.  The run prints those bytes against that lower bound and checks the trained weights
-against the same training on one device.
+not on the row slices FSDP leaves on each rank.  Two ways, both run here:
+
+* FSDP's usual ``Shard(0)``: the step gives every 2-D momentum a ``RaggedShard`` layout with all
+  its rows on one rank (``local_units`` one-hot; the matrices dealt out largest first to the
+  least loaded rank), runs Newton-Schulz there, and redistributes each update back.  Both moves
+  receive exactly what a rank lacks: the owner the rows it does not hold, then every other rank
+  its rows of the update; the run prints those bytes against that lower bound.
+* FSDP with a ragged layout (``shard_placement_fn=whole_parameters(model, 4)``): every parameter,
+  so every momentum, is whole on one rank already; the step moves nothing, and FSDP's gathers
+  pay instead (each rank's block is as long as the largest rank's share).
+
+Both check the trained weights against the same training on one device.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from shardtensor import DTensor, RaggedShard, comm, fully_shard, init_device_mesh
+from shardtensor.fsdp import deal_largest_first, whole_parameters
 from shardtensor.examples.spawn import run_example
 
 WORLD = 4
@@ -39,17 +45,6 @@ def newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
     return (x.T if tall else x).to(g.dtype)
 
 
-def owners(shapes: list[torch.Size], k: int) -> list[int]:
-    """A rank for each matrix: largest first, to the rank with the fewest elements so far."""
-    load = [0] * k
-    out = [0] * len(shapes)
-    for i in sorted(range(len(shapes)), key=lambda i: -shapes[i].numel()):
-        r = min(range(k), key=lambda r: (load[r], r))
-        out[i] = r
-        load[r] += shapes[i].numel()
-    return out
-
-
 class Muon(torch.optim.Optimizer):
     """Momentum, then each 2-D update orthogonalised on the rank that owns its matrix (plain
     tensors: on this rank); other parameters take the momentum step."""
@@ -62,7 +57,7 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             mats = [p for p in params if p.ndim == 2]
-            owner = dict(zip(map(id, mats), owners([p.shape for p in mats], _ranks(mats))))
+            owner = dict(zip(map(id, mats), deal_largest_first([p.numel() for p in mats], _ranks(mats))))
             for p in params:
                 buf = self.state[p].setdefault("momentum", torch.zeros_like(p))
                 buf.mul_(group["momentum"]).add_(p.grad)  # elementwise: each rank on its rows
@@ -75,12 +70,21 @@ class Muon(torch.optim.Optimizer):
         if not isinstance(m, DTensor):
             return newton_schulz(m, steps) * scale
         mesh = m.device_mesh
-        units = [int(r == owner) for r in range(mesh.size(0))]
-        whole = m.redistribute(mesh, [RaggedShard(0, units)])  # all its rows on the owner
+        units = [int(r == _holder(m, owner)) for r in range(mesh.size(0))]
+        whole = m.redistribute(mesh, [RaggedShard(0, units)])  # all its rows on one rank (no move if so already)
         local = whole.to_local()
         local = newton_schulz(local, steps) * scale if local.numel() else local
         out = DTensor.from_local(local, mesh, whole.placements, shape=m.shape, stride=m.stride(), run_check=False)
         return out.redistribute(mesh, m.placements)  # each rank's rows of the update back
+
+
+def _holder(m: DTensor, owner: int) -> int:
+    """The rank holding all of ``m``'s rows already (a whole-parameter FSDP layout), else ``owner``."""
+    pl, k, n = m.placements[0], m.device_mesh.size(0), m.shape[0]
+    if pl.tensor_dim() == 0:
+        whole = [r for r in range(k) if pl.pieces(n, k, r)[0][0] == n]
+        return whole[0] if whole else owner
+    return owner
 
 
 def _ranks(params: list[torch.Tensor]) -> int:
@@ -106,36 +110,51 @@ def _train(model: nn.Module, steps: int, rank: int = 0, world: int = 1) -> None:
 
 
 def run_rank(steps: int = 3) -> dict[str, Any]:
-    """Train with FSDP and Muon on this rank; the bytes the Muon moves moved, their lower bound,
-    and whether every weight equals the one-device run's."""
+    """Train with FSDP and Muon on this rank, once per FSDP layout (``Shard(0)``, whole
+    parameters): the bytes the Muon moves and FSDP's collectives moved, the Muon moves' lower
+    bound, and whether every weight equals the one-device run's."""
     mesh = init_device_mesh("cpu", (WORLD,))
-    model = fully_shard(_model(), mesh=mesh)
     me = mesh.get_rank()
-    with comm.recording() as log:
-        _train(model, steps, me, WORLD)
-    moved = sum(e.bytes_received for e in log.events if e.kind == "send_recv" and e.rank == me)
-    mats = [p for p in model.parameters() if p.ndim == 2]
-    own = owners([p.shape for p in mats], WORLD)
-    bound = gather = 0
-    for p, r in zip(mats, own):  # the owner lacks the rows it does not hold; each other rank its own rows
-        mine = p.to_local().numel()
-        bound += (p.numel() - mine if r == me else mine) * p.element_size() * steps
-        gather += (p.numel() - mine) * p.element_size() * steps  # full_tensor() on every rank instead
     ref = _model()
     _train(ref, steps)
-    exact = all(torch.allclose(p.full_tensor(), q, atol=1e-5)
-                for p, q in zip(model.parameters(), ref.parameters()))
-    return dict(rank=me, moved=moved, bound=bound, gather=gather, exact=exact)
+    out: dict[str, Any] = dict(rank=me)
+    for layout in ("even", "whole"):
+        plain = _model()
+        fn = whole_parameters(plain, WORLD) if layout == "whole" else None
+        model: Any = fully_shard(plain, mesh=mesh, shard_placement_fn=fn)
+        with comm.recording() as log:
+            _train(model, steps, me, WORLD)
+        mine = [e for e in log.events if e.rank == me]
+        mats = [p for p in model.parameters() if p.ndim == 2]
+        own = deal_largest_first([p.numel() for p in mats], WORLD)
+        bound = gather = 0
+        for p, r in zip(mats, own):  # the owner lacks the rows it does not hold; each other rank its own rows
+            r = _holder(p, r)
+            local = p.to_local().numel()
+            bound += (p.numel() - local if r == me else local) * p.element_size() * steps
+            gather += (p.numel() - local) * p.element_size() * steps  # full_tensor() on every rank instead
+        out[layout] = dict(
+            muon=sum(e.bytes_received for e in mine if e.kind == "send_recv"),
+            fsdp=sum(e.bytes_received for e in mine if e.kind != "send_recv"), bound=bound, gather=gather,
+            exact=all(torch.allclose(p.full_tensor(), q, atol=1e-5) for p, q in zip(model.parameters(), ref.parameters())))
+    return out
 
 
 def report(rows: list[dict[str, Any]], world: str) -> bool:
-    print(f"Muon step over FSDP ({world}): each 2-D momentum to a RaggedShard holding its whole matrix on one rank")
-    for r in rows:
-        print(f"  rank {r['rank']}: received {r['moved']} B for the Muon moves, lower bound {r['bound']} B "
-              f"(every rank orthogonalising every matrix after full_tensor(): {r['gather']} B)")
-    ok = all(r["exact"] for r in rows) and all(r["moved"] == r["bound"] for r in rows)
-    print("  every weight equal to one device's Muon training" if all(r["exact"] for r in rows) else "  WRONG weights")
-    print("  bytes at the lower bound on every rank" if ok else "  bytes above the lower bound")
+    ok = True
+    for layout, title in (("even", "FSDP Shard(0); each 2-D momentum to a RaggedShard holding its whole matrix"),
+                          ("whole", "FSDP with whole parameters per rank (shard_placement_fn=whole_parameters)")):
+        print(f"Muon step over {title} ({world}):")
+        for row in rows:
+            r = row[layout]
+            print(f"  rank {row['rank']}: the Muon moves received {r['muon']} B, lower bound {r['bound']} B "
+                  f"(every rank orthogonalising every matrix after full_tensor(): {r['gather']} B); "
+                  f"FSDP's all-gathers and reduce-scatters {r['fsdp']} B")
+        exact = all(row[layout]["exact"] for row in rows)
+        at_bound = all(row[layout]["muon"] == row[layout]["bound"] for row in rows)
+        print("  every weight equal to one device's Muon training" if exact else "  WRONG weights")
+        print("  bytes at the lower bound on every rank" if at_bound else "  bytes above the lower bound")
+        ok = ok and exact and at_bound
     return ok
 
 

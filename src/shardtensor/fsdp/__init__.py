@@ -49,6 +49,13 @@ and each module's pre-backward issues the re-gather of the module whose backward
 ``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch`` set the modules
 explicitly (``[]``: none).  A prefetch a forward leaves unused is dropped at the next forward.
 
+Ragged layouts.  ``shard_placement_fn(param)`` may give ``RaggedShard(0, local_units)`` (per-rank
+pieces of chosen sizes; ``layouts.py`` builds two: whole parameters per rank, and pieces cut on
+128-element blocks).  Such a parameter's shard is exactly its piece (no padding); the group's
+flat buffer holds the even parameters first, then rank ``r``'s ragged pieces end to end, each
+rank's block padded to the longest, so one all-gather and one reduce-scatter still serve the
+whole group, and the gradients come back with the parameter's ragged placement.
+
 Gradient accumulation: ``module.set_requires_gradient_sync(False)`` makes backward keep each
 rank's unsharded local gradients in a buffer with no collective; the next backward with sync
 on reduces their sum once.
@@ -61,6 +68,8 @@ prefetch are the compiler's business there.
 """
 from .api import (CPUOffloadPolicy, DataParallelMeshDims, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
                   UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx)
+from .layouts import block_aligned, deal_largest_first, whole_parameters
 
 __all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
-           "UnshardHandle", "fully_shard", "register_fsdp_forward_method", "share_comm_ctx"]
+           "UnshardHandle", "block_aligned", "deal_largest_first", "fully_shard", "register_fsdp_forward_method",
+           "share_comm_ctx", "whole_parameters"]

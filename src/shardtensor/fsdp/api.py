@@ -429,6 +429,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     one unit (FSDP2's list form): one group, gathered when the first of them runs and resharded
     after all of them ran.  ``ignored_params`` stay plain, unsharded and unreduced.
     ``offload_policy=CPUOffloadPolicy()`` holds where every parameter is on the CPU already.
+    ``shard_placement_fn(param)``: ``None`` or ``Shard(0)``, or ``RaggedShard(0, local_units)`` for
+    per-rank pieces of chosen sizes (``layouts.py``: whole parameters, aligned blocks).
     ``dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...)``: ``mesh`` is the parameters'
     whole mesh (DTensors ``Replicate`` on the dims named there); FSDP shards over the ``shard``
     dim, and each unsharded parameter is a DTensor on that whole mesh again.
@@ -452,7 +454,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         raise TypeError(f"mesh must be a shardtensor DeviceMesh, got {type(mesh).__name__}")
     info = MeshInfo.of(mesh, dp_mesh_dims)
     ignored = {id(p) for p in ignored_params or ()}
-    params = [FSDPParam(p, owners, info) for p, owners in _managed_params(modules) if id(p) not in ignored]
+    params = [FSDPParam(p, owners, info, shard_placement_fn(p) if shard_placement_fn is not None else None)
+              for p, owners in _managed_params(modules) if id(p) not in ignored]
     reduce_dtype = mp_policy.reduce_dtype if mp_policy.reduce_dtype is not None else mp_policy.param_dtype
     group = ParamGroup(params, info, mp_policy.param_dtype, reduce_dtype)
     group.show_sharded()  # only once every parameter is accepted: a refusal leaves the module as it was
@@ -477,13 +480,9 @@ def _check_unsupported(modules: list[nn.Module], reshard_after_forward: Any, sha
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise NotImplementedError(f"fully_shard: reshard_after_forward={reshard_after_forward!r} (resharding to a "
                                   "smaller group) is not supported; pass True or False")
-    if shard_placement_fn is not None:
-        for m in modules:
-            for name, p in m.named_parameters():
-                got = shard_placement_fn(p)
-                if got is not None and getattr(got, "dim", None) != 0:
-                    raise NotImplementedError(f"fully_shard: shard_placement_fn gives {got!r} for {name}; only "
-                                              "Shard(0) (or None) is supported")
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError(f"fully_shard: shard_placement_fn must be a callable (parameter -> placement or None), "
+                        f"got {type(shard_placement_fn).__name__}")
     if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"fully_shard: offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}")
     if isinstance(offload_policy, CPUOffloadPolicy):

@@ -28,19 +28,14 @@ from typing import Any, Sequence, cast
 import torch
 
 from .. import comm
-from ..kernels import chunk_cat, split_with_sizes_copy
 from ..placement import Partial, display
 from ..redistribute import redistribute_local
 from ..spec import DTensorSpec, contiguous_stride
 from ..tensor import DTensor
+from .packing import Packing
 from .param import FSDPParam, MeshInfo
 
 __all__ = ["ParamGroup", "Unsharded"]
-
-
-_OWN_CHUNK_CAT_BYTES = 1 << 24
-"""Gradient packs from this size on (CPU) use ``kernels.chunk_cat``, whose copies run at memcpy
-speed; below it ``torch._chunk_cat`` costs less per call (``benchmarks/README.md``, hooks.py section)."""
 
 
 class Unsharded:
@@ -215,36 +210,38 @@ class ParamGroup:
         if lay.aliased:
             return None
         if lay.mode == "same":  # one concatenation of the padded shards
-            flat = torch.cat(lay.sources)
+            flat = torch.cat(lay.sources + lay.pad)
         elif lay.mode == "cast":  # cast inside the copies
             flat = torch.empty(lay.total, dtype=lay.dtype, device=lay.sources[0].device)
-            torch._foreach_copy_(list(flat.split(lay.sizes)), lay.sources)
+            short = lay.pad[0].numel() if lay.pad else 0  # a ragged rank's block ends early: zeros after
+            torch._foreach_copy_(list(flat.narrow(0, 0, lay.total - short).split(lay.sizes)), lay.sources)
+            if short:
+                flat.narrow(0, lay.total - short, short).zero_()
         else:  # mixed dtypes travel as bytes
             flat = torch.cat([params[i].padded.to(self.compute_dtype(params[i])).reshape(-1).view(torch.uint8)
-                              for i in lay.items])
+                              for i in lay.items] + lay.pad)
         if self.info.world == 1:  # one rank: the stack is its packed shards (no collective, no copy)
-            return comm.Completed(flat.unsqueeze(0)), lay.sizes, targets
-        return comm.all_gather(flat, self.info.mesh, self.info.dp_dim, async_op=True), lay.sizes, targets
+            return comm.Completed(flat.unsqueeze(0)), lay, targets
+        return comm.all_gather(flat, self.info.mesh, self.info.dp_dim, async_op=True), lay, targets
 
     def gather_targets(self, raw: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Where the all-gather's ``(W, total)`` stack is split into: each gathered parameter's
-        unsharded buffer as ``(W, its share)`` (bytes when dtypes are mixed)."""
+        unsharded buffer as ``(W, its share)``, or flat for a ragged one (bytes when dtypes are mixed)."""
         lay, W = self.layout(), self.info.world
-        if lay.mode == "bytes":
-            return [raw[i].view(-1).view(torch.uint8).view(W, n) for i, n in zip(lay.items, lay.sizes)]
-        return [raw[i].view(W, n) for i, n in zip(lay.items, lay.sizes)]
+        out = []
+        for i, n in zip(lay.items, lay.sizes):
+            t = raw[i].view(-1).view(torch.uint8) if lay.mode == "bytes" else raw[i].view(-1)
+            out.append(t if self.params[i].ragged else t.view(W, n))
+        return out
 
     @staticmethod
     def all_gather_finish(pending: tuple | None) -> None:
         """Wait for the all-gather and copy-out into the unsharded buffers."""
         if pending is None:
             return
-        work, sizes, dst = pending
+        work, lay, dst = pending
         stack = work.wait()
-        if stack.is_cuda:
-            split_with_sizes_copy(stack, sizes, dim=1, out=dst)  # one launch (Triton)
-        else:
-            torch.split_with_sizes_copy(stack, sizes, dim=1, out=dst)
+        lay.copy_out(stack, dst)
 
     # -- reduce-scatter --------------------------------------------------------------------
     def reduce_grads(self, idx: tuple[int, ...], grads: Sequence[torch.Tensor | None]) -> list[DTensor | None]:
@@ -273,7 +270,7 @@ class ParamGroup:
         dtypes = tuple([None if g is None else g.dtype for g in local])
         plan = self._reduce_plans.get((idx, dtypes))
         if plan is None:
-            plan = self._reduce_plans[idx, dtypes] = _ReducePlan(params, dtypes, self.reduce_dtype)
+            plan = self._reduce_plans[idx, dtypes] = _ReducePlan(params, dtypes, self.reduce_dtype, self.info.rank)
         out: list[DTensor | None] = [None] * len(params)
         for i in plan.empty:
             p = params[i]
@@ -285,10 +282,7 @@ class ParamGroup:
         grads_in = [g.to(rdtype) if c else g for g, c in zip(got, plan.casts)]
         flat = torch.empty((self.info.world, plan.numel), dtype=rdtype, device=grads_in[0].device)
         with torch.no_grad():
-            if flat.is_cuda or flat.numel() * flat.element_size() >= _OWN_CHUNK_CAT_BYTES:
-                chunk_cat(grads_in, 0, flat.shape[0], out=flat)  # CUDA: one Triton launch; CPU: memcpy-speed copies
-            else:
-                torch._chunk_cat(grads_in, 0, flat.shape[0], out=flat)  # small: torch's fixed cost is lower
+            plan.pack(plan.params, grads_in, flat)
             red = self._average(flat, (idx, dtypes))
         if red is None:  # HSDP without the all-reduce: the block waits in replica_part, no gradient yet
             return [None] * len(params)
@@ -352,36 +346,37 @@ class ParamGroup:
         return redistribute_local(g._local_tensor, g._spec, target)
 
 
-class _Layout:
+class _Layout(Packing):
     """How a group's shards travel in its all-gather (``ParamGroup.layout``)."""
 
     def __init__(self, group: ParamGroup) -> None:
-        params = group.params
-        self.items = [i for i, p in enumerate(params) if p.padded_numel > 0]
-        dtypes = {group.compute_dtype(params[i]) for i in self.items}
+        params, info = group.params, group.info
+        items = [i for i, p in enumerate(params) if p.numel > 0]
+        dtypes = {group.compute_dtype(params[i]) for i in items}
         self.dtype = next(iter(dtypes)) if len(dtypes) == 1 else torch.uint8
         if len(dtypes) > 1:
             self.mode = "bytes"
-            self.sizes = [params[i].padded_numel * group.compute_dtype(params[i]).itemsize for i in self.items]
+            super().__init__(params, items, lambda i: group.compute_dtype(params[i]).itemsize, info.world, info.rank)
         else:
-            self.mode = "same" if all(params[i].padded.dtype == self.dtype for i in self.items) else "cast"
-            self.sizes = [params[i].padded_numel for i in self.items]
-        self.total = sum(self.sizes)
+            self.mode = "same" if all(params[i].padded.dtype == self.dtype for i in items) else "cast"
+            super().__init__(params, items, lambda i: 1, info.world, info.rank)
         # one dp rank and no cast: the unsharded parameters are views of the padded shards
-        self.aliased = group.info.world == 1 and self.mode == "same"
+        self.aliased = info.world == 1 and self.mode == "same"
         self.sources = [params[i].padded.view(-1) for i in self.items]  # ``padded`` is never replaced
+        short = self.total - sum(self.sizes)  # a ragged rank's block ends early: zeros up to the longest
+        self.pad = [params[self.items[-1]].padded.new_zeros(short, dtype=self.dtype)] if short else []
         # where each unsharded buffer lives: (device, byte offset, dtype, shape), offsets aligned
         self.storage_bytes: dict[torch.device, int] = {}
         self.spots: list[tuple[torch.device, int, torch.dtype, tuple[int, ...]]] = []
         for p in params:
             dev, dtype = p.padded.device, group.compute_dtype(p)
-            shape = (group.info.world * p.c, *p.rest)
+            shape = p.buffer_shape
             at = self.storage_bytes.get(dev, 0)
             self.spots.append((dev, at, dtype, shape))
             self.storage_bytes[dev] = at + -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
 
 
-class _ReducePlan:
+class _ReducePlan(Packing):
     """How one backward's gradients are packed and handed back, worked out once per group, set of
     trainable parameters and pattern of gradient dtypes (``None``: no gradient): the same every step.
 
@@ -391,23 +386,25 @@ class _ReducePlan:
     are ``(param index, shape, stride, offset in the reduced block, cast to the param's dtype)``.
     """
 
-    def __init__(self, params: Sequence[FSDPParam], dtypes: tuple, reduce_dtype: torch.dtype | None) -> None:
+    def __init__(self, params: Sequence[FSDPParam], dtypes: tuple, reduce_dtype: torch.dtype | None,
+                 rank: int) -> None:
         got = [i for i, d in enumerate(dtypes) if d is not None]
-        self.empty = [i for i in got if params[i].padded_numel == 0]
-        self.todo = [i for i in got if params[i].padded_numel > 0]
+        self.empty = [i for i in got if params[i].numel == 0]
+        super().__init__(params, [i for i in got if params[i].numel > 0], lambda i: 1,
+                         params[0].info.world if params else 1, rank)
+        self.params = params
+        self.todo = self.items
         self.dtype = reduce_dtype or functools.reduce(torch.promote_types, [dtypes[i] for i in self.todo],
                                                       dtypes[self.todo[0]] if self.todo else torch.float32)
         self.casts = [not (dtypes[i] == self.dtype or _widens(dtypes[i], self.dtype)) for i in self.todo]
         if len({self.dtype if c else dtypes[i] for i, c in zip(self.todo, self.casts)}) > 1:
             self.casts = [dtypes[i] != self.dtype for i in self.todo]
         self.pieces: list[tuple[int, tuple[int, ...], tuple[int, ...], int, bool]] = []
-        at = 0
-        for i in self.todo:
+        for i, at in zip(self.todo, self.starts):
             p = params[i]
             shape = (p.rows, *p.rest)
             self.pieces.append((i, shape, contiguous_stride(shape), at, p.orig_dtype != self.dtype))
-            at += p.padded_numel
-        self.numel = at
+        self.numel = self.total
 
 
 _ALIGN = 64  # bytes: every buffer starts where any dtype (and vector loads) may

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from ..mesh import DeviceMesh, joined_mesh
-from ..placement import LAST, Placement, Replicate, Shard, chunk, display
+from ..placement import LAST, Placement, Replicate, Shard, display
 from ..spec import DTensorSpec, contiguous_stride
 from ..tensor import DTensor
 
@@ -124,15 +124,19 @@ class MeshInfo:
 
 
 class FSDPParam:
-    """A parameter sharded along dim 0 over the dp mesh dim (torch.chunk rule, uneven allowed).
+    """A parameter sharded along dim 0 over the dp mesh dim: ``Shard(0)`` (torch.chunk rule,
+    uneven allowed) or ``RaggedShard(0, units)`` (per-rank pieces of chosen sizes).
 
-    ``padded`` holds this rank's ``c = ceil(s / W)`` rows (``s`` = dim 0 of the unsharded
-    tensor the forward uses: the whole parameter, or its TP-local piece on a 2-D mesh); the
-    sharded parameter's local tensor is its first ``rows`` rows, the rest stays zero.  The
-    all-gather sends the whole padded block, so every rank's slot has the same size.
+    ``Shard(0)``: ``padded`` holds this rank's ``c = ceil(s / W)`` rows (``s`` = dim 0 of the
+    unsharded tensor the forward uses: the whole parameter, or its TP-local piece on a 2-D
+    mesh); the sharded parameter's local tensor is its first ``rows`` rows, the rest stays
+    zero.  The all-gather sends the whole padded block, so every rank's slot has the same size.
+    ``RaggedShard(0, ...)``: ``padded`` is exactly this rank's piece (``c = rows``); the group
+    packs every rank's ragged pieces end to end after the even ones (``group.py``).
     """
 
-    def __init__(self, param: nn.Parameter, owners: list[tuple[nn.Module, str]], info: MeshInfo) -> None:
+    def __init__(self, param: nn.Parameter, owners: list[tuple[nn.Module, str]], info: MeshInfo,
+                 placement: Placement | None = None) -> None:
         self.owners = owners
         self.info = info
         self.orig_id = id(param)
@@ -154,14 +158,19 @@ class FSDPParam:
         s = self.unsharded_shape[0]
         self.rest = self.unsharded_shape[1:]
         self.row_numel = math.prod(self.rest)
-        self.c = -(-s // W) if s else 0
-        self.rows, off = chunk(s, W, r)
+        self.dp_placement = self._dp_placement(placement, W)
+        self.ragged = not self.dp_placement.is_shard(0)
+        # (rows, first row) of every dp rank's piece of dim 0
+        self.runs = [self.dp_placement.pieces(s, W, q)[0] for q in range(W)]
+        self.rows, off = self.runs[r]
+        self.c = self.rows if self.ragged else -(-s // W) if s else 0
         self.padded_numel = self.c * self.row_numel
+        self.numel = s * self.row_numel
         self.padded = torch.zeros((self.c, *self.rest), dtype=unsharded.dtype, device=unsharded.device)
         self.padded[: self.rows].copy_(unsharded[off: off + self.rows])
         mesh, dp, tp, tp_pl = self._layout(param, info)
         placements: list[Placement] = [Replicate()] * mesh.ndim
-        placements[dp] = Shard(0)
+        placements[dp] = self.dp_placement
         order = None
         if tp is not None:
             assert tp_pl is not None
@@ -220,6 +229,37 @@ class FSDPParam:
                 f"cut from the same parent mesh as the FSDP mesh {info.mesh}; build both from one mesh, as in "
                 "parallelize_module(m, mesh['tp'], plan) then fully_shard(m, mesh=mesh['dp'])")
         return joined, info.dp_dim, info.mesh.ndim, self._tp_placement(pl[0])
+
+    @property
+    def buffer_shape(self) -> tuple[int, ...]:
+        """The shape of the unsharded buffer the all-gather fills: every rank's padded block
+        (``W * c`` rows, a prefix of which is the parameter), or the parameter itself (ragged)."""
+        return self.unsharded_shape if self.ragged else (self.info.world * self.c, *self.rest)
+
+    def _dp_placement(self, p: Placement | None, world: int) -> Placement:
+        """``shard_placement_fn``'s answer checked: None is ``Shard(0)``; else a placement of dim 0
+        with one piece per dp rank (``Shard(0)``, ``RaggedShard(0, units)``)."""
+        if p is None:
+            return Shard(0)
+        if not isinstance(p, Placement):
+            raise TypeError(f"fully_shard: shard_placement_fn gives {p!r} for {self.fqn}; return a placement "
+                            "(Shard(0), RaggedShard(0, local_units)) or None")
+        if p.tensor_dim() != 0:
+            raise NotImplementedError(f"fully_shard: shard_placement_fn gives {p!r} for {self.fqn}; FSDP shards dim 0: "
+                                      "return Shard(0) or RaggedShard(0, local_units) (or None)")
+        try:
+            p = p.normalized(len(self.unsharded_shape), world)  # checks the number of pieces against the dp size
+        except ValueError as e:
+            raise ValueError(f"fully_shard: shard_placement_fn's placement for {self.fqn}: {e}") from None
+        s, at = self.unsharded_shape[0], 0
+        for q in range(world):  # FSDP packs one run per rank, the runs in rank order making the dim
+            runs = p.pieces(s, world, q)
+            if len(runs) != 1 or runs[0][1] != at:
+                raise NotImplementedError(f"fully_shard: shard_placement_fn gives {p!r} for {self.fqn}, whose pieces "
+                                          "are not one run per rank in rank order; use Shard(0) or "
+                                          "RaggedShard(0, local_units)")
+            at += runs[0][0]
+        return p
 
     def _tp_placement(self, p: Placement) -> Placement:
         if p.is_partial():

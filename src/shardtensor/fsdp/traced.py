@@ -23,6 +23,7 @@ from .. import comm
 from ..compile import in_graph
 from ..tensor import DTensor
 from .group import ParamGroup
+from .packing import Packing
 from .param import FSDPParam
 
 __all__ = ["gather_group", "regather_in_backward", "traced_key"]
@@ -52,19 +53,23 @@ def _gather(group: ParamGroup, sharded: tuple) -> tuple:
     dtype = group.compute_dtype(params[0])
     if info.world == 1:  # one dp rank: copies of its shards (no collective)
         return tuple(_unsharded(p, x._local_tensor.to(dtype, copy=True), dtype) for p, x in zip(params, sharded))
+    pk = Packing(params, range(len(params)), lambda i: 1, info.world, info.rank)
     pieces = []
-    for p, x in zip(params, sharded):
-        local = x._local_tensor
-        if p.rows < p.c:
+    for i in pk.items:
+        p, local = params[i], sharded[i]._local_tensor
+        if p.rows < p.c:  # an even parameter's short last block: zeros up to its slot
             local = torch.cat([local, local.new_zeros((p.c - p.rows, *p.rest))])
         pieces.append(local.reshape(-1).to(dtype))
-    stack = comm.all_gather(torch.cat(pieces), info.mesh, info.dp_dim)  # (W, n)
-    outs, at = [], 0
-    for p in params:
-        full = stack[:, at: at + p.padded_numel].reshape(info.world * p.c, *p.rest)[: p.unsharded_shape[0]]
-        at += p.padded_numel
-        outs.append(_unsharded(p, full, dtype))
-    return tuple(outs)
+    short = pk.total - sum(pk.sizes)
+    stack = comm.all_gather(torch.cat(pieces + [pieces[0].new_zeros(short)] if short else pieces),
+                            info.mesh, info.dp_dim)  # (W, total)
+    outs: list[Any] = [None] * len(params)
+    for i, at, n in zip(pk.items[:pk.n_even], pk.starts, pk.even_sizes):
+        p = params[i]
+        outs[i] = stack[:, at: at + n].reshape(info.world * p.c, *p.rest)[: p.unsharded_shape[0]]
+    for i, runs in zip(pk.items[pk.n_even:], pk.runs):
+        outs[i] = torch.cat([stack[q, a: a + n] for q, (a, n) in enumerate(runs)]).reshape(params[i].unsharded_shape)
+    return tuple(_unsharded(p, full, dtype) for p, full in zip(params, outs))
 
 
 def _unsharded(p: FSDPParam, full: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -83,19 +88,30 @@ def _reduce(group: ParamGroup, grads: tuple) -> tuple:
     dtype = group.reduce_dtype or next(g.dtype for g in local if g is not None)
     if info.world == 1 and info.rep_dim is None and group.divide_factor in (None, 1.0):  # one rank: its gradients
         return tuple(None if g is None else DTensor(g.to(dtype).to(p.orig_dtype), p.spec) for p, g in zip(params, local))
+    pk = Packing(params, range(len(params)), lambda i: 1, info.world, info.rank)
+    full = [torch.zeros(p.unsharded_shape, dtype=dtype, device=p.padded.device) if g is None else g.to(dtype)
+            for p, g in zip(params, local)]
     cols = []
-    for p, g in zip(params, local):
-        g = torch.zeros(p.unsharded_shape, dtype=dtype, device=p.padded.device) if g is None else g.to(dtype)
+    for i in pk.items[:pk.n_even]:
+        p, g = params[i], full[i]
         if g.shape[0] < info.world * p.c:
             g = torch.cat([g, g.new_zeros((info.world * p.c - g.shape[0], *p.rest))])
         cols.append(g.reshape(info.world, p.padded_numel))
+    if pk.runs:  # rank q's block: its pieces of the ragged parameters end to end, zeros up to the longest
+        blocks = []
+        for q in range(info.world):
+            parts = [full[i].narrow(0, params[i].runs[q][1], params[i].runs[q][0]).reshape(-1)
+                     for i in pk.items[pk.n_even:]]
+            used = sum(t.numel() for t in parts)
+            blocks.append(torch.cat(parts + [parts[0].new_zeros(pk.total - pk.even_total - used)]))
+        cols.append(torch.stack(blocks))
     red = group._average(torch.cat(cols, dim=1), ())  # (n,); never None: hooks.py traces no deferred all-reduce
     assert red is not None
-    out, at = [], 0
-    for p, g in zip(params, local):
-        piece = red[at: at + p.padded_numel].reshape(p.c, *p.rest)[: p.rows]
-        at += p.padded_numel
-        out.append(None if g is None else DTensor(piece.to(p.orig_dtype), p.spec))
+    out: list[Any] = [None] * len(params)
+    for i, at in zip(pk.items, pk.starts):
+        p = params[i]
+        piece = red[at: at + p.rows * p.row_numel].reshape(p.rows, *p.rest)
+        out[i] = None if local[i] is None else DTensor(piece.to(p.orig_dtype), p.spec)
     return tuple(out)
 
 
