@@ -6,6 +6,8 @@ import contextlib
 import io
 import random
 
+import re
+
 import pytest
 import torch
 
@@ -289,6 +291,10 @@ def test_the_muon_example_in_the_simulated_world(capsys):
     assert main("sim", steps=2) == 0
     out = capsys.readouterr().out
     assert "every weight equal to one device's Muon training" in out and "bytes at the lower bound on every rank" in out
+    # whole parameters per rank: the step moves nothing, and FSDP's collectives move what Shard(0)'s do
+    assert out.count("the Muon moves received 0 B") == 4
+    fsdp = re.findall(r"FSDP's all-gathers and reduce-scatters (\d+) B", out)
+    assert len(fsdp) == 8 and len(set(fsdp)) == 1, fsdp
 
 
 @pytest.mark.skipif(not gloo_available(), reason="gloo not available")

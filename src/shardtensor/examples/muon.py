@@ -12,8 +12,9 @@ not on the row slices FSDP leaves on each rank.  Two ways, both run here:
   receive exactly what a rank lacks: the owner the rows it does not hold, then every other rank
   its rows of the update; the run prints those bytes against that lower bound.
 * FSDP with a ragged layout (``shard_placement_fn=whole_parameters(model, 4)``): every parameter,
-  so every momentum, is whole on one rank already; the step moves nothing, and FSDP's gathers
-  pay instead (each rank's block is as long as the largest rank's share).
+  so every momentum, is whole on one rank already; the step moves nothing.  FSDP's gathers pay
+  for imbalance only (each rank's block is as long as the largest rank's share): the model is a
+  stack of equal layers, which deal out evenly, so they move what ``Shard(0)``'s do.
 
 Both check the trained weights against the same training on one device.
 """
@@ -91,16 +92,23 @@ def _ranks(params: list[torch.Tensor]) -> int:
     return params[0].device_mesh.size(0) if params and isinstance(params[0], DTensor) else 1
 
 
+WIDTH, DEPTH = 32, 8
+
+
 def _model() -> nn.Module:
+    """A stack of equal layers, as a transformer's blocks are: dealt whole, they balance exactly."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(24, 48), nn.GELU(), nn.Linear(48, 48), nn.GELU(), nn.Linear(48, 10))
+    layers: list[nn.Module] = []
+    for _ in range(DEPTH):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.GELU()]
+    return nn.Sequential(*layers[:-1])
 
 
 def _train(model: nn.Module, steps: int, rank: int = 0, world: int = 1) -> None:
     opt = Muon(model.parameters(), lr=0.02)
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
-        x, y = torch.randn(16, 24, generator=g), torch.randint(0, 10, (16,), generator=g)
+        x, y = torch.randn(16, WIDTH, generator=g), torch.randint(0, WIDTH, (16,), generator=g)
         rows = slice(rank * 16 // world, (rank + 1) * 16 // world)  # data parallel: each rank its rows
         # FSDP averages the ranks' gradients: each rank's share of the mean loss, times the ranks
         loss = nn.functional.cross_entropy(model(x[rows]), y[rows], reduction="sum") * world / 16
