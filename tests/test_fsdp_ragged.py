@@ -273,3 +273,31 @@ def test_clip_grad_norm_over_ragged_gradients_equals_shard_0():
         for (n1, g1), (n2, g2) in zip(run_spmd(body, WORLD, layout), want):
             torch.testing.assert_close(n1, n2, rtol=1e-6, atol=0)
             assert all(torch.allclose(g1[k], g2[k], rtol=1e-6, atol=1e-9) for k in g2)
+
+
+def test_whole_parameters_deals_only_what_this_fully_shard_manages():
+    def body():
+        mesh = init_device_mesh("cpu", (WORLD,))
+        model = build("tiny")
+        for blk in model.blocks:
+            fully_shard(blk, mesh=mesh, shard_placement_fn=whole_parameters(blk, WORLD))
+        fn = whole_parameters(model, WORLD)
+        with pytest.raises(ValueError, match="not one of the module's"):
+            fn(model.blocks[0].fc1.weight)  # a child's: dealt by the child's own call
+        fully_shard(model, mesh=mesh, shard_placement_fn=fn)
+        own = [model.emb.weight, model.pos, model.ln_f.weight, model.ln_f.bias, model.head.weight, model.head.bias]
+        loads = [0] * WORLD
+        for p in own:
+            pl = p.placements[0]
+            holder = [r for r in range(WORLD) if pl.pieces(p.shape[0], WORLD, r)[0][0] == p.shape[0]]
+            loads[holder[0]] += p.numel()
+        return loads
+    loads = run_spmd(body, WORLD)[0]
+    assert sorted(loads) == sorted(deal_largest_first_loads([132, 84, 12, 12, 132, 11], WORLD)), loads
+
+
+def deal_largest_first_loads(sizes: list[int], k: int) -> list[int]:
+    loads = [0] * k
+    for s, r in zip(sizes, deal_largest_first(sizes, k)):
+        loads[r] += s
+    return loads

@@ -385,7 +385,7 @@ def _fsdp_class(cls: type) -> type:
     return new
 
 
-def _managed_params(modules: list[nn.Module]) -> list[tuple[nn.Parameter, list[tuple[nn.Module, str]]]]:
+def managed_params(modules: list[nn.Module]) -> list[tuple[nn.Parameter, list[tuple[nn.Module, str]]]]:
     """Parameters of ``modules`` not under a child ``fully_shard``, each with every (owner, name)."""
     found: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str]]]] = {}
 
@@ -455,7 +455,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     info = MeshInfo.of(mesh, dp_mesh_dims)
     ignored = {id(p) for p in ignored_params or ()}
     params = [FSDPParam(p, owners, info, shard_placement_fn(p) if shard_placement_fn is not None else None)
-              for p, owners in _managed_params(modules) if id(p) not in ignored]
+              for p, owners in managed_params(modules) if id(p) not in ignored]
     reduce_dtype = mp_policy.reduce_dtype if mp_policy.reduce_dtype is not None else mp_policy.param_dtype
     group = ParamGroup(params, info, mp_policy.param_dtype, reduce_dtype)
     group.show_sharded()  # only once every parameter is accepted: a refusal leaves the module as it was

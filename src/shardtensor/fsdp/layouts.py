@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from ..placement import Placement, RaggedShard
 from ..tensor import DTensor
+from .api import managed_params
 
 __all__ = ["block_aligned", "deal_largest_first", "whole_parameters"]
 
@@ -46,10 +47,12 @@ def _check_world(world: int) -> None:
 
 
 def whole_parameters(module: nn.Module, world: int) -> Callable[[nn.Parameter], Placement]:
-    """A ``shard_placement_fn`` giving each of ``module``'s parameters whole to one of ``world``
-    dp ranks (``RaggedShard(0, one-hot units)``), balanced by element count."""
+    """A ``shard_placement_fn`` giving each parameter ``fully_shard(module)`` will manage whole to
+    one of ``world`` dp ranks (``RaggedShard(0, one-hot units)``), balanced by element count.
+    Build it after the children's ``fully_shard`` (bottom-up, as FSDP is applied): their
+    parameters are theirs, and are not dealt here."""
     _check_world(world)
-    params = list(module.parameters())
+    params = [p for p, _ in managed_params([module])]
     ranks = deal_largest_first([p.numel() for p in params], world)
     owner = {id(p): r for p, r in zip(params, ranks)}
 

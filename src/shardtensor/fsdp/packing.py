@@ -9,7 +9,7 @@ rank's block is as long as the longest, the rest zeros.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -31,7 +31,8 @@ class Packing:
     into them in one ``split_with_sizes_copy``; then the ragged ones, rank ``q``'s pieces end to
     end (``runs``: each rank's ``(start, length)``); every block is as long as the longest."""
 
-    def __init__(self, params: Sequence[FSDPParam], items: Sequence[int], unit: Any, world: int, rank: int) -> None:
+    def __init__(self, params: Sequence[FSDPParam], items: Sequence[int], unit: Callable[[int], int], world: int,
+                 rank: int) -> None:
         self.items = sorted(items, key=lambda i: params[i].ragged)  # stable: the even ones first, in order
         self.n_even = sum(not params[i].ragged for i in self.items)
         self.even_sizes = [params[i].padded_numel * unit(i) for i in self.items[:self.n_even]]

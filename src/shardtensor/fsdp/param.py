@@ -132,7 +132,7 @@ class FSDPParam:
     mesh); the sharded parameter's local tensor is its first ``rows`` rows, the rest stays
     zero.  The all-gather sends the whole padded block, so every rank's slot has the same size.
     ``RaggedShard(0, ...)``: ``padded`` is exactly this rank's piece (``c = rows``); the group
-    packs every rank's ragged pieces end to end after the even ones (``group.py``).
+    packs every rank's ragged pieces end to end after the even ones (``packing.py``).
     """
 
     def __init__(self, param: nn.Parameter, owners: list[tuple[nn.Module, str]], info: MeshInfo,
@@ -244,13 +244,13 @@ class FSDPParam:
         if not isinstance(p, Placement):
             raise TypeError(f"fully_shard: shard_placement_fn gives {p!r} for {self.fqn}; return a placement "
                             "(Shard(0), RaggedShard(0, local_units)) or None")
+        try:
+            p = p.normalized(len(self.unsharded_shape), world)  # dims wrapped; the number of pieces checked
+        except ValueError as e:
+            raise ValueError(f"fully_shard: shard_placement_fn's placement for {self.fqn}: {e}") from None
         if p.tensor_dim() != 0:
             raise NotImplementedError(f"fully_shard: shard_placement_fn gives {p!r} for {self.fqn}; FSDP shards dim 0: "
                                       "return Shard(0) or RaggedShard(0, local_units) (or None)")
-        try:
-            p = p.normalized(len(self.unsharded_shape), world)  # checks the number of pieces against the dp size
-        except ValueError as e:
-            raise ValueError(f"fully_shard: shard_placement_fn's placement for {self.fqn}: {e}") from None
         s, at = self.unsharded_shape[0], 0
         for q in range(world):  # FSDP packs one run per rank, the runs in rank order making the dim
             runs = p.pieces(s, world, q)
