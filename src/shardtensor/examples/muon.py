@@ -71,7 +71,8 @@ class Muon(torch.optim.Optimizer):
         if not isinstance(m, DTensor):
             return newton_schulz(m, steps) * scale
         mesh = m.device_mesh
-        units = [int(r == _holder(m, owner)) for r in range(mesh.size(0))]
+        holder = _holder(m, owner)
+        units = [int(r == holder) for r in range(mesh.size(0))]
         whole = m.redistribute(mesh, [RaggedShard(0, units)])  # all its rows on one rank (no move if so already)
         local = whole.to_local()
         local = newton_schulz(local, steps) * scale if local.numel() else local

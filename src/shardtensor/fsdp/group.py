@@ -209,11 +209,11 @@ class ParamGroup:
             params[i].sync_padded()
         if lay.aliased:
             return None
-        if lay.mode == "same":  # one concatenation of the padded shards
-            flat = torch.cat(lay.sources + lay.pad)
+        if lay.mode == "same":  # one concatenation of the padded shards (and a ragged rank's zeros)
+            flat = torch.cat(lay.padded_sources)
         elif lay.mode == "cast":  # cast inside the copies
             flat = torch.empty(lay.total, dtype=lay.dtype, device=lay.sources[0].device)
-            short = lay.pad[0].numel() if lay.pad else 0  # a ragged rank's block ends early: zeros after
+            short = lay.short
             torch._foreach_copy_(list(flat.narrow(0, 0, lay.total - short).split(lay.sizes)), lay.sources)
             if short:
                 flat.narrow(0, lay.total - short, short).zero_()
@@ -270,7 +270,8 @@ class ParamGroup:
         dtypes = tuple([None if g is None else g.dtype for g in local])
         plan = self._reduce_plans.get((idx, dtypes))
         if plan is None:
-            plan = self._reduce_plans[idx, dtypes] = _ReducePlan(params, dtypes, self.reduce_dtype, self.info.rank)
+            plan = self._reduce_plans[idx, dtypes] = _ReducePlan(params, dtypes, self.reduce_dtype, self.info.world,
+                                                                 self.info.rank)
         out: list[DTensor | None] = [None] * len(params)
         for i in plan.empty:
             p = params[i]
@@ -282,7 +283,7 @@ class ParamGroup:
         grads_in = [g.to(rdtype) if c else g for g, c in zip(got, plan.casts)]
         flat = torch.empty((self.info.world, plan.numel), dtype=rdtype, device=grads_in[0].device)
         with torch.no_grad():
-            plan.pack(plan.params, grads_in, flat)
+            plan.pack(grads_in, flat)
             red = self._average(flat, (idx, dtypes))
         if red is None:  # HSDP without the all-reduce: the block waits in replica_part, no gradient yet
             return [None] * len(params)
@@ -363,8 +364,9 @@ class _Layout(Packing):
         # one dp rank and no cast: the unsharded parameters are views of the padded shards
         self.aliased = info.world == 1 and self.mode == "same"
         self.sources = [params[i].padded.view(-1) for i in self.items]  # ``padded`` is never replaced
-        short = self.total - sum(self.sizes)  # a ragged rank's block ends early: zeros up to the longest
-        self.pad = [params[self.items[-1]].padded.new_zeros(short, dtype=self.dtype)] if short else []
+        self.short = self.total - sum(self.sizes)  # a ragged rank's block ends early: zeros up to the longest
+        self.pad = [params[self.items[-1]].padded.new_zeros(self.short, dtype=self.dtype)] if self.short else []
+        self.padded_sources = self.sources + self.pad
         # where each unsharded buffer lives: (device, byte offset, dtype, shape), offsets aligned
         self.storage_bytes: dict[torch.device, int] = {}
         self.spots: list[tuple[torch.device, int, torch.dtype, tuple[int, ...]]] = []
@@ -386,13 +388,11 @@ class _ReducePlan(Packing):
     are ``(param index, shape, stride, offset in the reduced block, cast to the param's dtype)``.
     """
 
-    def __init__(self, params: Sequence[FSDPParam], dtypes: tuple, reduce_dtype: torch.dtype | None,
+    def __init__(self, params: Sequence[FSDPParam], dtypes: tuple, reduce_dtype: torch.dtype | None, world: int,
                  rank: int) -> None:
         got = [i for i, d in enumerate(dtypes) if d is not None]
         self.empty = [i for i in got if params[i].numel == 0]
-        super().__init__(params, [i for i in got if params[i].numel > 0], lambda i: 1,
-                         params[0].info.world if params else 1, rank)
-        self.params = params
+        super().__init__(params, [i for i in got if params[i].numel > 0], lambda i: 1, world, rank)
         self.todo = self.items
         self.dtype = reduce_dtype or functools.reduce(torch.promote_types, [dtypes[i] for i in self.todo],
                                                       dtypes[self.todo[0]] if self.todo else torch.float32)

@@ -19,10 +19,9 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-import torch
 import torch.nn as nn
 
-from ..placement import Placement, RaggedShard
+from ..placement import Placement, RaggedShard, chunk_sizes
 from ..tensor import DTensor
 from .api import managed_params
 
@@ -82,10 +81,8 @@ def block_aligned(world: int, block: int = 128) -> Callable[[nn.Parameter], Plac
         row = math.prod(p.shape[1:])
         per = math.lcm(row, block) // row if row else 1  # rows per block: its boundaries fall on row boundaries
         nblocks = -(-rows // per)
-        counts = [len(c) for c in torch.arange(nblocks).chunk(world)] if nblocks else []
-        counts += [0] * (world - len(counts))
         units, at = [], 0
-        for n in counts:  # each rank's rows: its blocks, the last block cut at the end of the dim
+        for n in chunk_sizes(nblocks, world):  # each rank's rows: its blocks, the last block cut at the end of the dim
             units.append(min(rows, (at + n) * per) - min(rows, at * per))
             at += n
         return RaggedShard(0, units if rows else [1] * world)

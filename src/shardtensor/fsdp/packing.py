@@ -9,6 +9,7 @@ rank's block is as long as the longest, the rest zeros.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Callable, Sequence
 
 import torch
@@ -39,6 +40,7 @@ class Packing:
         self.even_total = sum(self.even_sizes)
         ends = [self.even_total] * world
         self.runs: list[list[tuple[int, int]]] = []
+        self.ragged = [params[i] for i in self.items[self.n_even:]]
         for i in self.items[self.n_even:]:
             p, runs = params[i], []
             for q, (rows, _) in enumerate(p.runs):
@@ -46,8 +48,10 @@ class Packing:
                 ends[q] += runs[-1][1]
             self.runs.append(runs)
         self.total = max(ends)
+        self.ends = ends  # where each rank's ragged pieces end (zeros after, up to ``total``)
         self.sizes = self.even_sizes + [r[rank][1] for r in self.runs]  # this rank's share of each item
-        self.starts = [sum(self.even_sizes[:j]) for j in range(self.n_even)] + [r[rank][0] for r in self.runs]
+        self.starts = list(itertools.accumulate(self.even_sizes[:-1], initial=0))[:self.n_even] + \
+            [r[rank][0] for r in self.runs]
         self.world = world
 
     def copy_out(self, stack: torch.Tensor, dst: list[torch.Tensor]) -> None:
@@ -62,10 +66,18 @@ class Packing:
             return
         if ne:
             torch.split_with_sizes_copy(stack.narrow(1, 0, self.even_total), self.even_sizes, dim=1, out=dst[:ne])
-        for runs, out in zip(self.runs, dst[ne:]):  # a ragged parameter: its pieces in rank order
-            torch.cat([stack[q].narrow(0, a, n) for q, (a, n) in enumerate(runs)], out=out)
+        for j, out in enumerate(dst[ne:]):
+            torch.cat(self.gathered(stack, j), out=out)
 
-    def pack(self, params: Sequence[FSDPParam], grads: list[torch.Tensor], flat: torch.Tensor) -> None:
+    def gathered(self, stack: torch.Tensor, j: int) -> list[torch.Tensor]:
+        """Ragged parameter ``j``'s pieces in the ``(W, total)`` stack, in rank order (they make it)."""
+        return [stack[q].narrow(0, a, n) for q, (a, n) in enumerate(self.runs[j])]
+
+    def rank_parts(self, q: int, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Rank ``q``'s rows of each ragged parameter's unsharded gradient (``grads``, in order), flat."""
+        return [g.narrow(0, p.runs[q][1], p.runs[q][0]).reshape(-1) for p, g in zip(self.ragged, grads)]
+
+    def pack(self, grads: list[torch.Tensor], flat: torch.Tensor) -> None:
         """The unsharded ``grads`` (of ``items``, in order) into the ``(W, total)`` reduce-scatter
         input: rank ``q``'s block holds its rows of each."""
         ne, W = self.n_even, self.world
@@ -78,11 +90,7 @@ class Packing:
                 torch._chunk_cat(even, 0, W, out=out)  # small: torch's fixed cost is lower
             if out is not flat:
                 flat.narrow(1, 0, self.even_total).copy_(out)
-        if not self.runs:
-            return
-        ragged = [(params[i], g) for i, g in zip(self.items[ne:], grads[ne:])]
-        for q in range(W):
-            parts = [g.narrow(0, p.runs[q][1], p.runs[q][0]).reshape(-1) for p, g in ragged]
-            end = self.runs[-1][q][0] + self.runs[-1][q][1]
-            torch.cat(parts, out=flat[q].narrow(0, self.even_total, end - self.even_total))
+        for q in range(W if self.ragged else 0):
+            end = self.ends[q]
+            torch.cat(self.rank_parts(q, grads[ne:]), out=flat[q].narrow(0, self.even_total, end - self.even_total))
             flat[q].narrow(0, end, self.total - end).zero_()

@@ -67,8 +67,8 @@ def _gather(group: ParamGroup, sharded: tuple) -> tuple:
     for i, at, n in zip(pk.items[:pk.n_even], pk.starts, pk.even_sizes):
         p = params[i]
         outs[i] = stack[:, at: at + n].reshape(info.world * p.c, *p.rest)[: p.unsharded_shape[0]]
-    for i, runs in zip(pk.items[pk.n_even:], pk.runs):
-        outs[i] = torch.cat([stack[q, a: a + n] for q, (a, n) in enumerate(runs)]).reshape(params[i].unsharded_shape)
+    for j, i in enumerate(pk.items[pk.n_even:]):
+        outs[i] = torch.cat(pk.gathered(stack, j)).reshape(params[i].unsharded_shape)
     return tuple(_unsharded(p, full, dtype) for p, full in zip(params, outs))
 
 
@@ -98,13 +98,9 @@ def _reduce(group: ParamGroup, grads: tuple) -> tuple:
             g = torch.cat([g, g.new_zeros((info.world * p.c - g.shape[0], *p.rest))])
         cols.append(g.reshape(info.world, p.padded_numel))
     if pk.runs:  # rank q's block: its pieces of the ragged parameters end to end, zeros up to the longest
-        blocks = []
-        for q in range(info.world):
-            parts = [full[i].narrow(0, params[i].runs[q][1], params[i].runs[q][0]).reshape(-1)
-                     for i in pk.items[pk.n_even:]]
-            used = sum(t.numel() for t in parts)
-            blocks.append(torch.cat(parts + [parts[0].new_zeros(pk.total - pk.even_total - used)]))
-        cols.append(torch.stack(blocks))
+        ragged = [full[i] for i in pk.items[pk.n_even:]]
+        cols.append(torch.stack([torch.cat(pk.rank_parts(q, ragged) + [ragged[0].new_zeros(pk.total - pk.ends[q])])
+                                 for q in range(info.world)]))
     red = group._average(torch.cat(cols, dim=1), ())  # (n,); never None: hooks.py traces no deferred all-reduce
     assert red is not None
     out: list[Any] = [None] * len(params)
