@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("specs and local pieces", ("spec", "pieces", "rng", "submesh", "async_tensor", "compile", "blocks")),
     ("redistribution", ("redistribute",)),
     ("the tensor, and propagation (rules decide)", ("tensor", "propagation")),
-    ("built on DTensor", ("factories", "experimental", "listops", "parallel", "fsdp", "checkpoint", "debug", "transfer", "cp")),
+    ("built on DTensor", ("factories", "experimental", "listops", "parallel", "fsdp", "checkpoint", "debug", "transfer", "cp", "auto")),
     ("dispatch (runs ops)", ("dispatch",)),
     ("entry points", ("", "__main__", "cli", "dropin", "examples")),
 ]

@@ -18,6 +18,7 @@ from .fsdp import MixedPrecisionPolicy, fully_shard
 from . import parallel
 from .parallel import distribute_module
 from .transfer import WeightSync, transfer
+from .auto import AutoPlan, autoshard
 
 __all__ = [
     "CommTrace", "DTensor", "DTensorSpec", "DeviceMesh", "Partial", "Placement", "RaggedShard", "Replicate", "Shard",
@@ -27,7 +28,7 @@ __all__ = [
 ]
 __all__ += ["distribute_module", "empty", "full", "ones", "rand", "randn", "zeros"]
 __all__ += ["MixedPrecisionPolicy", "fully_shard", "compute_local_shape_and_global_offset", "transfer",
-            "WeightSync"]
+            "WeightSync", "AutoPlan", "autoshard"]
 
 
 def _allow_in_weights_only_load() -> None:

@@ -7,9 +7,10 @@ times whole dispatches by swapping ``DTensor.__torch_dispatch__`` while it is op
 from __future__ import annotations
 
 import threading
-from typing import Any, Protocol
+from contextlib import contextmanager
+from typing import Any, Iterator, Protocol
 
-__all__ = ["LISTENERS", "note", "running", "Listener"]
+__all__ = ["LISTENERS", "note", "running", "Listener", "deciding", "is_deciding"]
 
 
 class Listener(Protocol):
@@ -38,3 +39,22 @@ def note(kind: str, op: Any, seconds: float) -> None:
         op = stack[-1][0] if stack else None
     for listener in LISTENERS:
         listener.note(kind, op, seconds)
+
+
+_deciding = threading.local()
+
+
+@contextmanager
+def deciding() -> Iterator[None]:
+    """Around a rule's evaluation: ops run inside work out shapes on meta tensors, not a rank's work
+    (``auto.measure`` counts only the rest)."""
+    depth = getattr(_deciding, "depth", 0)
+    _deciding.depth = depth + 1
+    try:
+        yield
+    finally:
+        _deciding.depth = depth
+
+
+def is_deciding() -> bool:
+    return getattr(_deciding, "depth", 0) > 0

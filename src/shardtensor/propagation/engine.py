@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import MeshMismatchError, PropagationError, ShardingError
-from ..observe import LISTENERS, note
+from ..observe import LISTENERS, deciding, note
 from ..spec import DTensorSpec, placements_text
 from .call import Call, Decision
 from .registry import _BY_SIGN, needs_of, rule_for, unsupported
@@ -138,8 +138,9 @@ def propagate(op, flat: list[Any], specs: list[DTensorSpec | None], treedef) -> 
     call = Call(op, flat, specs, treedef)
     t0 = time.perf_counter() if LISTENERS else 0.0
     try:
-        call.need(needs_of(op))
-        d = rule(call)
+        with deciding():
+            call.need(needs_of(op))
+            d = rule(call)
     except (ShardingError, NotImplementedError):
         raise
     except RuntimeError as e:  # torch's own checks, met while the rule evaluated metadata
