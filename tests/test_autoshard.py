@@ -9,10 +9,11 @@ import torch
 
 from shardtensor import run_spmd
 from shardtensor.auto import autoshard
-from shardtensor.auto.layout import Layout
 from shardtensor.comm.issue import recording
 from shardtensor.examples import tiny_lm as T
 from shardtensor.mesh import init_device_mesh
+
+from distributed import gloo_available, run_multiprocess
 
 MESHES = [((4,), ("d0",)), ((2, 2), ("dp", "tp")), ((2, 2), ("a", "b"))]
 
@@ -25,45 +26,6 @@ def _batch(step: int) -> torch.Tensor:
     return torch.randint(0, T.VOCAB, (T.BATCH, T.SEQ), generator=torch.Generator().manual_seed(step))
 
 
-def _one_device(model: torch.nn.Module, steps: int) -> list[float]:
-    model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
-    out = []
-    for s in range(steps):
-        opt.zero_grad()
-        loss = _loss(model(_batch(s)))
-        loss.backward()
-        opt.step()
-        out.append(loss.item())
-    return out
-
-
-def _run(plan, layout: Layout, model: torch.nn.Module, steps: int) -> tuple[list[float], int]:
-    """Train ``model`` under ``layout`` in a simulated world; rank 0's losses and bytes of step 0."""
-    shape, names = layout.mesh_shape, layout.names
-
-    def body() -> tuple[list[float], int]:
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        m = layout.apply(copy.deepcopy(model), mesh, plan.blocks)
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False)
-        losses, first = [], 0
-        for s in range(steps):
-            opt.zero_grad()
-            with recording() as log:
-                loss = _loss(m(_batch(s)))
-                loss.backward()
-                opt.step()
-            if s == 0:
-                first = sum(e.bytes_received for e in log.events if e.rank == 0)
-            losses.append(loss.full_tensor().item() if hasattr(loss, "full_tensor") else loss.item())
-        return losses, first
-
-    n = 1
-    for k in shape:
-        n *= k
-    return run_spmd(body, n)[0]
-
-
 @pytest.fixture(scope="module")
 def model() -> torch.nn.Module:
     return T.build_model(0)
@@ -72,11 +34,8 @@ def model() -> torch.nn.Module:
 @pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "x".join(map(str, m[0])) + "-" + ",".join(m[1]))
 def test_plans_train_as_one_device_and_bytes_are_predicted(model, mesh) -> None:
     plan = autoshard(model, mesh, _batch(0), loss_fn=_loss)
-    ref = _one_device(model, 2)
     for name, priced in [("autoshard", plan.search.best), *plan.hand]:
-        losses, got = _run(plan, priced.layout, model, 2)
-        assert losses == pytest.approx(ref, rel=1e-5, abs=1e-6), name
-        assert got == round(priced.cost.bytes), (name, priced.layout)
+        _check(model, priced, plan, _batch, name)
         assert plan.search.best.cost.step_s <= priced.cost.step_s, name
     assert plan.predicted_bytes_per_rank == round(plan.search.best.cost.bytes)
     text = str(plan)
@@ -142,3 +101,96 @@ def test_world_of_shapes_records_what_rank_0_records() -> None:
     assert run_one_rank(body, 6, "meta") == run_spmd(body, 6, "cpu")[0]
     with pytest.raises(ValueError, match="rank must be"):
         ShapeTransport(4, 4)
+
+
+def test_command_line(capsys) -> None:
+    from shardtensor.cli import main
+
+    assert main(["plan", "--auto", "llama:layers=3,batch=4", "--mesh", "2,2", "--names", "dp,tp",
+                 "--memory", "64MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "layers.* (x3)" in out and "FSDP x TP" in out and "memory budget 64.00 MiB" in out
+    for argv, message in [(["--auto", "bert"], "unknown model 'bert'"), (["--auto", "llama:depth=2"], "not key=value"),
+                          (["--auto", "llama:layers=x"], "needs a positive integer"), (["--auto", "demo", "--memory", "lots"],
+                                                                              "give bytes"),
+                          ([], "--shape, --src, --dst")]:
+        with pytest.raises(SystemExit) as e:
+            main(["plan", "--mesh", "2,2", *argv])
+        assert e.value.code == 2
+        assert message in capsys.readouterr().err, argv
+
+
+def test_decoder_plan_is_exact() -> None:
+    """The Llama-style decoder (grouped-query attention, SwiGLU, RMSNorm): the chosen plan on
+    (2, 2) trains as one device and moves the predicted bytes."""
+    from shardtensor.examples.models import Decoder, parse
+
+    _, shape = parse("llama:layers=2,vocab=64,seq=16,batch=8")
+    torch.manual_seed(0)
+    model = Decoder(shape)
+    batch = _batch_of(shape)
+    plan = autoshard(model, ((2, 2), ("dp", "tp")), batch, loss_fn=_loss)
+    for name, priced in [("autoshard", plan.search.best), *[h for h in plan.hand if h[1].layout.tp is not None]]:
+        _check(model, priced, plan, lambda s: _batch_of(shape, s), name)
+
+
+def _batch_of(shape, step: int = 0) -> torch.Tensor:
+    return torch.randint(0, shape.vocab, (shape.batch, shape.seq), generator=torch.Generator().manual_seed(step))
+
+
+def _reference(model, batches) -> list[float]:
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    out = []
+    for s in range(2):
+        opt.zero_grad()
+        loss = _loss(model(batches(s)))
+        loss.backward()
+        opt.step()
+        out.append(loss.item())
+    return out
+
+
+def _train(layout, blocks, model, batches) -> tuple[list[float], int]:
+    """Two AdamW steps of ``model`` under ``layout`` on this rank; its losses and rank 0's bytes of step 0."""
+    mesh = init_device_mesh("cpu", layout.mesh_shape, mesh_dim_names=layout.names)
+    m = layout.apply(copy.deepcopy(model), mesh, blocks)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False)
+    losses, first = [], 0
+    for s in range(2):
+        opt.zero_grad()
+        with recording() as log:
+            loss = _loss(m(batches(s)))
+            loss.backward()
+            opt.step()
+        if s == 0:
+            first = sum(e.bytes_received for e in log.events if e.rank == 0)
+        losses.append(loss.full_tensor().item())
+    return losses, first
+
+
+def _check(model, priced, plan, batches, name: str) -> None:
+    layout = priced.layout
+    world = 1
+    for k in layout.mesh_shape:
+        world *= k
+    losses, got = run_spmd(_train, world, layout, plan.blocks, model, batches)[0]
+    assert losses == pytest.approx(_reference(model, batches), rel=1e-5, abs=1e-6), name
+    assert got == round(priced.cost.bytes), name
+
+
+def _gloo_rank(rank: int, world: int, layout, blocks, model):
+    return _train(layout, blocks, model, _batch)
+
+
+@pytest.mark.skipif(not gloo_available(), reason="needs gloo")
+def test_chosen_plan_in_gloo_processes(model) -> None:
+    """The chosen plan and FSDP x TP on (2, 2) in 4 gloo processes: losses as one device, rank 0's
+    bytes the predicted ones."""
+    plan = autoshard(model, ((2, 2), ("dp", "tp")), _batch(0), loss_fn=_loss)
+    ref = _reference(model, _batch)
+    for name, priced in [("autoshard", plan.search.best), *[h for h in plan.hand if h[0] == "FSDP x TP"]]:
+        res = run_multiprocess(_gloo_rank, 4, timeout=180, args=(priced.layout, plan.blocks, model))
+        for losses, _ in res:
+            assert losses == pytest.approx(ref, rel=1e-5, abs=1e-6), name
+        assert res[0][1] == round(priced.cost.bytes), name

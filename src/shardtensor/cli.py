@@ -7,7 +7,9 @@ import os
 import sys
 
 PLAN_EXAMPLE = ("examples: shardtensor plan --mesh 2,2 --shape 8,6 --src S0,S1 --dst R,S0\n"
-                "          shardtensor plan --mesh 2,2 --shape 8,6 --src S0,S1 --dst-mesh 4 --dst-ranks 4,5,6,7 --dst S1")
+                "          shardtensor plan --mesh 2,2 --shape 8,6 --src S0,S1 --dst-mesh 4 --dst-ranks 4,5,6,7 --dst S1\n"
+                "          shardtensor plan --auto llama3-8b --mesh 8,8 --memory 80GiB\n"
+                "          shardtensor plan --auto gpt:layers=4,batch=16 --mesh 2,4 --names dp,tp")
 
 
 def _add_plan_parser(sub) -> argparse.ArgumentParser:
@@ -17,10 +19,19 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
                     "model: mesh dim, transition (display form), collective, bytes sent per rank, group size; "
                     "then the total and a lower bound.", epilog=PLAN_EXAMPLE)
     p.add_argument("--mesh", required=True, metavar="K0,K1,...", help="mesh shape, e.g. 2,2")
-    p.add_argument("--shape", required=True, metavar="N0,N1,...", help="global tensor shape, e.g. 8,6 ('' for a scalar)")
-    p.add_argument("--src", required=True, metavar="PLACEMENTS",
+    p.add_argument("--shape", metavar="N0,N1,...", help="global tensor shape, e.g. 8,6 ('' for a scalar)")
+    p.add_argument("--src", metavar="PLACEMENTS",
                    help="source placements, one per mesh dim: R, S<d>, P, P(<op>); e.g. S0,S1 or P(max),S1")
-    p.add_argument("--dst", required=True, metavar="PLACEMENTS", help="target placements, e.g. R,S0")
+    p.add_argument("--dst", metavar="PLACEMENTS", help="target placements, e.g. R,S0")
+    p.add_argument("--auto", metavar="MODEL_SPEC",
+                   help="instead of one redistribution: choose how to shard a model's training on the mesh "
+                        "(autoshard) and print the plan; MODEL_SPEC is demo, gpt, llama or llama3-8b, with "
+                        "overrides such as llama3-8b:layers=4,batch=16 (keys: layers, dim, heads, kv_heads, ffn, "
+                        "vocab, seq, batch, dtype)")
+    p.add_argument("--names", metavar="N0,N1,...", help="with --auto: mesh dim names (default d0,d1,...)")
+    p.add_argument("--memory", metavar="BYTES", help="with --auto: memory per rank, e.g. 80GiB, 512MiB or 1e9")
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd", "none"),
+                   help="with --auto: the optimizer whose states count in memory (default adamw)")
     p.add_argument("--dtype", default="float32", help="element type: float32 (default), bf16, fp16, float64, int8, ...")
     p.add_argument("--src-order", metavar="D:J,J[;D:J,...]",
                    help="source shard order of nested tensor dims, mesh dims first-applied first, e.g. 0:1,0")
@@ -34,8 +45,51 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def _bytes_arg(parser: argparse.ArgumentParser, text: str) -> float:
+    units = {"kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40, "kb": 1e3, "mb": 1e6, "gb": 1e9, "b": 1}
+    low = text.strip().lower()
+    for unit, size in units.items():
+        if low.endswith(unit):
+            low, scale = low[: -len(unit)], size
+            break
+    else:
+        scale = 1
+    try:
+        value = float(low) * scale
+    except ValueError:
+        parser.error(f"--memory {text!r}: give bytes, e.g. 80GiB, 512MiB or 1e9")
+    if not value > 0:
+        parser.error(f"--memory {text!r}: must be positive")
+    return value
+
+
+def _auto(args, parser: argparse.ArgumentParser) -> int:
+    from .auto import autoshard
+    from .examples.models import build
+
+    try:
+        shape = tuple(int(k) for k in args.mesh.split(","))
+    except ValueError:
+        parser.error(f"--mesh {args.mesh!r}: give sizes such as 8,8")
+    names = tuple(args.names.split(",")) if args.names else tuple(f"d{j}" for j in range(len(shape)))
+    budget = _bytes_arg(parser, args.memory) if args.memory else None
+    try:
+        model, batch = build(args.auto)
+        plan = autoshard(model, (shape, names), batch, memory_per_rank=budget, optimizer=args.optimizer)
+    except (ValueError, TypeError) as e:
+        parser.exit(2, f"shardtensor plan: error: {e}\n")
+    print(plan, flush=True)
+    return 0
+
+
 def _plan(args, parser: argparse.ArgumentParser) -> int:
     from .redistribute.explain import Explanation, explain_redistribute
+
+    if args.auto:
+        return _auto(args, parser)
+    missing = [f"--{n}" for n in ("shape", "src", "dst") if getattr(args, n) is None]
+    if missing:
+        parser.error(f"the following arguments are required: {', '.join(missing)} (or --auto MODEL_SPEC)")
 
     try:
         moving = {} if args.dst_mesh is None and args.src_ranks is None and args.dst_ranks is None else {

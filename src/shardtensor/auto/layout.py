@@ -116,7 +116,8 @@ class Layout:
 
 
 class _SplitBatch:
-    """Forward pre-hook: each rank keeps its rows (dim 0, ``torch.chunk``'s split) of every tensor input."""
+    """Forward pre-hook: each rank keeps its rows (dim 0, ``torch.chunk``'s split) of the batch: the
+    first tensor input, and every other tensor input with as many rows (others pass whole)."""
 
     def __init__(self, layout: Layout, mesh: DeviceMesh) -> None:
         self.mesh, self.layout = mesh, layout
@@ -127,12 +128,16 @@ class _SplitBatch:
         self.rows = 0
 
     def _split(self, x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.ndim > 0:
-            self.rows = x.shape[0]
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.ndim > 0 and x.shape[0] == self.rows:
             return _chunk(x, self.layout.batch_ranks)[self.index]
         return x
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor) and x.ndim > 0), None)
+        if first is None or isinstance(first, DTensor):
+            raise TypeError(f"plan.apply: the model's first tensor input must be the plain global batch (dim 0 the "
+                            f"batch), got {type(first).__name__}")
+        self.rows = first.shape[0]
         return tuple(self._split(a) for a in args), {k: self._split(v) for k, v in kwargs.items()}
 
 

@@ -12,6 +12,7 @@ rank 0's pieces: FLOPs (torch's flop formulas) and bytes written.  Time is then
 
 and memory per rank: parameters, gradients and optimizer states (their local pieces), the
 activations autograd saves (local pieces, each storage once), and FSDP's gathered parameters.
+Attention on plain tensors is priced as a fused kernel (``_FusedAttention``), as a GPU runs it.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
@@ -106,13 +108,39 @@ class _LocalWork(TorchDispatchMode):
         out = func(*args, **kwargs)
         if is_deciding():  # a rule working out shapes, not rank 0's work
             return out
-        formula = flop_registry.get(func._overloadpacket)
+        packet = func._overloadpacket
+        formula = flop_registry.get(_FLOPS_AS.get(packet, packet))
         if formula is not None:
             self.flops += formula(*args, **kwargs, out_val=out)
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
                 self.written += t.numel() * t.element_size()
         return out
+
+
+_aten = torch.ops.aten
+_FLOPS_AS = {_aten._scaled_dot_product_flash_attention_for_cpu: _aten._scaled_dot_product_flash_attention,
+             _aten._scaled_dot_product_flash_attention_for_cpu_backward:
+                 _aten._scaled_dot_product_flash_attention_backward}
+
+
+class _FusedAttention(TorchFunctionMode):
+    """``scaled_dot_product_attention`` on plain tensors priced as a fused kernel (what a GPU runs:
+    the ``t x t`` scores never stored), with torch's CPU flash kernel standing in on meta."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention and _fusable(*args, **kwargs):
+            q, k, v = args[:3]
+            return _aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False), scale=kwargs.get("scale"))[0]
+        return func(*args, **kwargs)
+
+
+def _fusable(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
+             scale: Any = None, enable_gqa: bool = False) -> bool:
+    return (attn_mask is None and not enable_gqa and all(type(t) is torch.Tensor for t in (q, k, v))
+            and q.shape[:-2] == k.shape[:-2] == v.shape[:-2])
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -170,7 +198,7 @@ def price(build: Callable[[DeviceMesh], nn.Module], shape: tuple[int, ...], name
             return t
 
         work = _LocalWork()
-        with recording() as log, work:
+        with recording() as log, work, _FusedAttention():
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 loss = loss_fn(model(*inputs))
             loss.backward()

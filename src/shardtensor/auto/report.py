@@ -53,6 +53,7 @@ def render(s: Search, blocks: Blocks | None, budget: float | None) -> str:
     lay, cost = best.layout, best.cost
     out = [f"autoshard: mesh {lay.roles()}; {s.plans} plans priced in {s.runs} runs, {s.seconds:.2f} s"
            + ("" if budget is None else f"; memory budget {fmt_bytes(budget)} per rank")]
+    out += [f"  not considered: {why}" for why in s.skipped]
     head = ["unit", "placements", "bytes/rank", "comm ms", "compute ms", "memory"]
     rows = [_row("root", _fsdp(lay, lay.root) + _tp(lay, True), best.root)]
     if blocks is not None:

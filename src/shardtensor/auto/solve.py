@@ -50,6 +50,8 @@ class Search:
     plans: int
     runs: int
     seconds: float
+    skipped: list[str]
+    """Role assignments that cannot run (e.g. more TP ranks than heads), each with why."""
 
 
 def units(batch: tuple[str, ...]) -> list[Unit]:
@@ -102,21 +104,14 @@ def search(model: nn.Module, blocks: Blocks | None, shape: tuple[int, ...], name
     count = blocks.count if blocks is not None else 0
     block_args = _block_args(model, blocks, inputs) if blocks is not None else None
     every: list[Priced] = []
+    skipped: list[str] = []
     for tp in [None, *(j for j, k in enumerate(shape) if k > 1)]:
-        nb = tuple(n for j, n in enumerate(names) if j != tp)
-        tp_plan: tuple[tuple[str, str], ...] = ()
-        if tp is not None and blocks is not None and block_args is not None:
-            with one_rank(shape[tp]):
-                tp_mesh = init_device_mesh("cpu", (shape[tp],), mesh_dim_names=(names[tp],))
-                tp_plan = tuple(infer_tp_plan(blocks.of(model)[0], tp_mesh, *block_args).items())
-        first = Layout(shape, names, tp, units(nb)[0], root_units(nb)[0], False, tp_plan)
-        roots = {(r, rt): pricer(replace(first, root=r, root_tp=rt), 0)
-                 for r in root_units(nb) for rt in ([False, True] if tp is not None else [False])}
-        base = roots[(first.root, False)]
-        per_block = {b: (pricer(replace(first, blocks=b), 1) - base) if blocks is not None else Cost()
-                     for b in units(nb)}
-        every += [Priced(replace(first, root=r, root_tp=rt, blocks=b), rc, bc, count)
-                  for (r, rt), rc in roots.items() for b, bc in per_block.items()]
+        try:
+            every += _priced(pricer, model, blocks, block_args, shape, names, tp, count)
+        except (RuntimeError, ValueError, NotImplementedError) as e:
+            if tp is None:
+                raise
+            skipped.append(f"TP on {names[tp]} ({shape[tp]}): {str(e).splitlines()[0]}")
     fits = [p for p in every if budget is None or p.cost.memory <= budget]
     if not fits:
         least = min(every, key=lambda p: p.cost.memory)
@@ -125,7 +120,26 @@ def search(model: nn.Module, blocks: Blocks | None, shape: tuple[int, ...], name
                          "more ranks")
     best = min(fits, key=lambda p: (p.cost.step_s, p.cost.bytes))
     hand = [(name, _find(every, lay)) for name, lay in hand_plans(shape, names, every)]
-    return Search(best, hand, len(every), pricer.runs, time.perf_counter() - t0)
+    return Search(best, hand, len(every), pricer.runs, time.perf_counter() - t0, skipped)
+
+
+def _priced(pricer: _Pricer, model: nn.Module, blocks: Blocks | None, block_args: tuple[tuple, dict] | None,
+            shape: tuple[int, ...], names: tuple[str, ...], tp: int | None, count: int) -> list[Priced]:
+    """Every plan with TP on mesh dim ``tp`` (None: none), priced by parts."""
+    batch = tuple(n for j, n in enumerate(names) if j != tp)
+    tp_plan: tuple[tuple[str, str], ...] = ()
+    if tp is not None and blocks is not None and block_args is not None:
+        with one_rank(shape[tp]):
+            tp_mesh = init_device_mesh("cpu", (shape[tp],), mesh_dim_names=(names[tp],))
+            tp_plan = tuple(infer_tp_plan(blocks.of(model)[0], tp_mesh, *block_args).items())
+    first = Layout(shape, names, tp, units(batch)[0], root_units(batch)[0], False, tp_plan)
+    roots = {(r, rt): pricer(replace(first, root=r, root_tp=rt), 0)
+             for r in root_units(batch) for rt in ([False, True] if tp is not None else [False])}
+    base = roots[(first.root, False)]
+    per_block = {b: (pricer(replace(first, blocks=b), 1) - base) if blocks is not None else Cost()
+                 for b in units(batch)}
+    return [Priced(replace(first, root=r, root_tp=rt, blocks=b), rc, bc, count)
+            for (r, rt), rc in roots.items() for b, bc in per_block.items()]
 
 
 def _find(every: list[Priced], layout: Layout) -> Priced:
