@@ -183,6 +183,7 @@ def _gloo_rank(rank: int, world: int, layout, blocks, model):
     return _train(layout, blocks, model, _batch)
 
 
+@pytest.mark.main_release
 @pytest.mark.skipif(not gloo_available(), reason="needs gloo")
 def test_chosen_plan_in_gloo_processes(model) -> None:
     """The chosen plan and FSDP x TP on (2, 2) in 4 gloo processes: losses as one device, rank 0's
