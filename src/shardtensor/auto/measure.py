@@ -11,7 +11,7 @@ rank 0's pieces: FLOPs (torch's flop formulas) and bytes written.  Time is then
     comm:    per collective, launch + alpha * (k - 1) + beta * bytes received   (``LinkModel`` of its mesh dim)
 
 and memory per rank: parameters, gradients and optimizer states (their local pieces), the
-activations autograd saves (local pieces, each storage once), and FSDP's gathered parameters.
+activations autograd saves (local pieces, each saved tensor once), and FSDP's gathered parameters.
 Attention on plain tensors is priced as a fused kernel (``_FusedAttention``), as a GPU runs it.
 """
 from __future__ import annotations
@@ -193,8 +193,7 @@ def price(build: Callable[[DeviceMesh], nn.Module], shape: tuple[int, ...], name
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             loc = _local(t)
-            saved.setdefault(id(loc.untyped_storage()) if loc.device.type != "meta" else id(loc),
-                             loc.numel() * loc.element_size())
+            saved.setdefault(id(loc), loc.numel() * loc.element_size())
             return t
 
         work = _LocalWork()

@@ -1,6 +1,7 @@
 """``autoshard``: choose a plan for a model on a mesh, and the plan object that applies and explains it."""
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Sequence
 
 import torch
@@ -115,6 +116,4 @@ def autoshard(model: nn.Module, mesh: Any, example_inputs: Any, *, memory_per_ra
 
 
 def _meta_copy(model: nn.Module) -> nn.Module:
-    import copy
-
     return copy.deepcopy(model).to("meta")
