@@ -195,3 +195,34 @@ def test_chosen_plan_in_gloo_processes(model) -> None:
         for losses, _ in res:
             assert losses == pytest.approx(ref, rel=1e-5, abs=1e-6), name
         assert res[0][1] == round(priced.cost.bytes), name
+
+
+def test_uneven_batch_rows_follow_the_output_placements(model) -> None:
+    """6 rows over two batch dims of 2: each rank's rows are those ``(Shard(0), Shard(0))`` gives it
+    (2, 1, 2, 1), not a flat split into 4 (2, 2, 2, 0), so the global output is right; every plan
+    trains as one device with the predicted bytes."""
+    def six(step: int) -> torch.Tensor:
+        return _batch(step)[:6]
+
+    plan = autoshard(model, ((2, 2), ("a", "b")), six(0), loss_fn=_loss)
+    for name, priced in [("autoshard", plan.search.best), *plan.hand]:
+        _check(model, priced, plan, six, name)
+
+
+def test_comm_time_uses_the_link_of_the_dims_a_group_spans() -> None:
+    """A collective on a sub-mesh or a flattened mesh reports ``mesh_dim`` 0 of that mesh; its time
+    takes the link of the root mesh's dims its group spans, with the planner's ring passes."""
+    from shardtensor.auto.measure import comm_seconds
+    from shardtensor.comm.issue import CommEvent
+    from shardtensor.redistribute.cost import LinkModel
+
+    fast, slow = LinkModel(alpha=1e-6, beta=1e-12, launch=1e-5), LinkModel(alpha=1e-4, beta=1e-9, launch=1e-3)
+    links, shape = (slow, fast), (2, 2)
+
+    def event(kind: str, group: tuple[int, ...]) -> CommEvent:
+        return CommEvent(kind, 0, 0, group, 1000, 1000, torch.float32, (250,), 0.0, "shapes")
+
+    assert comm_seconds([event("all_gather", (0, 1))], links, shape) == pytest.approx(1e-5 + 1e-6 + 1e-9)
+    assert comm_seconds([event("all_gather", (0, 2))], links, shape) == pytest.approx(1e-3 + 1e-4 + 1e-6)
+    assert comm_seconds([event("all_reduce", (0, 1))], links, shape) == pytest.approx(1e-5 + 2e-6 + 1e-9)
+    assert comm_seconds([event("all_gather", (0, 1, 2, 3))], links, shape) == pytest.approx(1e-3 + 3e-4 + 1e-6)

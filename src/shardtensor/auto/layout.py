@@ -14,7 +14,8 @@ its share of the global gradient: FSDP sums them over the batch ranks
 
 ``apply`` writes what a user would have written: ``parallelize_module`` with those styles on
 ``mesh[tp]``, then ``fully_shard`` on every block and on the root, and two hooks on the root: the
-input hook gives each rank its rows of the plain global batch, the output hook returns the global
+input hook gives each rank its rows of the plain global batch (the rows ``output_placements`` give
+it), the output hook returns the global
 output as a DTensor (``Shard(0)`` over the batch dims, replicated over the TP dim).
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ..fsdp import fully_shard
 from ..mesh import DeviceMesh
 from ..parallel import ColwiseParallel, ParallelStyle, parallelize_module
 from ..placement import Placement, Replicate, Shard
+from ..spec import compute_local_shape_and_global_offset
 from ..tensor import DTensor
 from .model import STYLES, Blocks
 
@@ -64,13 +66,6 @@ class Layout:
     def batch_dims(self) -> tuple[int, ...]:
         return tuple(j for j in range(len(self.mesh_shape)) if j != self.tp)
 
-    @property
-    def batch_ranks(self) -> int:
-        n = 1
-        for j in self.batch_dims:
-            n *= self.mesh_shape[j]
-        return n
-
     def roles(self) -> str:
         return ", ".join(f"{self.names[j]}={self.mesh_shape[j]}:{'tp' if j == self.tp else 'batch'}"
                          for j in range(len(self.mesh_shape)))
@@ -100,8 +95,9 @@ class Layout:
                 parallelize_module(blk, tp_mesh, styles, src_data_rank=src_data_rank)
             if self.root_tp:
                 inside = {id(m) for u in units for m in u.modules()}
-                heads: dict[str, ParallelStyle] = {n: ColwiseParallel(output_layouts=Replicate()) for n, m in model.named_modules()
-                         if isinstance(m, nn.Linear) and id(m) not in inside}
+                heads: dict[str, ParallelStyle] = {
+                    n: ColwiseParallel(output_layouts=Replicate()) for n, m in model.named_modules()
+                    if isinstance(m, nn.Linear) and id(m) not in inside}
                 parallelize_module(model, tp_mesh, heads, src_data_rank=src_data_rank)
         if self.batch_dims:
             for blk in units:
@@ -116,20 +112,17 @@ class Layout:
 
 
 class _SplitBatch:
-    """Forward pre-hook: each rank keeps its rows (dim 0, ``torch.chunk``'s split) of the batch: the
-    first tensor input, and every other tensor input with as many rows (others pass whole)."""
+    """Forward pre-hook: each rank keeps its rows of the batch -- the first tensor input, and every other
+    tensor input with as many rows (others pass whole) -- the rows the output's placements give it,
+    so the pieces and the global output agree for any batch size."""
 
     def __init__(self, layout: Layout, mesh: DeviceMesh) -> None:
         self.mesh, self.layout = mesh, layout
-        coord = mesh.get_coordinate() or [0] * len(layout.mesh_shape)
-        self.index = 0
-        for j in layout.batch_dims:
-            self.index = self.index * layout.mesh_shape[j] + coord[j]
-        self.rows = 0
+        self.rows = self.start = self.count = 0
 
     def _split(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.ndim > 0 and x.shape[0] == self.rows:
-            return _chunk(x, self.layout.batch_ranks)[self.index]
+            return x.narrow(0, self.start, self.count)
         return x
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -138,15 +131,9 @@ class _SplitBatch:
             raise TypeError(f"plan.apply: the model's first tensor input must be the plain global batch (dim 0 the "
                             f"batch), got {type(first).__name__}")
         self.rows = first.shape[0]
+        (self.count,), (self.start,) = compute_local_shape_and_global_offset(
+            (self.rows,), self.mesh, self.layout.output_placements())
         return tuple(self._split(a) for a in args), {k: self._split(v) for k, v in kwargs.items()}
-
-
-def _chunk(x: torch.Tensor, k: int) -> list[torch.Tensor]:
-    """``torch.chunk``'s pieces of dim 0, padded with empty ones to ``k`` (trailing ranks may be empty)."""
-    pieces = list(x.chunk(k, 0)) if k > 1 else [x]
-    while len(pieces) < k:
-        pieces.append(x[:0])
-    return pieces
 
 
 class _GlobalOutput:
