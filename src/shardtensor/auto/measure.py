@@ -8,7 +8,7 @@ their results (``comm.shapes``).  Around it a dispatch mode counts the *local* w
 rank 0's pieces: FLOPs (torch's flop formulas) and bytes written.  Time is then
 
     compute: flops / device.flops + bytes written / device.memory_bw
-    comm:    per collective, launch + alpha * (k - 1) + beta * bytes received   (``LinkModel`` of its mesh dim)
+    comm:    per collective, launch + hops * (k - 1) * alpha + beta * bytes received   (the planner's model)
 
 and memory per rank: parameters, gradients and optimizer states (their local pieces), the
 activations autograd saves (local pieces, each saved tensor once), and FSDP's gathered parameters.
@@ -16,6 +16,8 @@ Attention on plain tensors is priced as a fused kernel (``_FusedAttention``), as
 """
 from __future__ import annotations
 
+import itertools
+import operator
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
@@ -30,7 +32,8 @@ from ..comm.shapes import one_rank
 from ..fsdp import FSDPModule
 from ..observe import is_deciding
 from ..mesh import DeviceMesh, init_device_mesh
-from ..redistribute.cost import LinkModel
+from ..redistribute.cost import LinkModel, link_of
+from ..redistribute.moves import MOVES
 from ..tensor import DTensor
 
 __all__ = ["Device", "Cost", "price"]
@@ -71,24 +74,20 @@ class Cost:
         return self.params + self.grads + self.optim + self.activations + self.held + self.gathered
 
     def _zip(self, other: "Cost", fn: Callable[[float, float], float]) -> "Cost":
-        out = Cost(**{f.name: fn(getattr(self, f.name), getattr(other, f.name)) for f in fields(self)})
-        out.gathered = max(self.gathered, other.gathered) if fn is _add else fn(self.gathered, other.gathered)
-        return out
+        return Cost(**{f.name: fn(getattr(self, f.name), getattr(other, f.name)) for f in fields(self)})
 
     def __add__(self, other: "Cost") -> "Cost":
-        return self._zip(other, _add)
+        out = self._zip(other, operator.add)
+        out.gathered = max(self.gathered, other.gathered)  # one unit gathered at a time
+        return out
 
     def __sub__(self, other: "Cost") -> "Cost":
-        return self._zip(other, lambda a, b: a - b)
+        return self._zip(other, operator.sub)
 
     def times(self, k: int) -> "Cost":
         out = Cost(**{f.name: getattr(self, f.name) * k for f in fields(self)})
         out.gathered = self.gathered
         return out
-
-
-def _add(a: float, b: float) -> float:
-    return a + b
 
 
 class _LocalWork(TorchDispatchMode):
@@ -151,15 +150,22 @@ def _nbytes(ts: Any) -> float:
     return float(sum(_local(t).numel() * _local(t).element_size() for t in ts))
 
 
-def comm_seconds(events: list[CommEvent], links: tuple[LinkModel, ...]) -> float:
-    """The alpha-beta time of rank 0's collectives (a flattened group: its slowest mesh dim's link)."""
+def comm_seconds(events: list[CommEvent], links: tuple[LinkModel, ...], shape: tuple[int, ...]) -> float:
+    """The alpha-beta time of rank 0's collectives on a mesh of ``shape`` (ranks in row-major order),
+    as the redistribution planner prices a step: ``launch + hops (k - 1) alpha + beta bytes`` (an
+    all-reduce makes two ring passes), on the link of the mesh dims its group spans (``link_of``: the
+    slowest of each term).  The dims come from the group, not from ``mesh_dim``, which counts the
+    dims of whatever sub-mesh or flattened mesh the collective ran on."""
+    coord = list(itertools.product(*(range(k) for k in shape)))  # rank -> its row-major coordinate
     total = 0.0
     for e in events:
-        dims = e.mesh_dim if isinstance(e.mesh_dim, tuple) else (e.mesh_dim,) if e.mesh_dim is not None else ()
-        own = [links[j] for j in dims if j is not None and j < len(links)] or list(links)
-        link = max(own, key=lambda x: x.beta)
-        total += link.launch + link.alpha * (e.group_size - 1) + link.beta * e.bytes_received
+        dims = [j for j in range(len(shape)) if len({coord[r][j] for r in e.group}) > 1] or list(range(len(shape)))
+        link = link_of(dims, links)
+        total += link.launch + _HOPS.get(e.kind, 1) * (e.group_size - 1) * link.alpha + link.beta * e.bytes_received
     return total
+
+
+_HOPS = {m.collective: m.hops for m in MOVES.values() if m.hops}
 
 
 def _gathered(model: nn.Module) -> tuple[float, float]:
@@ -206,7 +212,7 @@ def price(build: Callable[[DeviceMesh], nn.Module], shape: tuple[int, ...], name
         events = [e for e in log.events if e.rank == 0]
         held, freed = _gathered(model)
         cost = Cost(bytes=float(sum(e.bytes_received for e in events)), collectives=float(len(events)),
-                    comm_s=comm_seconds(events, links), flops=work.flops,
+                    comm_s=comm_seconds(events, links, shape), flops=work.flops,
                     compute_s=work.flops / device.flops + work.written / device.memory_bw,
                     params=_nbytes(params), grads=_nbytes(p.grad for p in params if p.grad is not None),
                     optim=_nbytes(v for st in (opt.state.values() if opt is not None else ()) for v in st.values()

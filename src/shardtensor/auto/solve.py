@@ -11,6 +11,7 @@ relaxation or heuristic stands between the prices and the choice.
 """
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable
@@ -74,7 +75,7 @@ class _Pricer:
     def __init__(self, model: nn.Module, blocks: Blocks | None, shape: tuple[int, ...], names: tuple[str, ...],
                  inputs: tuple, loss_fn: Callable[[Any], Any], optimizer: str, device: Device,
                  links: tuple[LinkModel, ...]) -> None:
-        self.model, self.blocks, self.shape, self.names = model, blocks, shape, names
+        self.blocks, self.shape, self.names = blocks, shape, names
         self.args = (inputs, loss_fn, optimizer, device, links)
         self.cuts = {k: cut(model, blocks, k) for k in ((0, 1) if blocks is not None else (0,))}
         self.runs = 0
@@ -82,7 +83,7 @@ class _Pricer:
     def __call__(self, layout: Layout, keep: int) -> Cost:
         self.runs += 1
         base = self.cuts[keep]
-        return price(lambda mesh: layout.apply(cut(base, None, 0), mesh, self.blocks, src_data_rank=None),
+        return price(lambda mesh: layout.apply(copy.deepcopy(base), mesh, self.blocks, src_data_rank=None),
                      self.shape, self.names, *self.args)
 
 
